@@ -1,0 +1,12 @@
+# The two commands of the README. Both create .venv when it is missing.
+PY := .venv/bin/python
+
+.PHONY: serve test venv
+venv:
+	@bash scripts/bootstrap
+
+serve: venv
+	$(PY) -m engine.cli up $(ARGS)
+
+test: venv
+	$(PY) -m pytest -q $(ARGS)
