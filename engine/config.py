@@ -1,0 +1,103 @@
+"""One validated dataclass per component. Field docstrings double as CLI help (see engine/args.py)."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
+
+
+def parse_dtype(name: str) -> torch.dtype:
+    aliases = {"fp32": "float32", "float": "float32", "half": "float16", "fp16": "float16", "bf16": "bfloat16"}
+    name = aliases.get(name, name)
+    if name not in _DTYPES:
+        raise ValueError(f"dtype={name!r}: must be one of auto, {', '.join(_DTYPES)}")
+    return _DTYPES[name]
+
+
+@dataclass
+class ModelConfig:
+    model: str
+    """Model: a HuggingFace directory, a .gguf file, 'smollm2', or 'random:<preset>'."""
+    served_model_name: str | None = None
+    """Name clients use in the API (default: the model's own name)."""
+    dtype: str = "auto"
+    """Weight and activation dtype: auto (float32 on CPU, the checkpoint's 16-bit type on CUDA), float32, float16, bfloat16."""
+    max_model_len: int | None = None
+    """Context length (prompt + output); default: the model's max_position_embeddings."""
+    seed: int = 0
+    """Seed for random weights and for unseeded sampling."""
+
+    def __post_init__(self) -> None:
+        if self.max_model_len is not None and self.max_model_len < 1:
+            raise ValueError(f"max_model_len={self.max_model_len}: must be >= 1")
+        if self.dtype != "auto":
+            parse_dtype(self.dtype)
+
+
+@dataclass
+class CacheConfig:
+    block_size: int = 16
+    """Tokens per KV block."""
+    kv_cache_memory: float | None = None
+    """KV cache size in GiB (CPU default 1 GiB; on CUDA the default comes from gpu_memory_utilization)."""
+    gpu_memory_utilization: float = 0.9
+    """Fraction of GPU memory the engine may use for weights, activations and the KV cache."""
+    kv_cache_dtype: str = "auto"
+    """KV cache dtype: auto (the model dtype) or fp8 (e4m3 with per-layer scales)."""
+    enable_prefix_caching: bool = True
+    """Reuse KV blocks of identical prompt prefixes (automatic prefix caching)."""
+    num_gpu_blocks_override: int | None = None
+    """Exact number of KV blocks (for tests and experiments); overrides the memory budget."""
+
+    def __post_init__(self) -> None:
+        if self.block_size < 1 or self.block_size > 1024:
+            raise ValueError(f"block_size={self.block_size}: must be in [1, 1024]")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError(f"gpu_memory_utilization={self.gpu_memory_utilization}: must be in (0, 1]")
+        if self.kv_cache_memory is not None and self.kv_cache_memory <= 0:
+            raise ValueError(f"kv_cache_memory={self.kv_cache_memory}: must be > 0 (GiB)")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype={self.kv_cache_dtype!r}: must be one of {', '.join(KV_CACHE_DTYPES)}")
+        if self.num_gpu_blocks_override is not None and self.num_gpu_blocks_override < 1:
+            raise ValueError(f"num_gpu_blocks_override={self.num_gpu_blocks_override}: must be >= 1")
+
+
+@dataclass
+class SchedulerConfig:
+    max_num_seqs: int = 256
+    """Most requests in one step's batch."""
+    max_num_batched_tokens: int = 2048
+    """Token budget of one step: prefill chunks and decodes together (chunked prefill splits longer prompts)."""
+
+    def __post_init__(self) -> None:
+        if self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs={self.max_num_seqs}: must be >= 1")
+        if self.max_num_batched_tokens < 1:
+            raise ValueError(f"max_num_batched_tokens={self.max_num_batched_tokens}: must be >= 1")
+
+
+@dataclass
+class DeviceConfig:
+    device: str = "auto"
+    """Device: auto (cuda when available, else cpu), cpu, cuda, cuda:N."""
+
+    def __post_init__(self) -> None:
+        if self.device == "auto":
+            self.device = "cuda" if torch.cuda.is_available() else "cpu"
+        if not (self.device == "cpu" or self.device.startswith("cuda")):
+            raise ValueError(f"device={self.device!r}: must be auto, cpu, cuda or cuda:N")
+
+    @property
+    def torch_device(self) -> torch.device:
+        return torch.device(self.device)
+
+
+@dataclass
+class EngineConfig:
+    model: ModelConfig
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    device: DeviceConfig = field(default_factory=DeviceConfig)
