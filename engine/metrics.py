@@ -1,0 +1,82 @@
+"""Prometheus metrics shared by the three roles (router, prefill, decode).
+
+Names follow vLLM's (`vllm:<name>` -> `tandem:<name>`), so a vLLM dashboard ports with one rename; every metric
+carries the labels `model` (served model name) and `role` ("router" | "prefill" | "decode"). Counters are exported
+by prometheus_client with the `_total` suffix, as vLLM's are (`tandem:prompt_tokens_total`).
+
+Each process creates one `Metrics(model, role)` and records into it; the metric objects live in the default
+registry, so exposing them is `start_metrics_server(port)` (prefill and decode: `--metrics-port`, an HTTP server
+answering GET /metrics) or `prometheus_client.generate_latest()` (the router's FastAPI /metrics).
+"""
+from __future__ import annotations
+
+from prometheus_client import Counter, Gauge, Histogram, start_http_server
+
+LABELS = ("model", "role")
+
+# Buckets as vLLM's (seconds).
+_TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+                 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
+_ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
+                40.0, 80.0)
+_E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0,
+                480.0, 960.0, 1920.0, 7680.0)
+_TRANSFER_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+
+num_requests_running = Gauge("tandem:num_requests_running", "Requests in the running batch.", LABELS)
+num_requests_waiting = Gauge("tandem:num_requests_waiting",
+                             "Requests waiting (prefill: queued; decode: reserved, KV not yet arrived).", LABELS)
+kv_cache_usage_perc = Gauge("tandem:kv_cache_usage_perc", "KV-cache usage: 1 means 100 percent.", LABELS)
+time_to_first_token_seconds = Histogram("tandem:time_to_first_token_seconds", "Time to the first token, seconds.",
+                                        LABELS, buckets=_TTFT_BUCKETS)
+inter_token_latency_seconds = Histogram("tandem:inter_token_latency_seconds", "Time between output tokens, seconds.",
+                                        LABELS, buckets=_ITL_BUCKETS)
+e2e_request_latency_seconds = Histogram("tandem:e2e_request_latency_seconds", "End-to-end request latency, seconds.",
+                                        LABELS, buckets=_E2E_BUCKETS)
+prompt_tokens = Counter("tandem:prompt_tokens", "Prefill tokens processed.", LABELS)
+generation_tokens = Counter("tandem:generation_tokens", "Generation tokens processed.", LABELS)
+request_success = Counter("tandem:request_success", "Finished requests, by finish reason.",
+                          LABELS + ("finished_reason",))
+num_preemptions = Counter("tandem:num_preemptions", "Cumulative preemptions by the scheduler.", LABELS)
+prefix_cache_queries = Counter("tandem:prefix_cache_queries", "Prefix-cache queries, in tokens.", LABELS)
+prefix_cache_hits = Counter("tandem:prefix_cache_hits", "Prefix-cache hits, in tokens.", LABELS)
+kv_transfer_bytes = Counter("tandem:kv_transfer_bytes", "KV payload bytes sent (prefill) or received (decode).",
+                            LABELS)
+kv_transfer_seconds = Histogram("tandem:kv_transfer_seconds", "KV transfer time, open to ack, seconds.", LABELS,
+                                buckets=_TRANSFER_BUCKETS)
+kv_transfer_failures = Counter("tandem:kv_transfer_failures",
+                               "KV transfers that failed (deadline, layout mismatch, peer gone, cancelled).", LABELS)
+
+FINISHED_REASONS = ("stop", "length", "abort")
+
+
+class Metrics:
+    """The metric children of one process, bound to its model and role labels."""
+
+    def __init__(self, model: str, role: str):
+        assert role in ("router", "prefill", "decode"), role
+        lv = dict(model=model, role=role)
+        self.num_requests_running = num_requests_running.labels(**lv)
+        self.num_requests_waiting = num_requests_waiting.labels(**lv)
+        self.kv_cache_usage_perc = kv_cache_usage_perc.labels(**lv)
+        self.time_to_first_token_seconds = time_to_first_token_seconds.labels(**lv)
+        self.inter_token_latency_seconds = inter_token_latency_seconds.labels(**lv)
+        self.e2e_request_latency_seconds = e2e_request_latency_seconds.labels(**lv)
+        self.prompt_tokens = prompt_tokens.labels(**lv)
+        self.generation_tokens = generation_tokens.labels(**lv)
+        self.request_success = {r: request_success.labels(finished_reason=r, **lv) for r in FINISHED_REASONS}
+        self.num_preemptions = num_preemptions.labels(**lv)
+        self.prefix_cache_queries = prefix_cache_queries.labels(**lv)
+        self.prefix_cache_hits = prefix_cache_hits.labels(**lv)
+        self.kv_transfer_bytes = kv_transfer_bytes.labels(**lv)
+        self.kv_transfer_seconds = kv_transfer_seconds.labels(**lv)
+        self.kv_transfer_failures = kv_transfer_failures.labels(**lv)
+
+    def finished(self, reason: str | None) -> None:
+        self.request_success[reason if reason in self.request_success else "abort"].inc()
+
+
+def start_metrics_server(port: int, host: str = "0.0.0.0") -> None:
+    """Serves GET /metrics (the default registry) on host:port in a daemon thread; port 0 disables it."""
+    if port:
+        start_http_server(port, addr=host)

@@ -1,0 +1,1 @@
+"""Package of the tandem protos (namespace only)."""

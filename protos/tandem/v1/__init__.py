@@ -1,0 +1,1 @@
+"""Generated stubs of package tandem.v1 (regenerate with `python -m protos.build`)."""
