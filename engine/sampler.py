@@ -1,0 +1,226 @@
+"""`Sampler`: turns one step's logits into one token per running sequence.
+
+The order is vLLM's:
+1. logprobs are taken from the raw logits (log_softmax before any processing);
+2. min_tokens: EOS and stop_token_ids are masked while the output is shorter than min_tokens;
+3. repetition penalty over prompt + output tokens (divide positive / multiply negative logits);
+4. frequency and presence penalties over output tokens;
+5. greedy rows take the argmax; the others go through temperature, top-k, top-p, min-p and a draw.
+
+Everything is vectorized over the batch: per-row parameters become tensors once per call, and the only
+device-to-host transfer is the final `.tolist()`. Rows with a seed draw from their own `torch.Generator`
+(exponential race: argmax(probs / q), q ~ Exp(1)); the other rows share one draw from the global generator.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from engine.sampling_params import SamplingParams
+
+
+class SamplingState(Protocol):
+    """What the sampler reads from a request (the engine's `Request` satisfies it)."""
+
+    sampling_params: SamplingParams
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
+    generator: torch.Generator | None  # set by the engine when sampling_params.seed is not None
+
+
+@dataclass
+class SamplerOutput:
+    token_ids: list[int]
+    """One sampled token id per row."""
+    logprobs: list[dict[int, float] | None]
+    """Per row, when its params.logprobs is not None: the top-n ids -> logprob, plus the sampled id."""
+
+
+class Sampler:
+    def __init__(self, vocab_size: int, eos_token_id: int | Sequence[int] | None):
+        self.vocab_size = vocab_size
+        if eos_token_id is None:
+            self.eos_token_ids: list[int] = []
+        elif isinstance(eos_token_id, int):
+            self.eos_token_ids = [eos_token_id]
+        else:
+            self.eos_token_ids = list(eos_token_id)
+
+    def __call__(self, logits: torch.Tensor, states: Sequence[SamplingState]) -> SamplerOutput:
+        """logits: [batch, vocab] float32, any device; one row per state."""
+        assert logits.dim() == 2 and logits.shape[0] == len(states), (logits.shape, len(states))
+        assert logits.shape[1] == self.vocab_size, (logits.shape, self.vocab_size)
+        params = [s.sampling_params for s in states]
+        logits = logits.float()
+
+        raw_logprobs = None
+        if any(p.logprobs is not None for p in params):
+            raw_logprobs = torch.log_softmax(logits, dim=-1)  # [B, V]
+
+        min_tokens_masks = self._min_tokens_masks(states)
+        penalty_rows = [i for i, p in enumerate(params) if p.has_penalties]
+        if all(p.greedy for p in params) and not penalty_rows and not min_tokens_masks:
+            token_ids = logits.argmax(dim=-1)  # fast path: plain greedy
+        else:
+            logits = logits.clone()
+            for row, ids in min_tokens_masks:
+                logits[row, ids] = float("-inf")
+            if penalty_rows:
+                self._apply_penalties(logits, states, penalty_rows)
+            token_ids = logits.argmax(dim=-1)  # [B], right for greedy rows
+            sample_rows = [i for i, p in enumerate(params) if not p.greedy]
+            if sample_rows:
+                sub = [states[i] for i in sample_rows]
+                rows = torch.tensor(sample_rows, device=logits.device)
+                token_ids[rows] = self._sample(logits[rows], sub)
+
+        return self._to_host(token_ids, raw_logprobs, params)
+
+    # ---- logits processing -------------------------------------------------------------------------------
+
+    def _min_tokens_masks(self, states: Sequence[SamplingState]) -> list[tuple[int, list[int]]]:
+        """(row, token ids to mask) for every row whose output is still shorter than min_tokens."""
+        masks = []
+        for i, s in enumerate(states):
+            p = s.sampling_params
+            if len(s.output_token_ids) < p.min_tokens:
+                ids = list(p.stop_token_ids) + ([] if p.ignore_eos else self.eos_token_ids)
+                ids = [t for t in ids if t < self.vocab_size]
+                if ids:
+                    masks.append((i, ids))
+        return masks
+
+    def _apply_penalties(self, logits: torch.Tensor, states: Sequence[SamplingState],
+                         rows: list[int]) -> None:
+        """In place on logits[rows]."""
+        sub = [states[i].sampling_params for i in rows]
+        row_idx = torch.tensor(rows, device=logits.device)
+        logits[row_idx] = apply_penalties(
+            logits[row_idx], [states[i].prompt_token_ids for i in rows],
+            [states[i].output_token_ids for i in rows], [p.repetition_penalty for p in sub],
+            [p.frequency_penalty for p in sub], [p.presence_penalty for p in sub])
+
+    def _sample(self, logits: torch.Tensor, states: Sequence[SamplingState]) -> torch.Tensor:
+        """Draw one token per row of logits [R, V] (all rows non-greedy); returns [R] int64."""
+        device = logits.device
+        params = [s.sampling_params for s in states]
+        temperature = torch.tensor([p.temperature for p in params], dtype=torch.float32, device=device)
+        logits = logits / temperature.unsqueeze(1)
+
+        logits = apply_top_k_top_p(logits, [p.top_k for p in params], [p.top_p for p in params])
+        logits = apply_min_p(logits, [p.min_p for p in params])
+        probs = torch.softmax(logits, dim=-1)  # [R, V]
+        q = torch.empty_like(probs)
+        q.exponential_()  # one shared draw for the rows without a seed
+        for i, s in enumerate(states):
+            if s.generator is not None:
+                q[i].exponential_(generator=s.generator)
+        # Exp(1) can round to 0 on some backends; 0 / 0 would be NaN and win the argmax.
+        q.clamp_(min=torch.finfo(torch.float32).tiny)
+        return (probs / q).argmax(dim=-1)
+
+    # ---- output ------------------------------------------------------------------------------------------
+
+    def _to_host(self, token_ids: torch.Tensor, raw_logprobs: torch.Tensor | None,
+                 params: list[SamplingParams]) -> SamplerOutput:
+        """One device-to-host transfer for the token ids and, when asked, the logprobs."""
+        if raw_logprobs is None:
+            return SamplerOutput(token_ids=token_ids.tolist(), logprobs=[None] * len(params))
+        num_top = max(p.logprobs for p in params if p.logprobs is not None)
+        sampled_lp = raw_logprobs.gather(1, token_ids.unsqueeze(1))  # [B, 1]
+        # Pack ids and logprobs into one float64 tensor: ids < 2**53 are exact, float32 logprobs are exact.
+        parts = [token_ids.unsqueeze(1).double(), sampled_lp.double()]
+        if num_top > 0:
+            top_lp, top_ids = raw_logprobs.topk(num_top, dim=-1)  # [B, n]
+            parts += [top_ids.double(), top_lp.double()]
+        rows = torch.cat(parts, dim=1).tolist()
+
+        out_ids, out_lps = [], []
+        for row, p in zip(rows, params):
+            tok = int(row[0])
+            out_ids.append(tok)
+            if p.logprobs is None:
+                out_lps.append(None)
+                continue
+            top: dict[int, float] = {}
+            for j in range(p.logprobs):
+                top[int(row[2 + j])] = row[2 + num_top + j]
+            top.setdefault(tok, row[1])
+            out_lps.append(top)
+        return SamplerOutput(token_ids=out_ids, logprobs=out_lps)
+
+
+def apply_penalties(logits: torch.Tensor, prompt_token_ids: list[list[int]],
+                    output_token_ids: list[list[int]], repetition_penalty: list[float],
+                    frequency_penalty: list[float], presence_penalty: list[float]) -> torch.Tensor:
+    """Penalized copy of logits [R, V], as vLLM: the repetition penalty divides positive and multiplies
+    negative logits of every token seen in the prompt or the output; then the frequency penalty times the
+    token's output count and the presence penalty (once) are subtracted for tokens seen in the output."""
+    device, vocab = logits.device, logits.shape[1]
+    rep, freq, pres = torch.tensor([repetition_penalty, frequency_penalty, presence_penalty],
+                                   dtype=torch.float32, device=device).unsqueeze(2)  # each [R, 1]
+    output_counts = _bin_counts(output_token_ids, vocab, device)  # [R, V]
+    output_seen = output_counts > 0
+    seen = output_seen | (_bin_counts(prompt_token_ids, vocab, device) > 0)
+    penalty = torch.where(seen, rep, 1.0)  # [R, V]
+    logits = torch.where(logits > 0, logits / penalty, logits * penalty)
+    return logits - freq * output_counts - pres * output_seen.float()
+
+
+def apply_top_k_top_p(logits: torch.Tensor, top_k: list[int], top_p: list[float]) -> torch.Tensor:
+    """Copy of logits [R, V] with -inf where top-k, then top-p (over the top-k renormalized distribution),
+    drop the token. top_k 0 or -1 and top_p 1 are off.
+
+    Top-k keeps every token whose logit is >= the k-th largest (ties at the boundary are kept, as vLLM).
+    Top-p keeps the smallest prefix of the descending order whose probability sum reaches top_p.
+    """
+    device, vocab = logits.device, logits.shape[1]
+    k_on = [0 < k < vocab for k in top_k]
+    p_on = [p < 1.0 for p in top_p]
+    if not any(k_on) and not any(p_on):
+        return logits
+    k = torch.tensor([k if on else vocab for k, on in zip(top_k, k_on)], device=device)  # [R]
+    if not any(p_on):
+        # Top-k only: a partial top-k of the largest k is cheaper than a full sort.
+        max_k = max(k for k, on in zip(top_k, k_on) if on)
+        top_vals = logits.topk(max_k, dim=-1).values  # [R, max_k]
+        kth = top_vals.gather(1, (k.clamp(max=max_k) - 1).unsqueeze(1))  # [R, 1]
+        kth = torch.where(torch.tensor(k_on, device=device).unsqueeze(1), kth, float("-inf"))
+        return logits.masked_fill(logits < kth, float("-inf"))
+
+    # top_p > 1 means off: a sum of probabilities may round to >= 1 before the tail ends.
+    p = torch.tensor([p if on else 2.0 for p, on in zip(top_p, p_on)], dtype=torch.float32,
+                     device=device)  # [R]
+    sorted_logits, sorted_idx = logits.sort(dim=-1, descending=True)  # [R, V]
+    kth = sorted_logits.gather(1, (k - 1).unsqueeze(1))  # [R, 1]
+    sorted_logits = sorted_logits.masked_fill(sorted_logits < kth, float("-inf"))
+    sorted_probs = torch.softmax(sorted_logits, dim=-1)
+    mass_before = torch.cumsum(sorted_probs, dim=-1) - sorted_probs  # probability of the tokens ranked above
+    sorted_logits = sorted_logits.masked_fill(mass_before >= p.unsqueeze(1), float("-inf"))
+    return torch.empty_like(logits).scatter_(1, sorted_idx, sorted_logits)
+
+
+def apply_min_p(logits: torch.Tensor, min_p: list[float]) -> torch.Tensor:
+    """Copy of logits [R, V] with -inf where the token's probability is below min_p times the top one's."""
+    if not any(m > 0.0 for m in min_p):
+        return logits
+    # p_i < min_p * p_max  <=>  logit_i < logit_max + log(min_p)   (min_p = 0: log = -inf, no mask)
+    m = torch.tensor(min_p, dtype=torch.float32, device=logits.device)
+    threshold = logits.amax(dim=-1) + torch.log(m)  # [R]
+    return logits.masked_fill(logits < threshold.unsqueeze(1), float("-inf"))
+
+
+def _bin_counts(token_lists: list[list[int]], vocab: int, device: torch.device) -> torch.Tensor:
+    """[R, V] float32: how often each token id occurs in each row's list."""
+    width = max((len(t) for t in token_lists), default=0)
+    counts = torch.zeros(len(token_lists), vocab + 1, dtype=torch.float32, device=device)
+    if width > 0:
+        # Pad with the extra column `vocab`, dropped afterwards.
+        padded = torch.tensor([list(t) + [vocab] * (width - len(t)) for t in token_lists],
+                              dtype=torch.int64, device=device)  # [R, width]
+        counts.scatter_add_(1, padded, torch.ones_like(padded, dtype=torch.float32))
+    return counts[:, :vocab]

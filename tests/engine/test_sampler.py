@@ -1,0 +1,247 @@
+import math
+from dataclasses import dataclass, field
+
+import pytest
+import torch
+
+from engine.sampler import Sampler, apply_min_p, apply_penalties, apply_top_k_top_p
+from engine.sampling_params import SamplingParams
+
+EOS = 0
+
+
+@dataclass
+class State:
+    sampling_params: SamplingParams
+    prompt_token_ids: list[int] = field(default_factory=lambda: [1, 2])
+    output_token_ids: list[int] = field(default_factory=list)
+    generator: torch.Generator | None = None
+
+    def __post_init__(self):
+        if self.sampling_params.seed is not None:
+            self.generator = torch.Generator().manual_seed(self.sampling_params.seed)
+
+
+def kept(logits: torch.Tensor) -> list[set[int]]:
+    return [set(torch.isfinite(row).nonzero().flatten().tolist()) for row in logits]
+
+
+def probs_logits(probs: list[float]) -> torch.Tensor:
+    return torch.tensor(probs).log().unsqueeze(0)
+
+
+# ---- greedy ------------------------------------------------------------------------------------------------
+
+def test_greedy_equals_argmax():
+    torch.manual_seed(0)
+    logits = torch.randn(6, 50)
+    out = Sampler(50, EOS)(logits, [State(SamplingParams(temperature=0)) for _ in range(6)])
+    assert out.token_ids == logits.argmax(-1).tolist()
+    assert out.logprobs == [None] * 6
+
+
+def test_greedy_rows_in_a_mixed_batch_take_the_argmax():
+    torch.manual_seed(0)
+    logits = torch.randn(4, 50)
+    states = [State(SamplingParams(temperature=0)), State(SamplingParams(temperature=1.0, seed=1)),
+              State(SamplingParams(temperature=0)), State(SamplingParams(temperature=0.5, top_k=3))]
+    out = Sampler(50, EOS)(logits, states)
+    assert out.token_ids[0] == int(logits[0].argmax())
+    assert out.token_ids[2] == int(logits[2].argmax())
+    assert out.token_ids[3] in set(logits[3].topk(3).indices.tolist())
+
+
+def test_sampler_does_not_modify_the_callers_logits():
+    logits = torch.randn(2, 20)
+    before = logits.clone()
+    states = [State(SamplingParams(repetition_penalty=2.0, temperature=0.7, top_p=0.5, min_p=0.1)),
+              State(SamplingParams(temperature=0, min_tokens=3))]
+    Sampler(20, EOS)(logits, states)
+    assert torch.equal(logits, before)
+
+
+# ---- seeded draws ------------------------------------------------------------------------------------------
+
+def draw_sequence(seed: int, steps: int = 20, others: int = 0) -> list[int]:
+    """One seeded request drawing `steps` tokens from flat logits, batched with `others` unseeded rows."""
+    sampler = Sampler(1000, None)
+    state = State(SamplingParams(seed=seed))
+    batch = [State(SamplingParams()) for _ in range(others)] + [state]
+    tokens = []
+    for _ in range(steps):
+        tokens.append(sampler(torch.zeros(len(batch), 1000), batch).token_ids[-1])
+    return tokens
+
+
+def test_seeded_draws_are_reproducible_and_differ_across_seeds():
+    a = draw_sequence(seed=1)
+    assert a == draw_sequence(seed=1)
+    assert a != draw_sequence(seed=2)
+    assert len(set(a)) > 10  # really drawn, not a constant
+
+
+def test_seeded_draws_do_not_depend_on_the_rest_of_the_batch():
+    torch.manual_seed(123)
+    alone = draw_sequence(seed=7)
+    torch.manual_seed(456)
+    batched = draw_sequence(seed=7, others=3)
+    assert alone == batched
+
+
+def test_unseeded_draws_follow_the_global_generator():
+    torch.manual_seed(5)
+    a = Sampler(1000, None)(torch.zeros(4, 1000), [State(SamplingParams()) for _ in range(4)]).token_ids
+    torch.manual_seed(5)
+    b = Sampler(1000, None)(torch.zeros(4, 1000), [State(SamplingParams()) for _ in range(4)]).token_ids
+    assert a == b and len(set(a)) > 1
+
+
+# ---- truncation masks --------------------------------------------------------------------------------------
+
+def test_top_k_keeps_exactly_the_k_largest():
+    logits = torch.tensor([[0.1, 3.0, -1.0, 2.0, 0.5, 2.5],
+                           [5.0, 4.0, 3.0, 2.0, 1.0, 0.0],
+                           [0.1, 3.0, -1.0, 2.0, 0.5, 2.5]])
+    out = apply_top_k_top_p(logits, [3, 1, 0], [1.0, 1.0, 1.0])
+    assert kept(out) == [{1, 5, 3}, {0}, {0, 1, 2, 3, 4, 5}]
+    assert torch.equal(out[0, [1, 3, 5]], logits[0, [1, 3, 5]])  # kept logits unchanged
+    # -1 and k >= vocab are off too.
+    assert kept(apply_top_k_top_p(logits[:1], [-1], [1.0])) == [set(range(6))]
+    assert kept(apply_top_k_top_p(logits[:1], [6], [1.0])) == [set(range(6))]
+
+
+def test_top_p_keeps_the_smallest_set_reaching_p():
+    logits = probs_logits([0.05, 0.4, 0.1, 0.3, 0.15]).repeat(4, 1)
+    out = apply_top_k_top_p(logits, [0, 0, 0, 0], [0.35, 0.65, 0.8, 1.0])
+    # descending: 1 (0.4), 3 (0.3), 4 (0.15), 2 (0.1), 0 (0.05); cumulative 0.4, 0.7, 0.85, 0.95, 1.0
+    assert kept(out) == [{1}, {1, 3}, {1, 3, 4}, {0, 1, 2, 3, 4}]
+
+
+def test_top_p_applies_to_the_top_k_renormalized_distribution():
+    logits = probs_logits([0.05, 0.4, 0.1, 0.3, 0.15])
+    # top_k=3 leaves 0.4, 0.3, 0.15 -> renormalized 0.47, 0.35, 0.18: top_p=0.8 keeps two, not three.
+    assert kept(apply_top_k_top_p(logits, [3], [0.8])) == [{1, 3}]
+    assert kept(apply_top_k_top_p(logits, [2], [0.99])) == [{1, 3}]
+
+
+def test_min_p_drops_tokens_below_a_fraction_of_the_top_probability():
+    logits = probs_logits([0.05, 0.4, 0.1, 0.3, 0.15]).repeat(3, 1)
+    out = apply_min_p(logits, [0.3, 0.5, 0.0])  # thresholds 0.12, 0.2, 0
+    assert kept(out) == [{1, 3, 4}, {1, 3}, {0, 1, 2, 3, 4}]
+
+
+def test_sampled_tokens_stay_inside_the_kept_set():
+    logits = probs_logits([0.05, 0.4, 0.1, 0.3, 0.15])
+    sampler = Sampler(5, None)
+    cases = [(SamplingParams(top_k=2, seed=0), {1, 3}), (SamplingParams(top_p=0.8, seed=0), {1, 3, 4}),
+             (SamplingParams(min_p=0.3, seed=0), {1, 3, 4})]
+    for params, allowed in cases:
+        state = State(params)
+        drawn = {sampler(logits, [state]).token_ids[0] for _ in range(300)}
+        assert drawn == allowed, params
+
+
+# ---- penalties and min_tokens ------------------------------------------------------------------------------
+
+def test_penalties_give_the_exact_expected_logits():
+    logits = torch.tensor([[2.0, -2.0, 1.0, 0.5, -1.0, 4.0]])
+    # prompt has 0 and 1; output has 2 twice and 4 once; 3 and 5 unseen.
+    out = apply_penalties(logits, [[0, 1]], [[2, 4, 2]], [2.0], [0.5], [0.25])
+    # repetition: positive / 2, negative * 2 for 0, 1, 2, 4.
+    # frequency 0.5 * count: token 2 -> -1.0, token 4 -> -0.5; presence 0.25 for 2 and 4.
+    expected = torch.tensor([[1.0, -4.0, 0.5 - 1.0 - 0.25, 0.5, -2.0 - 0.5 - 0.25, 4.0]])
+    assert torch.equal(out, expected)
+
+
+def test_penalties_per_row_and_off_rows_unchanged():
+    logits = torch.tensor([[1.0, 1.0, 1.0], [1.0, 1.0, 1.0]])
+    out = apply_penalties(logits, [[0], [0]], [[1], []], [1.0, 4.0], [0.0, 0.0], [-1.0, 0.0])
+    assert torch.equal(out, torch.tensor([[1.0, 2.0, 1.0], [0.25, 1.0, 1.0]]))
+
+
+def test_penalties_change_the_greedy_choice_through_the_sampler():
+    logits = torch.tensor([[3.0, 2.0, 1.0]])
+    sampler = Sampler(3, None)
+    state = State(SamplingParams(temperature=0, repetition_penalty=2.0), prompt_token_ids=[0],
+                  output_token_ids=[])
+    assert sampler(logits, [state]).token_ids == [1]  # 3 / 2 = 1.5 < 2
+    state = State(SamplingParams(temperature=0, frequency_penalty=0.6), prompt_token_ids=[0],
+                  output_token_ids=[0, 0])
+    assert sampler(logits, [state]).token_ids == [1]  # 3 - 1.2 = 1.8 < 2
+
+
+def test_min_tokens_masks_eos_and_stop_token_ids_until_reached():
+    logits = torch.tensor([[9.0, 1.0, 8.0, 7.0]])  # EOS = 0, then 2 and 3
+    sampler = Sampler(4, EOS)
+    params = SamplingParams(temperature=0, min_tokens=2, stop_token_ids=[2])
+    assert sampler(logits, [State(params, output_token_ids=[])]).token_ids == [3]
+    assert sampler(logits, [State(params, output_token_ids=[5])]).token_ids == [3]
+    assert sampler(logits, [State(params, output_token_ids=[5, 5])]).token_ids == [0]
+    # With ignore_eos, EOS is not a stop token, so min_tokens leaves it alone.
+    params = SamplingParams(temperature=0, min_tokens=2, ignore_eos=True)
+    assert sampler(logits, [State(params)]).token_ids == [0]
+    # A sampled row never draws a masked token.
+    params = SamplingParams(min_tokens=1, seed=3)
+    state = State(params)
+    assert 0 not in {sampler(logits, [state]).token_ids[0] for _ in range(200)}
+
+
+# ---- logprobs ----------------------------------------------------------------------------------------------
+
+def test_logprobs_are_the_raw_log_softmax_and_contain_the_sampled_token():
+    torch.manual_seed(0)
+    logits = torch.randn(3, 40)
+    raw = torch.log_softmax(logits, dim=-1)
+    states = [State(SamplingParams(temperature=0.8, top_k=5, repetition_penalty=1.5, logprobs=3, seed=1),
+                    prompt_token_ids=list(range(10))),
+              State(SamplingParams(temperature=0, logprobs=0)),
+              State(SamplingParams(temperature=0))]
+    out = Sampler(40, EOS)(logits, states)
+    lp0, lp1, lp2 = out.logprobs
+    top3 = raw[0].topk(3).indices.tolist()
+    assert set(lp0) == set(top3) | {out.token_ids[0]}
+    for tok, lp in lp0.items():
+        assert lp == raw[0, tok].item()
+    assert lp1 == {out.token_ids[1]: raw[1, out.token_ids[1]].item()}
+    assert lp2 is None
+
+
+# ---- statistics --------------------------------------------------------------------------------------------
+
+def frequencies(tokens: list[int], vocab: int) -> torch.Tensor:
+    return torch.bincount(torch.tensor(tokens), minlength=vocab).double() / len(tokens)
+
+
+@pytest.mark.parametrize("seeded", [False, True])
+def test_temperature_sampling_matches_softmax_frequencies(seeded):
+    logits = torch.tensor([1.0, 0.0, 2.0, -1.0, 0.5, 1.5])
+    temperature = 0.7
+    expected = torch.softmax(logits.double() / temperature, dim=-1)
+    sampler = Sampler(6, None)
+    n = 20000
+    torch.manual_seed(0)
+    if seeded:
+        # A seeded request steps its own generator, one draw per step.
+        state = State(SamplingParams(temperature=temperature, seed=42))
+        tokens = [sampler(logits.unsqueeze(0), [state]).token_ids[0] for _ in range(n)]
+    else:
+        # Unseeded rows share one draw per call: a batch of n identical rows.
+        states = [State(SamplingParams(temperature=temperature)) for _ in range(n)]
+        tokens = sampler(logits.repeat(n, 1), states).token_ids
+    freq = frequencies(tokens, 6)
+    # 5 standard deviations of a binomial proportion.
+    tol = 5 * torch.sqrt(expected * (1 - expected) / n)
+    assert torch.all((freq - expected).abs() < tol), (freq, expected)
+
+
+def test_top_p_sampling_matches_the_renormalized_distribution():
+    probs = [0.05, 0.4, 0.1, 0.3, 0.15]
+    n = 20000
+    torch.manual_seed(1)
+    states = [State(SamplingParams(top_p=0.8)) for _ in range(n)]
+    tokens = Sampler(5, None)(probs_logits(probs).repeat(n, 1), states).token_ids
+    expected = torch.tensor([0.0, 0.4, 0.0, 0.3, 0.15], dtype=torch.float64) / 0.85
+    freq = frequencies(tokens, 5)
+    tol = 5 * torch.sqrt(expected * (1 - expected) / n) + 1e-12
+    assert torch.all((freq - expected).abs() < tol), (freq, expected)
+    assert math.isclose(freq.sum().item(), 1.0)
