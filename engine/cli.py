@@ -1,0 +1,74 @@
+"""`tandem`: one console script for every role.
+
+  tandem generate --model smollm2 "prompt"    offline generation (chat template applied with --chat)
+  tandem plan --model M --memory 80GiB ...    KV sizing: bytes per token and how many sequences fit
+  tandem up                                   router + prefill + decode as local processes
+  tandem router | prefill | decode            one role (for compose and Kubernetes)
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+# Role commands live beside their code; imported only when chosen (a decode worker never imports FastAPI).
+ROLES = {
+    "up": ("router.launcher", "start router, prefill and decode processes on this machine"),
+    "router": ("router.server", "the router: OpenAI HTTP API and the public gRPC API"),
+    "prefill": ("prefill_svc.server", "a prefill worker"),
+    "decode": ("decode_svc.server", "a decode worker"),
+    "plan": ("engine.plan", "KV-cache sizing for a model and a memory budget"),
+}
+
+
+def generate_main(argv: list[str]) -> int:
+    from engine.args import EngineArgs, add_engine_args
+
+    parser = argparse.ArgumentParser(prog="tandem generate", description="Generate text offline.")
+    parser.add_argument("prompt", nargs="+", help="one or more prompts")
+    parser.add_argument("--chat", action=argparse.BooleanOptionalAction, default=True,
+                        help="apply the model's chat template (default: on)")
+    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--temperature", type=float, default=0.0)
+    parser.add_argument("--top-p", type=float, default=1.0)
+    add_engine_args(parser)
+    ns = parser.parse_args(argv)
+
+    from engine.llm import LLM
+    from engine.sampling_params import SamplingParams
+
+    try:
+        params = SamplingParams(max_tokens=ns.max_tokens, temperature=ns.temperature, top_p=ns.top_p)
+    except ValueError as e:
+        parser.error(str(e))
+    args = EngineArgs.from_cli_args(ns)
+    llm = LLM(**vars(args))
+    if ns.chat:
+        outs = llm.chat([[{"role": "user", "content": p}] for p in ns.prompt], params)
+    else:
+        outs = llm.generate(ns.prompt, params)
+    for prompt, out in zip(ns.prompt, outs):
+        if len(ns.prompt) > 1:
+            print(f"### {prompt}")
+        print(out.outputs[0].text)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    commands = {"generate": "generate text offline", **{k: v[1] for k, v in ROLES.items()}}
+    if not argv or argv[0] in ("-h", "--help") or argv[0] not in commands:
+        print(__doc__.strip())
+        if argv and argv[0] not in ("-h", "--help"):
+            print(f"\ntandem: unknown command {argv[0]!r}; choose from {', '.join(commands)}", file=sys.stderr)
+            return 2
+        return 0
+    cmd, rest = argv[0], argv[1:]
+    if cmd == "generate":
+        return generate_main(rest)
+    module = importlib.import_module(ROLES[cmd][0])
+    return module.main(rest) or 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

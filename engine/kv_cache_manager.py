@@ -1,0 +1,112 @@
+"""Per-request block tables over the block pool, and prefix-cache lookups.
+
+The manager is the only owner of block ids: the scheduler asks it for room (`allocate_slots`, which answers False
+when the pool is full), the engine reads block tables from it, and `free` returns a request's blocks.
+"""
+from __future__ import annotations
+
+from engine.block_pool import BlockHash, BlockPool, hash_block_tokens
+from engine.request import Request
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+class KVCacheManager:
+    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True):
+        self.block_size = block_size
+        self.enable_caching = enable_caching
+        self.pool = BlockPool(num_blocks, enable_caching)
+        self.req_to_blocks: dict[str, list[int]] = {}
+        self.req_to_hashes: dict[str, list[BlockHash]] = {}
+        self.num_cached_blocks: dict[str, int] = {}  # leading blocks of the request registered in the cache
+        # Prefix-cache counters, in tokens (vLLM's prefix_cache_queries / prefix_cache_hits).
+        self.prefix_queries = 0
+        self.prefix_hits = 0
+
+    @property
+    def num_blocks(self) -> int:
+        return self.pool.num_blocks
+
+    def usage(self) -> float:
+        return self.pool.usage()
+
+    def get_block_ids(self, request_id: str) -> list[int]:
+        return self.req_to_blocks.get(request_id, [])
+
+    def _block_hashes(self, request: Request, num_full_blocks: int) -> list[BlockHash]:
+        hashes = self.req_to_hashes.setdefault(request.request_id, [])
+        bs = self.block_size
+        while len(hashes) < num_full_blocks:
+            i = len(hashes)
+            hashes.append(hash_block_tokens(hashes[-1] if hashes else None, request.token_slice(i * bs, (i + 1) * bs)))
+        return hashes
+
+    def get_computed_blocks(self, request: Request) -> tuple[list[int], int]:
+        """The longest cached prefix of a request not yet started: (block ids, tokens). At least one token is left
+        to compute, so that the step produces logits for it."""
+        if not self.enable_caching or request.num_computed_tokens > 0:
+            return [], 0
+        max_blocks = (request.num_tokens - 1) // self.block_size
+        hits: list[int] = []
+        for h in self._block_hashes(request, max_blocks):
+            b = self.pool.get_cached_block(h)
+            if b is None:
+                break
+            hits.append(b)
+        self.prefix_queries += request.num_tokens
+        self.prefix_hits += len(hits) * self.block_size
+        return hits, len(hits) * self.block_size
+
+    def can_fit(self, num_tokens: int) -> bool:
+        return cdiv(num_tokens, self.block_size) <= self.pool.num_blocks
+
+    def allocate_slots(self, request: Request, num_new_tokens: int, new_computed_blocks: list[int] = ()) -> bool:
+        """Makes room for num_new_tokens more tokens after the computed ones (and the prefix hits in
+        new_computed_blocks). False, with nothing changed, when the pool lacks free blocks."""
+        blocks = self.req_to_blocks.setdefault(request.request_id, [])
+        num_computed = request.num_computed_tokens + len(new_computed_blocks) * self.block_size
+        num_required = cdiv(num_computed + num_new_tokens, self.block_size)
+        num_new_blocks = num_required - len(blocks) - len(new_computed_blocks)
+        # Hit blocks nobody references sit in the free queue: taking them shrinks what is free.
+        num_free_hits = sum(1 for b in new_computed_blocks if self.pool.ref_cnt[b] == 0)
+        if num_new_blocks > self.pool.num_free_blocks - num_free_hits:
+            return False
+        if new_computed_blocks:
+            self.pool.touch(new_computed_blocks)
+            blocks.extend(new_computed_blocks)
+            self.num_cached_blocks[request.request_id] = len(blocks)
+        if num_new_blocks > 0:
+            new = self.pool.get_new_blocks(num_new_blocks)
+            assert new is not None
+            blocks.extend(new)
+        return True
+
+    def cache_blocks(self, request: Request, num_computed_tokens: int) -> None:
+        """Registers the request's blocks that are full and computed up to num_computed_tokens."""
+        if not self.enable_caching:
+            return
+        rid = request.request_id
+        num_full = min(num_computed_tokens // self.block_size, len(self.req_to_blocks.get(rid, ())))
+        start = self.num_cached_blocks.get(rid, 0)
+        if num_full <= start:
+            return
+        hashes = self._block_hashes(request, num_full)
+        blocks = self.req_to_blocks[rid]
+        for i in range(start, num_full):
+            self.pool.cache_block(blocks[i], hashes[i])
+        self.num_cached_blocks[rid] = num_full
+
+    def free(self, request: Request) -> None:
+        """Returns all of the request's blocks, tail first, so that its last blocks are evicted first."""
+        rid = request.request_id
+        blocks = self.req_to_blocks.pop(rid, [])
+        self.pool.free(reversed(blocks))
+        self.num_cached_blocks.pop(rid, None)
+        # Keep the hashes of a preempted request: its tokens did not change.
+        if request.is_finished:
+            self.req_to_hashes.pop(rid, None)
+
+    def reset_stats(self) -> None:
+        self.prefix_queries = self.prefix_hits = 0

@@ -1,0 +1,326 @@
+"""The step-level engine: requests in, per-step token deltas out.
+
+The life of a request: `add_request` tokenizes the prompt, resolves max_tokens against the context length, and
+queues one engine request per completion (n > 1 fans out into children sharing the prompt, which the prefix
+cache then shares too). Each `step` asks the scheduler for a batch, runs it through the model runner, appends the
+sampled tokens, detokenizes incrementally, applies the stop conditions (stop token ids, EOS, stop strings,
+max_tokens, the context length) and returns what changed as `StepOutput`s. Finished requests give their blocks
+back, except those added with kv_hold (the prefill service holds them until the KV transfer is acknowledged).
+"""
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+from engine.args import EngineArgs
+from engine.config import EngineConfig
+from engine.kv_cache_manager import KVCacheManager
+from engine.loader import load_tokenizer, resolve_model
+from engine.model_runner import ModelRunner
+from engine.request import Request, RequestStatus
+from engine.sampling_params import SamplingParams
+from engine.scheduler import Scheduler
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class StepOutput:
+    request_id: str  # the id given to add_request
+    index: int  # which of the n completions
+    new_token_ids: list[int]
+    new_text: str
+    new_logprobs: list[dict[int, float]] | None
+    finished: bool
+    finish_reason: str | None  # "stop" | "length" | "abort" | None
+    stop_reason: int | str | None  # the stop token id or stop string that ended it
+    num_prompt_tokens: int
+    num_output_tokens: int
+    num_cached_tokens: int
+    num_computed_tokens: int
+
+
+@dataclass
+class StepStats:
+    num_running: int
+    num_waiting: int
+    kv_cache_usage: float
+    num_batched_tokens: int
+    num_preempted: int
+    step_seconds: float
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig):
+        self.config = config
+        resolved = resolve_model(config.model.model)
+        self.resolved = resolved
+        self.model_name = config.model.served_model_name or resolved.name
+        self.tokenizer = load_tokenizer(resolved)
+        hf = resolved.config
+        limit = hf.max_position_embeddings
+        sliding = getattr(hf, "sliding_window", None) if getattr(hf, "use_sliding_window", True) else None
+        if sliding:  # we attend to the full context: stay within the window where both agree
+            limit = min(limit, sliding)
+        max_model_len = config.model.max_model_len or limit
+        if max_model_len > limit:
+            raise ValueError(f"max_model_len={max_model_len}: must be <= {limit} (the model's context length)")
+        self.max_model_len = max_model_len
+        eos = self._eos_token_ids()
+        self.eos_token_ids = eos
+        self.runner = ModelRunner(config, resolved, eos)
+        bs = config.cache.block_size
+        self.kv = KVCacheManager(self.runner.num_blocks, bs, config.cache.enable_prefix_caching)
+        if not self.kv.can_fit(max_model_len):
+            raise ValueError(
+                f"the KV cache holds {self.runner.num_blocks * bs} tokens ({self.runner.num_blocks} blocks), fewer "
+                f"than max_model_len={max_model_len}: raise --kv-cache-memory / --gpu-memory-utilization or lower "
+                f"--max-model-len")
+        self.scheduler = Scheduler(config.scheduler, self.kv)
+        self.requests: dict[str, Request] = {}  # engine request id -> request (children of n > 1 included)
+        self.children: dict[str, list[str]] = {}  # user request id -> engine request ids
+        self.held: dict[str, Request] = {}  # finished kv_hold requests whose blocks are still allocated
+        self.reserved: dict[str, Request] = {}  # decode side: blocks reserved for an incoming KV transfer
+        self._pending: list[StepOutput] = []  # outputs produced outside step() (aborts), returned by the next step
+        self.last_stats: StepStats | None = None
+        log.info("engine ready: model=%s dtype=%s device=%s blocks=%d x %d tokens, max_model_len=%d",
+                 self.model_name, self.runner.dtype, self.runner.device, self.runner.num_blocks, bs, max_model_len)
+
+    @classmethod
+    def from_engine_args(cls, args: EngineArgs) -> "LLMEngine":
+        return cls(args.create_engine_config())
+
+    def _eos_token_ids(self) -> list[int]:
+        ids = set()
+        for src in (self.resolved.config, getattr(self.tokenizer, "generation_config", None)):
+            e = getattr(src, "eos_token_id", None)
+            if isinstance(e, int):
+                ids.add(e)
+            elif isinstance(e, (list, tuple)):
+                ids.update(e)
+        if self.tokenizer.eos_token_id is not None:
+            ids.add(self.tokenizer.eos_token_id)
+        return sorted(ids)
+
+    @property
+    def kv_cache(self):
+        return self.runner.kv_cache
+
+    # ---- requests -------------------------------------------------------------------------------------------
+    def tokenize(self, prompt: str) -> list[int]:
+        return self.tokenizer(prompt).input_ids
+
+    def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> int:
+        """Checks a prompt against the model and returns the resolved max_tokens."""
+        n = len(prompt_token_ids)
+        if n == 0:
+            raise ValueError("prompt: must not be empty")
+        if n >= self.max_model_len:
+            raise ValueError(f"prompt: {n} tokens, must be fewer than max_model_len={self.max_model_len}")
+        vocab = self.runner.hf_config.vocab_size
+        bad = next((t for t in prompt_token_ids if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise ValueError(f"prompt_token_ids: token id {bad} is outside the vocabulary [0, {vocab})")
+        room = self.max_model_len - n
+        if params.max_tokens is None:
+            return room
+        if params.max_tokens > room:
+            raise ValueError(f"max_tokens={params.max_tokens}: prompt ({n} tokens) + max_tokens must be <= "
+                             f"max_model_len={self.max_model_len}")
+        return params.max_tokens
+
+    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams, *,
+                    kv_hold: bool = False) -> list[int]:
+        """Queues a request; returns its prompt token ids. Raises ValueError naming the field on bad input."""
+        if request_id in self.children or request_id in self.reserved:
+            raise ValueError(f"request_id={request_id!r}: already in use")
+        prompt_token_ids = self.tokenize(prompt) if isinstance(prompt, str) else list(prompt)
+        max_tokens = self.validate(prompt_token_ids, params)
+        ids = []
+        for i in range(params.n):
+            rid = request_id if params.n == 1 else f"{request_id}#{i}"
+            req = Request(rid, prompt_token_ids, params, max_tokens, parent_id=request_id, index=i, kv_hold=kv_hold)
+            self.requests[rid] = req
+            self.scheduler.add_request(req)
+            ids.append(rid)
+        self.children[request_id] = ids
+        return prompt_token_ids
+
+    def abort(self, request_id: str) -> None:
+        """Ends a request wherever it is (waiting, running, held, reserved) and frees its blocks."""
+        if request_id in self.reserved:
+            req = self.reserved.pop(request_id)
+            self.kv.free(req)
+            req.status = RequestStatus.FINISHED_ABORTED
+            return
+        for rid in self.children.get(request_id, ()):
+            req = self.requests.get(rid)
+            if req is None:
+                continue
+            if not req.is_finished:
+                req.kv_hold = False
+                self.scheduler.finish(req, RequestStatus.FINISHED_ABORTED)
+                self._pending.append(self._output(req, [], None))
+                self._forget(req)
+        self.release_kv(request_id)
+
+    def release_kv(self, request_id: str) -> None:
+        """Prefill side: the KV transfer is acknowledged (or failed): give the held blocks back."""
+        for rid in self.children.get(request_id, [request_id]):
+            req = self.held.pop(rid, None)
+            if req is not None:
+                self.kv.free(req)
+                self._forget(req)
+
+    def get_block_ids(self, request_id: str) -> list[int]:
+        return list(self.kv.get_block_ids(request_id))
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished() or bool(self._pending)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.scheduler.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.scheduler.waiting)
+
+    # ---- decode side of a KV transfer ------------------------------------------------------------------------
+    def reserve_prefilled(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> list[int] | None:
+        """Reserves blocks for a prompt whose KV will arrive from a prefill instance. None: no room now."""
+        if request_id in self.children or request_id in self.reserved:
+            raise ValueError(f"request_id={request_id!r}: already in use")
+        if params.n != 1:
+            raise ValueError(f"n={params.n}: a transferred request carries one completion; fan out in the router")
+        max_tokens = self.validate(prompt_token_ids, params)
+        req = Request(request_id, prompt_token_ids, params, max_tokens)
+        if not self.kv.allocate_slots(req, len(prompt_token_ids)):
+            self.kv.free(req)
+            return None
+        req.status = RequestStatus.RESERVED
+        self.reserved[request_id] = req
+        return list(self.kv.get_block_ids(request_id))
+
+    def commit_prefilled(self, request_id: str, first_token_id: int) -> StepOutput:
+        """The prompt's KV has arrived: the request joins the batch with its first token already emitted.
+        Returns the first token's output (not returned again by step); it may already be finished."""
+        req = self.reserved.pop(request_id)
+        req.num_computed_tokens = req.num_prompt_tokens
+        req.num_cached_tokens = 0
+        self.kv.cache_blocks(req, req.num_computed_tokens)
+        self.requests[request_id] = req
+        self.children[request_id] = [request_id]
+        self.scheduler.add_running(req)
+        out = self._append_token(req, first_token_id, None)
+        if out.finished:
+            self._forget(req)
+        return out
+
+    # ---- stepping -------------------------------------------------------------------------------------------
+    def step(self) -> list[StepOutput]:
+        outputs, self._pending = self._pending, []
+        t0 = time.perf_counter()
+        sched = self.scheduler.schedule()
+        if sched.is_empty:
+            self._record_stats(sched, t0)
+            return outputs
+        tables = [self.kv.get_block_ids(req.request_id) for req, _ in sched.scheduled]
+        try:
+            sampled_reqs, sampled = self.runner.execute(sched, tables)
+        except Exception:
+            # One bad batch must not take the engine down: end the requests in it, free their blocks.
+            log.exception("model step failed; aborting the %d requests of this batch", len(sched.scheduled))
+            for req, _ in sched.scheduled:
+                req.kv_hold = False
+                self.scheduler.finish(req, RequestStatus.FINISHED_ABORTED)
+                outputs.append(self._output(req, [], None))
+                self._forget(req)
+            return outputs
+        self.scheduler.update_from_output(sched)
+        for req, token, lp in zip(sampled_reqs, sampled.token_ids, sampled.logprobs):
+            out = self._append_token(req, token, lp)
+            if out.finished:
+                self._forget(req)
+            outputs.append(out)
+        # Prefill chunks that sampled nothing still report progress (the prefill service streams their blocks).
+        sampled_ids = {r.request_id for r in sampled_reqs}
+        for req, _ in sched.scheduled:
+            if req.request_id not in sampled_ids and req.kv_hold:
+                outputs.append(self._output(req, [], None))
+        self._record_stats(sched, t0)
+        return outputs
+
+    def _record_stats(self, sched, t0: float) -> None:
+        self.last_stats = StepStats(len(self.scheduler.running), len(self.scheduler.waiting), self.kv.usage(),
+                                    sched.num_batched_tokens, len(sched.preempted), time.perf_counter() - t0)
+
+    def _append_token(self, req: Request, token: int, logprobs: dict[int, float] | None) -> StepOutput:
+        req.output_token_ids.append(token)
+        if req.first_token_time is None:
+            req.first_token_time = time.monotonic()
+        if req.logprobs is not None and logprobs is not None:
+            req.logprobs.append(logprobs)
+            req.cumulative_logprob += logprobs.get(token, 0.0)
+        self._detokenize(req)
+        status = self._check_stop(req, token)
+        if status is not None:
+            self.scheduler.finish(req, status)
+            if req.kv_hold:
+                self.held[req.request_id] = req
+        return self._output(req, [token], logprobs)
+
+    def _detokenize(self, req: Request) -> None:
+        """Incremental detokenization over the output tokens (text only grows once complete characters exist)."""
+        skip = req.sampling_params.skip_special_tokens
+        text = self.tokenizer.decode(req.output_token_ids, skip_special_tokens=skip)
+        if not text.endswith("\ufffd"):
+            req.output_text = text
+
+    def _check_stop(self, req: Request, token: int) -> RequestStatus | None:
+        p = req.sampling_params
+        n_out = req.num_output_tokens
+        if n_out >= p.min_tokens:
+            if not p.ignore_eos and token in self.eos_token_ids:
+                return RequestStatus.FINISHED_STOPPED
+            if p.stop_token_ids and token in p.stop_token_ids:
+                req.stop_reason = token
+                return RequestStatus.FINISHED_STOPPED
+            if p.stop:
+                text = req.output_text
+                window = max(map(len, p.stop)) + 16
+                start = max(0, req.sent_text_len - window)
+                for s in p.stop:
+                    i = text.find(s, start)
+                    if i >= 0:
+                        req.output_text = text[: i + len(s)] if p.include_stop_str_in_output else text[:i]
+                        req.stop_reason = s
+                        return RequestStatus.FINISHED_STOPPED
+        if n_out >= req.max_tokens or req.num_tokens >= self.max_model_len:
+            return RequestStatus.FINISHED_LENGTH
+        return None
+
+    def _output(self, req: Request, new_tokens: list[int], logprobs: dict[int, float] | None) -> StepOutput:
+        finished = req.is_finished
+        text_end = len(req.output_text)
+        if not finished and req.sampling_params.stop:
+            # Hold back text that could be the start of a stop string.
+            text_end = max(req.sent_text_len, text_end - (max(map(len, req.sampling_params.stop)) - 1))
+        new_text = req.output_text[req.sent_text_len:text_end]
+        req.sent_text_len = max(req.sent_text_len, text_end)
+        return StepOutput(
+            request_id=req.parent_id, index=req.index, new_token_ids=new_tokens, new_text=new_text,
+            new_logprobs=[logprobs] if (logprobs is not None and req.logprobs is not None) else None,
+            finished=finished, finish_reason=req.status.finish_reason, stop_reason=req.stop_reason,
+            num_prompt_tokens=req.num_prompt_tokens, num_output_tokens=req.num_output_tokens,
+            num_cached_tokens=req.num_cached_tokens, num_computed_tokens=req.num_computed_tokens)
+
+    def _forget(self, req: Request) -> None:
+        """Drops a finished request from the tables (held requests stay until release_kv)."""
+        if req.request_id in self.held:
+            return
+        self.requests.pop(req.request_id, None)
+        siblings = self.children.get(req.parent_id)
+        if siblings is not None and all(self.requests.get(r) is None for r in siblings):
+            del self.children[req.parent_id]

@@ -1,0 +1,186 @@
+"""Llama-family decoder (Llama, Mistral, Qwen2) over the paged KV cache. The architecture and nothing else.
+
+Parameter names are HuggingFace's, so checkpoints load by name. The forward pass takes a flat batch of tokens from
+many requests (prefill chunks and decodes mixed) with their positions and the step's AttentionMetadata.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+import kernels
+
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
+
+
+@dataclass
+class AttentionMetadata:
+    slot_mapping: torch.Tensor  # [num_tokens] int64
+    block_tables: torch.Tensor  # [num_seqs, max_blocks] int32
+    seq_lens: torch.Tensor  # [num_seqs] int32
+    query_start_loc: torch.Tensor  # [num_seqs + 1] int32
+    max_query_len: int
+    max_seq_len: int
+
+
+@dataclass
+class LayerKV:
+    k_cache: torch.Tensor  # [num_blocks, block_size, num_kv_heads, head_dim] (a strided view)
+    v_cache: torch.Tensor
+    k_scale: float = 1.0
+    v_scale: float = 1.0
+
+
+def rope_parameters(config) -> dict:
+    params = dict(getattr(config, "rope_parameters", None) or {})
+    if "rope_theta" not in params:
+        params["rope_theta"] = getattr(config, "rope_theta", 10000.0)
+    scaling = getattr(config, "rope_scaling", None)
+    if scaling and "rope_type" not in params:
+        params.update(scaling)
+    params.setdefault("rope_type", params.get("type", "default"))
+    return params
+
+
+def build_cos_sin_cache(config, head_dim: int, max_position: int) -> torch.Tensor:
+    """[max_position, head_dim] float32: cos of the rotary angles in the first half, sin in the second."""
+    p = rope_parameters(config)
+    base = p["rope_theta"]
+    inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+    rope_type = p["rope_type"]
+    if rope_type == "llama3":
+        factor, low, high = p["factor"], p["low_freq_factor"], p["high_freq_factor"]
+        old_len = p["original_max_position_embeddings"]
+        low_wavelen, high_wavelen = old_len / low, old_len / high
+        wavelen = 2 * math.pi / inv_freq
+        scaled = torch.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
+        smooth = (old_len / wavelen - low) / (high - low)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        is_medium = ~(wavelen < high_wavelen) & ~(wavelen > low_wavelen)
+        inv_freq = torch.where(is_medium, smoothed, scaled)
+    elif rope_type != "default":
+        raise NotImplementedError(f"rope_type={rope_type!r}: supported are default and llama3")
+    t = torch.arange(max_position, dtype=torch.int64).float()
+    freqs = torch.outer(t, inv_freq)  # [max_position, head_dim / 2]
+    return torch.cat((freqs.cos(), freqs.sin()), dim=-1)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, hidden_size: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        if residual is None:
+            return kernels.rms_norm(x, self.weight, self.eps)
+        return kernels.fused_add_rms_norm(x, residual, self.weight, self.eps)
+
+
+class Attention(nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.num_heads
+        self.scale = self.head_dim ** -0.5
+        hidden = config.hidden_size
+        bias = getattr(config, "attention_bias", False) or config.architectures[0] == "Qwen2ForCausalLM"
+        self.q_proj = nn.Linear(hidden, self.num_heads * self.head_dim, bias=bias)
+        self.k_proj = nn.Linear(hidden, self.num_kv_heads * self.head_dim, bias=bias)
+        self.v_proj = nn.Linear(hidden, self.num_kv_heads * self.head_dim, bias=bias)
+        self.o_proj = nn.Linear(self.num_heads * self.head_dim, hidden, bias=False)
+
+    def forward(self, positions, x, cos_sin_cache, kv: LayerKV, meta: AttentionMetadata) -> torch.Tensor:
+        T = x.shape[0]
+        q = self.q_proj(x).view(T, self.num_heads, self.head_dim)
+        k = self.k_proj(x).view(T, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(x).view(T, self.num_kv_heads, self.head_dim)
+        q, k = kernels.rotary_embedding(positions, q, k, cos_sin_cache)
+        kernels.write_kv(k, v, kv.k_cache, kv.v_cache, meta.slot_mapping, kv.k_scale, kv.v_scale)
+        o = kernels.paged_attention(q, kv.k_cache, kv.v_cache, meta.block_tables, meta.seq_lens,
+                                    meta.query_start_loc, meta.max_query_len, meta.max_seq_len, self.scale,
+                                    kv.k_scale, kv.v_scale)  # [T, H, D]
+        return self.o_proj(o.reshape(T, self.num_heads * self.head_dim))
+
+
+class MLP(nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        hidden, inter = config.hidden_size, config.intermediate_size
+        self.gate_proj = nn.Linear(hidden, inter, bias=False)
+        self.up_proj = nn.Linear(hidden, inter, bias=False)
+        self.down_proj = nn.Linear(inter, hidden, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(kernels.silu_and_mul(torch.cat((self.gate_proj(x), self.up_proj(x)), dim=-1)))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        self.self_attn = Attention(config)
+        self.mlp = MLP(config)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, positions, x, residual, cos_sin_cache, kv, meta):
+        if residual is None:
+            residual = x
+            x = self.input_layernorm(x)
+        else:
+            x, residual = self.input_layernorm(x, residual)
+        x = self.self_attn(positions, x, cos_sin_cache, kv, meta)
+        x, residual = self.post_attention_layernorm(x, residual)
+        return self.mlp(x), residual
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, input_ids, positions, cos_sin_cache, kv_layers: list[LayerKV], meta) -> torch.Tensor:
+        x = self.embed_tokens(input_ids)  # [T, hidden]
+        residual = None
+        for layer, kv in zip(self.layers, kv_layers):
+            x, residual = layer(positions, x, residual, cos_sin_cache, kv, meta)
+        x, _ = self.norm(x, residual)
+        return x
+
+
+class LlamaForCausalLM(nn.Module):
+    """Also Mistral and Qwen2 (q/k/v biases)."""
+
+    def __init__(self, config):
+        super().__init__()
+        arch = (getattr(config, "architectures", None) or ["LlamaForCausalLM"])[0]
+        if arch not in SUPPORTED_ARCHITECTURES:
+            raise ValueError(f"architecture {arch!r} is not supported: supported are {', '.join(SUPPORTED_ARCHITECTURES)}")
+        config.architectures = [arch]
+        self.config = config
+        self.model = LlamaModel(config)
+        self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
+        if not self.tie_word_embeddings:
+            self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        self.head_dim = head_dim
+        self.register_buffer("cos_sin_cache", build_cos_sin_cache(config, head_dim, config.max_position_embeddings),
+                             persistent=False)
+
+    def tie_weights(self) -> None:
+        if self.tie_word_embeddings:
+            self.lm_head = None
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_layers: list[LayerKV],
+                meta: AttentionMetadata) -> torch.Tensor:  # [num_tokens, hidden]
+        return self.model(input_ids, positions, self.cos_sin_cache, kv_layers, meta)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [n, vocab]
+        weight = self.model.embed_tokens.weight if self.tie_word_embeddings else self.lm_head.weight
+        return torch.nn.functional.linear(hidden, weight)

@@ -1,0 +1,171 @@
+"""Owns the model, the KV cache tensor and the sampler; turns a SchedulerOutput into sampled tokens.
+
+prepare_inputs flattens the scheduled requests into one token batch (prefill chunks and decodes together) with
+the attention metadata; execute runs the model, computes logits only for the requests whose scheduled tokens reach
+their end, and samples one token for each of them.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from engine.config import EngineConfig, parse_dtype
+from engine.loader import ResolvedModel, load_weights
+from engine.model import AttentionMetadata, LayerKV, LlamaForCausalLM
+from engine.request import Request
+from engine.sampler import Sampler, SamplerOutput
+from engine.scheduler import SchedulerOutput
+
+log = logging.getLogger(__name__)
+
+GiB = 1 << 30
+
+
+def kv_cache_torch_dtype(kv_cache_dtype: str, model_dtype: torch.dtype) -> torch.dtype:
+    return torch.float8_e4m3fn if kv_cache_dtype.startswith("fp8") else model_dtype
+
+
+@dataclass
+class ModelInputs:
+    input_ids: torch.Tensor  # [num_tokens]
+    positions: torch.Tensor  # [num_tokens]
+    meta: AttentionMetadata
+    logits_indices: torch.Tensor  # [num_sampled] rows of the hidden states to sample from
+    sampled_requests: list[Request]
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig, resolved: ResolvedModel, eos_token_id: int | None):
+        self.config = config
+        self.device = config.device.torch_device
+        hf_config = resolved.config
+        self.dtype = self._resolve_dtype(config.model.dtype, hf_config)
+        torch.manual_seed(config.model.seed)
+        with torch.device(self.device):
+            model = LlamaForCausalLM(hf_config)
+        model.to(self.dtype)
+        model.cos_sin_cache = model.cos_sin_cache.float()
+        model.tie_weights()
+        load_weights(model, resolved)
+        model.eval()
+        self.model = model
+        self.hf_config = hf_config
+        self.num_layers = hf_config.num_hidden_layers
+        self.num_kv_heads = hf_config.num_key_value_heads
+        self.head_dim = model.head_dim
+        self.block_size = config.cache.block_size
+        self.kv_dtype = kv_cache_torch_dtype(config.cache.kv_cache_dtype, self.dtype)
+        self.sampler = Sampler(hf_config.vocab_size, eos_token_id)
+        self.num_blocks = self._num_blocks()
+        # [num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim]: one block's bytes for all layers together.
+        self.kv_cache = torch.zeros(self.num_blocks, self.num_layers, 2, self.block_size, self.num_kv_heads,
+                                    self.head_dim, dtype=self.kv_dtype, device=self.device)
+        self.k_scales = [1.0] * self.num_layers
+        self.v_scales = [1.0] * self.num_layers
+        self.kv_layers = [LayerKV(self.kv_cache[:, l, 0], self.kv_cache[:, l, 1], self.k_scales[l], self.v_scales[l])
+                          for l in range(self.num_layers)]
+
+    @staticmethod
+    def _resolve_dtype(name: str, hf_config) -> torch.dtype:
+        if name != "auto":
+            return parse_dtype(name)
+        if not torch.cuda.is_available():
+            return torch.float32
+        d = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None)
+        if isinstance(d, str):
+            d = parse_dtype(d)
+        return d if d in (torch.float16, torch.bfloat16) else torch.bfloat16
+
+    @property
+    def kv_bytes_per_block(self) -> int:
+        elem = torch.empty((), dtype=self.kv_dtype).element_size()
+        return 2 * self.num_layers * self.block_size * self.num_kv_heads * self.head_dim * elem
+
+    def _num_blocks(self) -> int:
+        cache = self.config.cache
+        if cache.num_gpu_blocks_override is not None:
+            return cache.num_gpu_blocks_override
+        if cache.kv_cache_memory is not None or self.device.type != "cuda":
+            budget = (cache.kv_cache_memory if cache.kv_cache_memory is not None else 1.0) * GiB
+        else:
+            budget = self._profile_cuda_budget()
+        n = int(budget // self.kv_bytes_per_block)
+        if n < 1:
+            raise ValueError(f"the KV cache budget ({budget / GiB:.2f} GiB) holds no block of "
+                             f"{self.kv_bytes_per_block} bytes: raise --kv-cache-memory or --gpu-memory-utilization")
+        return n
+
+    @torch.inference_mode()
+    def _profile_cuda_budget(self) -> float:
+        """vLLM's rule: memory for the KV cache = total * utilization - (weights + peak activations of the largest
+        step), measured by running one step of max_num_batched_tokens tokens through the model."""
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(self.device)
+        n = min(self.config.scheduler.max_num_batched_tokens, self.hf_config.max_position_embeddings)
+        dummy_cache = torch.zeros(1, self.num_layers, 2, self.block_size, self.num_kv_heads, self.head_dim,
+                                  dtype=self.kv_dtype, device=self.device)
+        layers = [LayerKV(dummy_cache[:, l, 0], dummy_cache[:, l, 1]) for l in range(self.num_layers)]
+        meta = AttentionMetadata(
+            slot_mapping=torch.full((n,), -1, dtype=torch.int64, device=self.device),
+            block_tables=torch.zeros(1, 1, dtype=torch.int32, device=self.device),
+            seq_lens=torch.tensor([1], dtype=torch.int32, device=self.device),
+            query_start_loc=torch.tensor([0, 1], dtype=torch.int32, device=self.device),
+            max_query_len=1, max_seq_len=1)
+        ids = torch.zeros(n, dtype=torch.int64, device=self.device)
+        hidden = self.model(ids, torch.zeros_like(ids), layers, meta)
+        self.model.compute_logits(hidden[: self.config.scheduler.max_num_seqs])
+        torch.cuda.synchronize()
+        peak = torch.cuda.max_memory_allocated(self.device)
+        del hidden, dummy_cache
+        torch.cuda.empty_cache()
+        free, total = torch.cuda.mem_get_info(self.device)
+        used_by_others = total - free - torch.cuda.memory_reserved(self.device)
+        budget = total * self.config.cache.gpu_memory_utilization - peak - used_by_others
+        log.info("CUDA memory: total %.1f GiB, peak of one step %.1f GiB, KV budget %.1f GiB",
+                 total / GiB, peak / GiB, budget / GiB)
+        return max(budget, 0.0)
+
+    def prepare_inputs(self, sched: SchedulerOutput, block_tables: list[list[int]]) -> ModelInputs:
+        bs = self.block_size
+        input_ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        seq_lens: list[int] = []
+        qsl = [0]
+        logits_indices: list[int] = []
+        sampled: list[Request] = []
+        for (req, n), table in zip(sched.scheduled, block_tables):
+            start = req.num_computed_tokens
+            end = start + n
+            input_ids.extend(req.token_slice(start, end))
+            positions.extend(range(start, end))
+            slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
+            seq_lens.append(end)
+            qsl.append(qsl[-1] + n)
+            if end == req.num_tokens:
+                logits_indices.append(qsl[-1] - 1)
+                sampled.append(req)
+        max_blocks = max(len(t) for t in block_tables)
+        padded = [t + [0] * (max_blocks - len(t)) for t in block_tables]
+        dev = self.device
+
+        def t(x, dtype):
+            return torch.tensor(x, dtype=dtype).to(dev, non_blocking=True)
+
+        meta = AttentionMetadata(
+            slot_mapping=t(slots, torch.int64), block_tables=t(padded, torch.int32),
+            seq_lens=t(seq_lens, torch.int32), query_start_loc=t(qsl, torch.int32),
+            max_query_len=max(n for _, n in sched.scheduled), max_seq_len=max(seq_lens))
+        return ModelInputs(t(input_ids, torch.int64), t(positions, torch.int64), meta,
+                           t(logits_indices, torch.int64), sampled)
+
+    @torch.inference_mode()
+    def execute(self, sched: SchedulerOutput, block_tables: list[list[int]]) -> tuple[list[Request], SamplerOutput]:
+        inputs = self.prepare_inputs(sched, block_tables)
+        hidden = self.model(inputs.input_ids, inputs.positions, self.kv_layers, inputs.meta)
+        if not inputs.sampled_requests:
+            return [], SamplerOutput(token_ids=[], logprobs=[])
+        logits = self.model.compute_logits(hidden[inputs.logits_indices]).float()
+        return inputs.sampled_requests, self.sampler(logits, inputs.sampled_requests)
