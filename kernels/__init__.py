@@ -1,9 +1,49 @@
-"""Hot-path ops. Each dispatches to its Triton kernel on CUDA tensors and to the plain-torch reference elsewhere."""
-from kernels.activation import silu_and_mul_ref as silu_and_mul
-from kernels.kv_write import write_kv_ref as write_kv
-from kernels.norm import fused_add_rms_norm_ref as fused_add_rms_norm
-from kernels.norm import rms_norm_ref as rms_norm
-from kernels.paged_attention import paged_attention_ref as paged_attention
-from kernels.rotary import rotary_embedding_ref as rotary_embedding
+"""Hot-path ops. Each dispatches to its Triton kernel on CUDA tensors and to the plain-torch reference elsewhere.
 
-__all__ = ["paged_attention", "write_kv", "rms_norm", "fused_add_rms_norm", "rotary_embedding", "silu_and_mul"]
+The `*_ref` functions are the contract (same signatures); the `*_triton` launchers are importable from the
+op's module for tests and benchmarks.
+"""
+from __future__ import annotations
+
+import torch
+
+from kernels.activation import silu_and_mul_ref, silu_and_mul_triton
+from kernels.kv_write import write_kv_ref, write_kv_triton
+from kernels.norm import fused_add_rms_norm_ref, fused_add_rms_norm_triton, rms_norm_ref, rms_norm_triton
+from kernels.paged_attention import paged_attention_ref, paged_attention_triton
+from kernels.rotary import rotary_embedding_ref, rotary_embedding_triton
+
+
+def paged_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, max_query_len, max_seq_len,
+                    scale, k_scale=1.0, v_scale=1.0):
+    fn = paged_attention_triton if q.is_cuda else paged_attention_ref
+    return fn(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, max_query_len, max_seq_len, scale,
+              k_scale, v_scale)
+
+
+def write_kv(k, v, k_cache, v_cache, slot_mapping, k_scale=1.0, v_scale=1.0) -> None:
+    fn = write_kv_triton if k.is_cuda else write_kv_ref
+    fn(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    return (rms_norm_triton if x.is_cuda else rms_norm_ref)(x, weight, eps)
+
+
+def fused_add_rms_norm(x, residual, weight, eps):
+    return (fused_add_rms_norm_triton if x.is_cuda else fused_add_rms_norm_ref)(x, residual, weight, eps)
+
+
+def rotary_embedding(positions, q, k, cos_sin_cache):
+    return (rotary_embedding_triton if q.is_cuda else rotary_embedding_ref)(positions, q, k, cos_sin_cache)
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    return (silu_and_mul_triton if x.is_cuda else silu_and_mul_ref)(x)
+
+
+__all__ = [
+    "paged_attention", "write_kv", "rms_norm", "fused_add_rms_norm", "rotary_embedding", "silu_and_mul",
+    "paged_attention_ref", "write_kv_ref", "rms_norm_ref", "fused_add_rms_norm_ref", "rotary_embedding_ref",
+    "silu_and_mul_ref",
+]

@@ -1,7 +1,16 @@
-"""The paged KV write: each new token's key and value go to its slot (block_id * block_size + offset)."""
+"""The paged KV write: each new token's key and value go to its slot (block_id * block_size + offset).
+
+With an fp8 (float8_e4m3fn) cache the stored value is x / scale, saturated to +-448. The caches are strided views
+of the engine's one tensor [num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim], so the kernel takes
+every stride except the last (which must be 1).
+"""
 from __future__ import annotations
 
 import torch
+import triton
+import triton.language as tl
+
+from kernels._checks import FLOAT_DTYPES, FP8_DTYPE, check_same_device, check_tensor
 
 
 def write_kv_ref(
@@ -24,3 +33,84 @@ def write_kv_ref(
         vv = vv.float() / v_scale
     k_cache[blocks, offsets] = kk.to(k_cache.dtype)
     v_cache[blocks, offsets] = vv.to(v_cache.dtype)
+
+
+@triton.jit
+def _write_kv_kernel(
+    k_ptr,  # [num_tokens, num_kv_heads, head_dim]
+    v_ptr,  # [num_tokens, num_kv_heads, head_dim]
+    k_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    v_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    slot_mapping_ptr,  # [num_tokens] int64, -1 = skip
+    stride_k_t, stride_k_h,
+    stride_v_t, stride_v_h,
+    stride_kc_b, stride_kc_s, stride_kc_h,
+    stride_vc_b, stride_vc_s, stride_vc_h,
+    num_tokens,
+    k_scale,
+    v_scale,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,  # tokens per cache block
+    QUANT: tl.constexpr,  # divide by the scale (and saturate when the cache is fp8)
+    FP8: tl.constexpr,
+):
+    head = tl.program_id(1)
+    toks = tl.program_id(0).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)  # [BLOCK_T]
+    d = tl.arange(0, BLOCK_D)[None, :]  # [1, BLOCK_D]
+    slots = tl.load(slot_mapping_ptr + toks, mask=toks < num_tokens, other=-1).to(tl.int64)
+    blocks, offs = slots // BLOCK_SIZE, slots % BLOCK_SIZE
+    mask = (slots >= 0)[:, None] & (d < HEAD_DIM)  # [BLOCK_T, BLOCK_D]
+
+    k = tl.load(k_ptr + toks[:, None] * stride_k_t + head * stride_k_h + d, mask=mask, other=0.0)
+    v = tl.load(v_ptr + toks[:, None] * stride_v_t + head * stride_v_h + d, mask=mask, other=0.0)
+    if QUANT:
+        k = k.to(tl.float32) / k_scale
+        v = v.to(tl.float32) / v_scale
+        if FP8:
+            k = tl.clamp(k, -448.0, 448.0)
+            v = tl.clamp(v, -448.0, 448.0)
+    kc = k_cache_ptr + blocks[:, None] * stride_kc_b + offs[:, None] * stride_kc_s + head * stride_kc_h + d
+    vc = v_cache_ptr + blocks[:, None] * stride_vc_b + offs[:, None] * stride_vc_s + head * stride_vc_h + d
+    tl.store(kc, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
+    tl.store(vc, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
+
+
+def write_kv_triton(
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
+) -> None:
+    """Slots are not range-checked on the device (a host sync): each must be -1 or < num_blocks * block_size."""
+    check_tensor("k", k, ndim=3, dtypes=FLOAT_DTYPES)
+    num_tokens, num_kv_heads, head_dim = k.shape
+    check_tensor("v", v, ndim=3, dtypes=(k.dtype,), shape=tuple(k.shape))
+    check_tensor("k_cache", k_cache, ndim=4, dtypes=FLOAT_DTYPES + (FP8_DTYPE,),
+                 shape=(None, None, num_kv_heads, head_dim))
+    check_tensor("v_cache", v_cache, ndim=4, dtypes=(k_cache.dtype,), shape=tuple(k_cache.shape))
+    check_tensor("slot_mapping", slot_mapping, ndim=1, dtypes=(torch.int64, torch.int32),
+                 shape=(num_tokens,), last_dim_contiguous=False)
+    check_same_device(k=k, v=v, k_cache=k_cache, v_cache=v_cache, slot_mapping=slot_mapping)
+    for name, s in (("k_scale", k_scale), ("v_scale", v_scale)):
+        if not float(s) > 0:
+            raise ValueError(f"{name}={s}: must be > 0")
+    fp8 = k_cache.dtype == FP8_DTYPE
+    if num_tokens == 0:
+        return
+    block_t = 16
+    grid = (triton.cdiv(num_tokens, block_t), num_kv_heads)
+    _write_kv_kernel[grid](
+        k, v, k_cache, v_cache, slot_mapping,
+        k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        num_tokens, float(k_scale), float(v_scale),
+        HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim), BLOCK_T=block_t,
+        BLOCK_SIZE=k_cache.shape[1], QUANT=fp8 or k_scale != 1.0 or v_scale != 1.0, FP8=fp8,
+        num_warps=4,
+    )

@@ -1,7 +1,15 @@
-"""RMSNorm, alone and fused with the residual add."""
+"""RMSNorm, alone and fused with the residual add.
+
+One program normalizes one row: it loads the row once (BLOCK_N >= hidden), reduces the mean square in float32,
+and writes the row back, rounding exactly where the reference rounds (to x.dtype before the weight multiply).
+"""
 from __future__ import annotations
 
 import torch
+import triton
+import triton.language as tl
+
+from kernels._checks import FLOAT_DTYPES, check_same_device, check_tensor
 
 
 def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -16,3 +24,93 @@ def fused_add_rms_norm_ref(
     """residual <- x + residual; returns (rms_norm(residual), residual)."""
     residual = x + residual
     return rms_norm_ref(residual, weight, eps), residual
+
+
+@triton.jit
+def _rms_norm_kernel(
+    out_ptr,  # [num_rows, N]
+    res_out_ptr,  # [num_rows, N] x + residual (only when HAS_RESIDUAL)
+    x_ptr,  # [num_rows, N]
+    res_ptr,  # [num_rows, N] (only when HAS_RESIDUAL)
+    w_ptr,  # [N]
+    stride_out,
+    stride_res_out,
+    stride_x,
+    stride_res,
+    N,
+    eps,
+    HAS_RESIDUAL: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK_N)
+    mask = cols < N
+    x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
+    if HAS_RESIDUAL:
+        r = tl.load(res_ptr + row * stride_res + cols, mask=mask, other=0.0)
+        x = (x.to(tl.float32) + r.to(tl.float32)).to(x.dtype)  # rounded like the reference's x + residual
+        tl.store(res_out_ptr + row * stride_res_out + cols, x, mask=mask)
+    xf = x.to(tl.float32)
+    rstd = 1.0 / tl.sqrt(tl.sum(xf * xf, axis=0) / N + eps)
+    y = (xf * rstd).to(x.dtype).to(tl.float32)  # the reference rounds to x.dtype before the weight
+    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + row * stride_out + cols, (y * w).to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def _as_rows(name: str, t: torch.Tensor, n: int) -> torch.Tensor:
+    """[..., n] -> [rows, n] view (a copy only if the leading dims cannot be flattened)."""
+    if t.shape[-1] != n:
+        raise ValueError(f"{name}: last dim {t.shape[-1]}, expected hidden size {n} (weight.shape[0])")
+    return t.reshape(-1, n)
+
+
+def _launch_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    check_tensor("x", x, dtypes=FLOAT_DTYPES)
+    check_tensor("weight", weight, ndim=1, dtypes=FLOAT_DTYPES)
+    if residual is not None:
+        check_tensor("residual", residual, dtypes=(x.dtype,), shape=tuple(x.shape))
+        check_same_device(x=x, residual=residual, weight=weight)
+    else:
+        check_same_device(x=x, weight=weight)
+    if not eps > 0:
+        raise ValueError(f"eps={eps}: must be > 0")
+    n = weight.shape[0]
+    block_n = triton.next_power_of_2(n)
+    if block_n > 65536:
+        raise ValueError(f"weight: hidden size {n} > 65536, the largest row one program holds")
+    x2 = _as_rows("x", x, n)
+    out_dtype = x.dtype if x.dtype == torch.float32 else torch.promote_types(x.dtype, weight.dtype)
+    out = torch.empty(x.shape, dtype=out_dtype, device=x.device)
+    out2 = out.view(-1, n)
+    if residual is not None:
+        r2 = _as_rows("residual", residual, n)
+        res_out = torch.empty_like(x)
+        res_out2 = res_out.view(-1, n)
+    else:
+        r2 = res_out2 = x2  # unused
+        res_out = None
+    if x2.shape[0] == 0:
+        return out, res_out
+    num_warps = 4 if block_n <= 2048 else 8 if block_n <= 8192 else 16
+    _rms_norm_kernel[(x2.shape[0],)](
+        out2, res_out2, x2, r2, weight,
+        out2.stride(0), res_out2.stride(0), x2.stride(0), r2.stride(0),
+        n, eps,
+        HAS_RESIDUAL=residual is not None, BLOCK_N=block_n, num_warps=num_warps,
+    )
+    return out, res_out
+
+
+def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    return _launch_rms_norm(x, None, weight, eps)[0]
+
+
+def fused_add_rms_norm_triton(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """residual <- x + residual; returns (rms_norm(residual), residual). Out of place, like the reference."""
+    out, res = _launch_rms_norm(x, residual, weight, eps)
+    assert res is not None
+    return out, res

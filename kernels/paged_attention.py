@@ -2,10 +2,28 @@
 
 Sequence i has q_len_i queries (q[query_start_loc[i]:query_start_loc[i+1]]) and seq_lens[i] tokens in the cache
 after this step; its queries sit at the last q_len_i positions and attend causally. A decode is q_len_i == 1.
+
+The Triton kernel (one launch for a mixed batch, as vLLM's unified Triton attention):
+  - program (q_block, kv_head, segment) takes BLOCK_Q consecutive queries of one sequence and the QUERIES_PER_KV
+    query heads that share kv_head, as one [BLOCK_M = BLOCK_Q * QUERIES_PER_KV (padded)] row tile, so each K/V
+    tile is read once per KV head (GQA);
+  - it walks the keys TILE_N at a time, each key's physical block looked up in the block table (TILE_N need not
+    equal the cache block size), with an online softmax in float32 (exp2, scale folded with log2(e));
+  - tiles every row may see run without the causal mask, the rest with it;
+  - split context (flash decoding): with NUM_SEGMENTS > 1 each program covers one slice of the keys and writes an
+    unnormalized partial output with its running max and sum; _reduce_segments_kernel combines them.
+fp8 caches are converted to the query dtype on load; k_scale is folded into the softmax scale and v_scale into the
+output.
 """
 from __future__ import annotations
 
+import math
+
 import torch
+import triton
+import triton.language as tl
+
+from kernels._checks import FLOAT_DTYPES, FP8_DTYPE, check_same_device, check_tensor, interpreting
 
 
 def gather_kv_ref(
@@ -51,6 +69,11 @@ def paged_attention_ref(
 
     k = gather_kv_ref(k_cache, block_tables, max_seq_len, k_scale, torch.float32)  # [S, L, Hkv, D]
     v = gather_kv_ref(v_cache, block_tables, max_seq_len, v_scale, torch.float32)
+    # Slots past seq_len (the tail of the last block, padding block 0) hold stale bytes, NaN among them in an fp8
+    # cache: a zero probability times NaN is NaN, so they must not reach the matmuls.
+    stale = torch.arange(max_seq_len, device=device)[None, :] >= seq_lens.long()[:, None]  # [S, L]
+    k = k.masked_fill(stale[:, :, None, None], 0.0)
+    v = v.masked_fill(stale[:, :, None, None], 0.0)
 
     qsl = query_start_loc.long()
     q_lens = qsl[1:] - qsl[:-1]  # [S]
@@ -92,3 +115,320 @@ def paged_decode_attention_ref(
     qsl = torch.arange(num_seqs + 1, device=q.device, dtype=torch.int32)
     return paged_attention_ref(q, k_cache, v_cache, block_tables, seq_lens, qsl, 1, max_seq_len, scale,
                                k_scale, v_scale)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Triton
+
+
+@triton.jit
+def _find_seq(qsl_ptr, q_block, num_seqs, BLOCK_Q: tl.constexpr):
+    """The sequence that owns global query block q_block: the last i with qsl[i] // BLOCK_Q + i <= q_block
+    (sequence i's query blocks start there, so a block never straddles two sequences)."""
+    lo: tl.int32 = 0
+    hi = num_seqs
+    while lo < hi:
+        mid = (lo + hi) // 2
+        first_block = tl.load(qsl_ptr + mid) // BLOCK_Q + mid
+        if first_block <= q_block:
+            lo = mid + 1
+        else:
+            hi = mid
+    return lo - 1
+
+
+@triton.jit
+def _attend_tiles(
+    acc, l_i, m_i,  # [BLOCK_M, HEAD_DIM_PAD], [BLOCK_M], [BLOCK_M] running output, sum and max (log2 domain)
+    q,  # [BLOCK_M, HEAD_DIM_PAD]
+    q_pos,  # [BLOCK_M] absolute position of each row's query
+    bt_row_ptr,  # this sequence's block-table row
+    kc_ptr, vc_ptr,  # k/v cache already offset to this KV head
+    stride_kc_b, stride_kc_s, stride_vc_b, stride_vc_s,
+    qk_scale,
+    kv_end,  # keys [0, kv_end) may be read
+    tile_lo, tile_hi,
+    HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr,
+    MASKED: tl.constexpr, DOT_FP32: tl.constexpr, PRECISION: tl.constexpr,
+):
+    d = tl.arange(0, HEAD_DIM_PAD)
+    for t in range(tile_lo, tile_hi):
+        keys = t * TILE_N + tl.arange(0, TILE_N)  # [TILE_N]
+        if MASKED:
+            key_ok = keys < kv_end
+            blk = tl.load(bt_row_ptr + keys // BLOCK_SIZE, mask=key_ok, other=0).to(tl.int64)
+        else:
+            blk = tl.load(bt_row_ptr + keys // BLOCK_SIZE).to(tl.int64)
+        off = keys % BLOCK_SIZE
+        k_ptrs = kc_ptr + blk[None, :] * stride_kc_b + off[None, :] * stride_kc_s + d[:, None]  # [D_PAD, TILE_N]
+        v_ptrs = vc_ptr + blk[:, None] * stride_vc_b + off[:, None] * stride_vc_s + d[None, :]  # [TILE_N, D_PAD]
+        if MASKED:
+            k = tl.load(k_ptrs, mask=(d[:, None] < HEAD_DIM) & key_ok[None, :], other=0.0)
+            v = tl.load(v_ptrs, mask=key_ok[:, None] & (d[None, :] < HEAD_DIM), other=0.0)
+        elif HEAD_DIM_PAD != HEAD_DIM:
+            k = tl.load(k_ptrs, mask=d[:, None] < HEAD_DIM, other=0.0)
+            v = tl.load(v_ptrs, mask=d[None, :] < HEAD_DIM, other=0.0)
+        else:
+            k = tl.load(k_ptrs)
+            v = tl.load(v_ptrs)
+        k = k.to(q.dtype)  # fp8 -> query dtype is exact
+        v = v.to(q.dtype)
+
+        s = tl.dot(q, k, input_precision=PRECISION) * qk_scale  # [BLOCK_M, TILE_N], log2 domain
+        if MASKED:
+            s = tl.where((keys[None, :] <= q_pos[:, None]) & key_ok[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        if MASKED:
+            m_new = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with no key yet: keep exp2 finite
+        p = tl.math.exp2(s - m_new[:, None])
+        alpha = tl.math.exp2(m_i - m_new)
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        acc = acc * alpha[:, None]
+        acc = tl.dot(p.to(v.dtype), v, acc, input_precision=PRECISION)
+        m_i = m_new
+    return acc, l_i, m_i
+
+
+@triton.jit
+def _paged_attention_kernel(
+    out_ptr,  # [num_tokens, num_heads, head_dim]            (NUM_SEGMENTS == 1)
+    seg_out_ptr,  # [num_tokens, num_heads, NUM_SEGMENTS, HEAD_DIM_PAD] f32 (NUM_SEGMENTS > 1)
+    seg_max_ptr,  # [num_tokens, num_heads, NUM_SEGMENTS] f32, log2 domain
+    seg_sum_ptr,  # [num_tokens, num_heads, NUM_SEGMENTS] f32
+    q_ptr,  # [num_tokens, num_heads, head_dim]
+    k_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    v_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    block_tables_ptr,  # [num_seqs, max_blocks]
+    seq_lens_ptr,  # [num_seqs]
+    qsl_ptr,  # [num_seqs + 1]
+    qk_scale,  # scale * k_scale * log2(e)
+    v_scale,
+    num_seqs,
+    num_heads,
+    stride_q_t, stride_q_h,
+    stride_o_t, stride_o_h,
+    stride_kc_b, stride_kc_s, stride_kc_h,
+    stride_vc_b, stride_vc_s, stride_vc_h,
+    stride_bt,
+    QUERIES_PER_KV: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    HEAD_DIM_PAD: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,  # tokens per cache block
+    BLOCK_M: tl.constexpr,  # rows per program: BLOCK_Q queries x QUERIES_PER_KV heads, padded to a power of 2
+    BLOCK_Q: tl.constexpr,
+    TILE_N: tl.constexpr,  # keys per inner iteration
+    NUM_SEGMENTS: tl.constexpr,
+    DOT_FP32: tl.constexpr,  # upcast dot operands (float32 inputs; the interpreter, which multiplies bf16 wrongly)
+    PRECISION: tl.constexpr,
+):
+    q_block = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    segment = tl.program_id(2)
+    seq = _find_seq(qsl_ptr, q_block, num_seqs, BLOCK_Q)
+    q_start = tl.load(qsl_ptr + seq)
+    q_len = tl.load(qsl_ptr + seq + 1) - q_start
+    q_block_local = q_block - (q_start // BLOCK_Q + seq)
+    if q_block_local * BLOCK_Q >= q_len:
+        return
+    seq_len = tl.load(seq_lens_ptr + seq)
+    context_len = seq_len - q_len
+
+    rows = tl.arange(0, BLOCK_M)
+    q_local = q_block_local * BLOCK_Q + rows // QUERIES_PER_KV  # [BLOCK_M] query index inside the sequence
+    heads = kv_head * QUERIES_PER_KV + rows % QUERIES_PER_KV  # [BLOCK_M]
+    row_ok = (rows < BLOCK_Q * QUERIES_PER_KV) & (q_local < q_len)
+    d = tl.arange(0, HEAD_DIM_PAD)
+    tok = (q_start + q_local).to(tl.int64)  # [BLOCK_M]
+    q = tl.load(q_ptr + tok[:, None] * stride_q_t + heads[:, None] * stride_q_h + d[None, :],
+                mask=row_ok[:, None] & (d[None, :] < HEAD_DIM), other=0.0)
+    if DOT_FP32:
+        q = q.to(tl.float32)
+    q_pos = context_len + q_local
+
+    # Keys this tile needs: up to its last query's position. Tiles below full_tiles hold keys every row sees.
+    kv_end = context_len + tl.minimum((q_block_local + 1) * BLOCK_Q, q_len)
+    num_tiles = tl.cdiv(kv_end, TILE_N)
+    full_tiles = (context_len + q_block_local * BLOCK_Q + 1) // TILE_N
+    if NUM_SEGMENTS > 1:
+        tiles_per_segment = tl.cdiv(num_tiles, NUM_SEGMENTS)
+        tile_lo = segment * tiles_per_segment
+        tile_hi = tl.minimum(tile_lo + tiles_per_segment, num_tiles)
+    else:
+        tile_lo = 0
+        tile_hi = num_tiles
+
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM_PAD], dtype=tl.float32)
+    bt_row_ptr = block_tables_ptr + seq.to(tl.int64) * stride_bt
+    kc_ptr = k_cache_ptr + kv_head * stride_kc_h
+    vc_ptr = v_cache_ptr + kv_head * stride_vc_h
+    acc, l_i, m_i = _attend_tiles(
+        acc, l_i, m_i, q, q_pos, bt_row_ptr, kc_ptr, vc_ptr, stride_kc_b, stride_kc_s, stride_vc_b, stride_vc_s,
+        qk_scale, kv_end, tile_lo, tl.minimum(tile_hi, full_tiles),
+        HEAD_DIM, HEAD_DIM_PAD, BLOCK_SIZE, TILE_N, False, DOT_FP32, PRECISION)
+    acc, l_i, m_i = _attend_tiles(
+        acc, l_i, m_i, q, q_pos, bt_row_ptr, kc_ptr, vc_ptr, stride_kc_b, stride_kc_s, stride_vc_b, stride_vc_s,
+        qk_scale, kv_end, tl.maximum(tile_lo, full_tiles), tile_hi,
+        HEAD_DIM, HEAD_DIM_PAD, BLOCK_SIZE, TILE_N, True, DOT_FP32, PRECISION)
+
+    d_ok = d[None, :] < HEAD_DIM
+    if NUM_SEGMENTS == 1:
+        out = acc * (v_scale / l_i)[:, None]
+        o_ptrs = out_ptr + tok[:, None] * stride_o_t + heads[:, None] * stride_o_h + d[None, :]
+        tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok)
+    else:
+        part = (tok * num_heads + heads) * NUM_SEGMENTS + segment  # [BLOCK_M]
+        tl.store(seg_out_ptr + part[:, None] * HEAD_DIM_PAD + d[None, :], acc * v_scale, mask=row_ok[:, None])
+        tl.store(seg_max_ptr + part, m_i, mask=row_ok)
+        tl.store(seg_sum_ptr + part, l_i, mask=row_ok)
+
+
+@triton.jit
+def _reduce_segments_kernel(
+    out_ptr,  # [num_tokens, num_heads, head_dim]
+    seg_out_ptr,  # [num_tokens, num_heads, NUM_SEGMENTS, HEAD_DIM_PAD] f32
+    seg_max_ptr,  # [num_tokens, num_heads, NUM_SEGMENTS] f32
+    seg_sum_ptr,  # [num_tokens, num_heads, NUM_SEGMENTS] f32
+    stride_o_t, stride_o_h,
+    num_heads,
+    NUM_SEGMENTS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    HEAD_DIM_PAD: tl.constexpr,
+):
+    tok = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1)
+    seg = tl.arange(0, NUM_SEGMENTS)
+    d = tl.arange(0, HEAD_DIM_PAD)
+    part = (tok * num_heads + head) * NUM_SEGMENTS + seg  # [NUM_SEGMENTS]
+    seg_max = tl.load(seg_max_ptr + part)
+    w = tl.math.exp2(seg_max - tl.max(seg_max, axis=0))  # an empty segment (max -inf) weighs 0
+    total = tl.sum(tl.load(seg_sum_ptr + part) * w, axis=0)
+    acc = tl.load(seg_out_ptr + part[:, None] * HEAD_DIM_PAD + d[None, :])  # [NUM_SEGMENTS, HEAD_DIM_PAD]
+    out = tl.sum(acc * w[:, None], axis=0) / total
+    tl.store(out_ptr + tok * stride_o_t + head * stride_o_h + d, out.to(out_ptr.dtype.element_ty), mask=d < HEAD_DIM)
+
+
+_NUM_SMS: dict[int, int] = {}
+
+
+def _num_sms(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 4
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    if idx not in _NUM_SMS:
+        _NUM_SMS[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
+    return _NUM_SMS[idx]
+
+
+def default_config(
+    num_seqs: int, num_kv_heads: int, queries_per_kv: int, head_dim: int, max_query_len: int, max_seq_len: int,
+    num_sms: int,
+) -> dict[str, int]:
+    """Tile sizes, warps, stages and context segments for one launch (see docs/kernels.md for how they were picked)."""
+    block_m = min(max(triton.next_power_of_2(max_query_len * queries_per_kv), 16), 128)
+    block_m = max(block_m, triton.next_power_of_2(queries_per_kv))
+    decode = max_query_len == 1
+    tile_n = 64 if head_dim <= 128 else 32
+    num_segments = 1
+    if decode:
+        programs = num_seqs * num_kv_heads
+        # Split the context until about 4 programs per SM are in flight, keeping >= 4 tiles per segment.
+        while (programs * num_segments < 4 * num_sms and num_segments < 64
+               and max_seq_len >= 2 * num_segments * 4 * tile_n):
+            num_segments *= 2
+    num_warps = 8 if block_m >= 128 else 4
+    num_stages = 3 if block_m >= 64 else 4
+    return dict(block_m=block_m, tile_n=tile_n, num_segments=num_segments, num_warps=num_warps,
+                num_stages=num_stages)
+
+
+def paged_attention_triton(
+    q: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+    k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim], any strides, last dim contiguous
+    v_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    block_tables: torch.Tensor,  # [num_seqs, max_blocks] int32
+    seq_lens: torch.Tensor,  # [num_seqs] int32
+    query_start_loc: torch.Tensor,  # [num_seqs + 1] int32
+    max_query_len: int,
+    max_seq_len: int,
+    scale: float,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
+    *,
+    config: dict[str, int] | None = None,  # overrides default_config's entries (tests and bench/kernels.py)
+) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
+    """The device values (seq_lens, query_start_loc, block_tables) are trusted, not checked (that needs a host
+    sync); max_query_len and max_seq_len only steer the launch configuration."""
+    check_tensor("q", q, ndim=3, dtypes=FLOAT_DTYPES)
+    num_tokens, num_heads, head_dim = q.shape
+    check_tensor("k_cache", k_cache, ndim=4, dtypes=(q.dtype, FP8_DTYPE), shape=(None, None, None, head_dim))
+    num_blocks, block_size, num_kv_heads, _ = k_cache.shape
+    check_tensor("v_cache", v_cache, ndim=4, dtypes=(k_cache.dtype,), shape=tuple(k_cache.shape))
+    check_tensor("block_tables", block_tables, ndim=2, dtypes=(torch.int32, torch.int64))
+    num_seqs = block_tables.shape[0]
+    check_tensor("seq_lens", seq_lens, ndim=1, dtypes=(torch.int32, torch.int64), shape=(num_seqs,))
+    check_tensor("query_start_loc", query_start_loc, ndim=1, dtypes=(torch.int32, torch.int64),
+                 shape=(num_seqs + 1,))
+    check_same_device(q=q, k_cache=k_cache, v_cache=v_cache, block_tables=block_tables, seq_lens=seq_lens,
+                      query_start_loc=query_start_loc)
+    if num_heads % num_kv_heads:
+        raise ValueError(f"q: num_heads={num_heads} is not a multiple of the cache's num_kv_heads={num_kv_heads}")
+    if head_dim > 256:
+        raise ValueError(f"q: head_dim={head_dim} > 256, the largest the kernel supports")
+    if max_query_len < 1 or max_seq_len < 1:
+        raise ValueError(f"max_query_len={max_query_len}, max_seq_len={max_seq_len}: both must be >= 1")
+    if block_tables.shape[1] * block_size < max_seq_len:
+        raise ValueError(f"block_tables: {block_tables.shape[1]} blocks x block_size {block_size} < "
+                         f"max_seq_len={max_seq_len}")
+    for name, val in (("scale", scale), ("k_scale", k_scale), ("v_scale", v_scale)):
+        if not float(val) > 0:
+            raise ValueError(f"{name}={val}: must be > 0")
+
+    out = torch.empty_like(q, memory_format=torch.contiguous_format)
+    if num_tokens == 0 or num_seqs == 0:
+        return out
+    queries_per_kv = num_heads // num_kv_heads
+    cfg = default_config(num_seqs, num_kv_heads, queries_per_kv, head_dim, max_query_len, max_seq_len,
+                         _num_sms(q.device))
+    if config:
+        unknown = set(config) - set(cfg)
+        if unknown:
+            raise ValueError(f"config: unknown keys {sorted(unknown)}, expected some of {sorted(cfg)}")
+        cfg.update(config)
+    block_m, num_segments = cfg["block_m"], cfg["num_segments"]
+    if block_m < queries_per_kv or block_m & (block_m - 1) or num_segments & (num_segments - 1):
+        raise ValueError(f"config: block_m={block_m} must be a power of 2 >= queries_per_kv={queries_per_kv}, "
+                         f"num_segments={num_segments} a power of 2")
+    block_q = block_m // queries_per_kv
+    head_dim_pad = max(triton.next_power_of_2(head_dim), 16)  # tl.dot needs every dim >= 16
+    dot_fp32 = q.dtype == torch.float32 or interpreting()
+
+    if num_segments > 1:
+        seg_out = torch.empty((num_tokens, num_heads, num_segments, head_dim_pad), dtype=torch.float32,
+                              device=q.device)
+        seg_max = torch.empty((num_tokens, num_heads, num_segments), dtype=torch.float32, device=q.device)
+        seg_sum = torch.empty_like(seg_max)
+    else:
+        seg_out = seg_max = seg_sum = out  # unused
+    grid = (num_tokens // block_q + num_seqs, num_kv_heads, num_segments)
+    _paged_attention_kernel[grid](
+        out, seg_out, seg_max, seg_sum,
+        q, k_cache, v_cache, block_tables, seq_lens, query_start_loc,
+        float(scale) * float(k_scale) * math.log2(math.e), float(v_scale),
+        num_seqs, num_heads,
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        block_tables.stride(0),
+        QUERIES_PER_KV=queries_per_kv, HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad, BLOCK_SIZE=block_size,
+        BLOCK_M=block_m, BLOCK_Q=block_q, TILE_N=cfg["tile_n"], NUM_SEGMENTS=num_segments,
+        DOT_FP32=dot_fp32, PRECISION="ieee" if dot_fp32 else "tf32",
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+    )
+    if num_segments > 1:
+        _reduce_segments_kernel[(num_tokens, num_heads)](
+            out, seg_out, seg_max, seg_sum, out.stride(0), out.stride(1), num_heads,
+            NUM_SEGMENTS=num_segments, HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad, num_warps=4,
+        )
+    return out
