@@ -1,0 +1,1 @@
+"""The router: the OpenAI HTTP front and the public gRPC API over one RouterCore, and the `tandem up` launcher."""

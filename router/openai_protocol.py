@@ -1,0 +1,241 @@
+"""The OpenAI-compatible HTTP API's request and response bodies (and vLLM's simple `/generate`).
+
+Requests are validated in two layers: pydantic checks types and shapes here, and `SamplingParams` checks ranges
+(its `ValueError` names the field). Unknown request fields are ignored, as OpenAI's API does for fields it does
+not use. Responses follow OpenAI's field names. `finish_reason: null` and `logprobs: null` are sent as OpenAI sends them;
+a stream chunk's `usage` and a delta's unset `role`/`content` are left out when None.
+"""
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_serializer
+
+from engine.sampling_params import SamplingParams
+
+# Completions default to 16 tokens (OpenAI's and vLLM's default); chat defaults to the rest of the context.
+DEFAULT_COMPLETION_MAX_TOKENS = 16
+
+
+def random_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+
+# ---------------------------------------------------------------------------------------------------- errors
+class ErrorInfo(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | int | None = None
+
+
+class ErrorResponse(BaseModel):
+    error: ErrorInfo
+
+
+# ---------------------------------------------------------------------------------------------------- requests
+class StreamOptions(_Body):
+    include_usage: bool = False
+    """Send one more chunk before `[DONE]` with `choices: []` and the request's usage."""
+
+
+# Request fields that map one-to-one onto SamplingParams (None = SamplingParams' default).
+_SAMPLING_FIELDS = ("n", "presence_penalty", "frequency_penalty", "repetition_penalty", "temperature", "top_p",
+                    "top_k", "min_p", "seed", "stop", "stop_token_ids", "include_stop_str_in_output", "ignore_eos",
+                    "min_tokens", "skip_special_tokens")
+
+
+class SamplingRequest(_Body):
+    """Fields every generating endpoint shares; names as OpenAI's API and vLLM's extensions (top_k, min_p, ...)."""
+    model: str | None = None
+    n: int | None = None
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    include_stop_str_in_output: bool | None = None
+    ignore_eos: bool | None = None
+    min_tokens: int | None = None
+    skip_special_tokens: bool | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+
+    def sampling_params(self, *, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+        """Raises ValueError naming the field when a value is out of range."""
+        kwargs = {name: getattr(self, name) for name in _SAMPLING_FIELDS if getattr(self, name) is not None}
+        return SamplingParams(**kwargs, max_tokens=max_tokens, logprobs=logprobs)
+
+    @property
+    def include_usage(self) -> bool:
+        return self.stream_options is not None and self.stream_options.include_usage
+
+
+class CompletionRequest(SamplingRequest):
+    # A string, a list of token ids, or a batch of either (choices are numbered prompt_index * n + i).
+    prompt: str | list[int] | list[str] | list[list[int]]
+    logprobs: int | None = None
+    """Top log-probabilities per token (0 = only the sampled token's)."""
+    echo: bool = False
+    """Put the prompt in front of each choice's text."""
+
+
+class ContentPart(_Body):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(_Body):
+    role: str
+    content: str | list[ContentPart] | None = None
+
+    def text(self) -> str:
+        if isinstance(self.content, list):
+            return "".join(part.text for part in self.content)
+        return self.content or ""
+
+
+class ChatCompletionRequest(SamplingRequest):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = None
+    """OpenAI's newer name for max_tokens; wins when both are given."""
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    add_generation_prompt: bool = True
+
+
+class SimpleGenerateRequest(SamplingRequest):
+    """vLLM's `POST /generate`: `prompt`, `stream` and SamplingParams' fields."""
+    prompt: str
+
+
+# ---------------------------------------------------------------------------------------------------- responses
+class _OmitNone(BaseModel):
+    """Leaves out the fields named in `_omit_if_none` when they are None."""
+    _omit_if_none: tuple[str, ...] = ()
+
+    @model_serializer(mode="wrap")
+    def _omit(self, handler):
+        data = handler(self)
+        return {k: v for k, v in data.items() if not (v is None and k in self._omit_if_none)}
+
+class UsageInfo(BaseModel):
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    total_tokens: int = 0
+
+
+class CompletionLogProbs(BaseModel):
+    text_offset: list[int] = Field(default_factory=list)
+    token_logprobs: list[float | None] = Field(default_factory=list)
+    tokens: list[str] = Field(default_factory=list)
+    top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
+
+
+class CompletionChoice(BaseModel):
+    index: int
+    text: str
+    logprobs: CompletionLogProbs | None = None
+    finish_reason: str | None = None
+
+
+class CompletionResponse(BaseModel):
+    id: str
+    object: str = "text_completion"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[CompletionChoice]
+    usage: UsageInfo | None = None
+
+
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+
+
+class ChatTokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob] = Field(default_factory=list)
+
+
+class ChatLogProbs(BaseModel):
+    content: list[ChatTokenLogprob] | None = None
+
+
+class AssistantMessage(BaseModel):
+    role: str = "assistant"
+    content: str = ""
+
+
+class ChatChoice(BaseModel):
+    index: int
+    message: AssistantMessage
+    logprobs: ChatLogProbs | None = None
+    finish_reason: str | None = None
+
+
+class ChatCompletionResponse(BaseModel):
+    id: str
+    object: str = "chat.completion"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[ChatChoice]
+    usage: UsageInfo | None = None
+
+
+class DeltaMessage(_OmitNone):
+    _omit_if_none = ("role", "content")
+    role: str | None = None
+    content: str | None = None
+
+
+class ChatStreamChoice(BaseModel):
+    index: int
+    delta: DeltaMessage
+    logprobs: ChatLogProbs | None = None
+    finish_reason: str | None = None
+
+
+class ChatCompletionChunk(_OmitNone):
+    _omit_if_none = ("usage",)
+    id: str
+    object: str = "chat.completion.chunk"
+    created: int
+    model: str
+    choices: list[ChatStreamChoice]
+    usage: UsageInfo | None = None
+
+
+class CompletionChunk(_OmitNone):
+    _omit_if_none = ("usage",)
+    id: str
+    object: str = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: UsageInfo | None = None
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: str = "model"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    owned_by: str = "tandem"
+    max_model_len: int | None = None
+
+
+class ModelList(BaseModel):
+    object: str = "list"
+    data: list[ModelCard]
