@@ -1,0 +1,126 @@
+from engine.config import SchedulerConfig
+from engine.kv_cache_manager import KVCacheManager
+from engine.request import Request, RequestStatus
+from engine.sampling_params import SamplingParams
+from engine.scheduler import Scheduler
+
+
+def make(num_blocks=16, block_size=4, max_num_seqs=8, budget=16, caching=True):
+    kv = KVCacheManager(num_blocks, block_size, caching)
+    return Scheduler(SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=budget), kv), kv
+
+
+def req(rid, n, max_tokens=8):
+    return Request(rid, list(range(100, 100 + n)), SamplingParams(max_tokens=max_tokens), max_tokens)
+
+
+def run_step(s, out, sample=True):
+    s.update_from_output(out)
+    for r, _ in out.scheduled:
+        if sample and r.num_computed_tokens == r.num_tokens:
+            r.output_token_ids.append(7)
+
+
+def ids(out):
+    return [(r.request_id, n) for r, n in out.scheduled]
+
+
+def test_chunked_prefill_splits_long_prompt_and_mixes_with_decode():
+    s, _ = make(budget=8)
+    a, b = req("a", 3), req("b", 12)
+    s.add_request(a)
+    s.add_request(b)
+    out = s.schedule()
+    assert ids(out) == [("a", 3), ("b", 5)]
+    run_step(s, out)
+    assert a.num_output_tokens == 1 and b.num_output_tokens == 0
+    out = s.schedule()
+    assert ids(out) == [("a", 1), ("b", 7)]  # a decodes while b's prefill continues
+    run_step(s, out)
+    assert b.num_output_tokens == 1
+    assert ids(s.schedule()) == [("a", 1), ("b", 1)]
+
+
+def test_max_num_seqs_limits_admission():
+    s, _ = make(max_num_seqs=2, budget=100)
+    for i in range(3):
+        s.add_request(req(f"r{i}", 2))
+    assert [r for r, _ in ids(s.schedule())] == ["r0", "r1"]
+    assert len(s.waiting) == 1
+
+
+def test_preempts_most_recent_when_pool_is_full_and_recomputes():
+    # 4 blocks of 2 tokens. a and b take 2 blocks each (3 prompt tokens); at 5 tokens a needs a 3rd block.
+    s, kv = make(num_blocks=4, block_size=2, budget=100)
+    a, b = req("a", 3), req("b", 3)
+    s.add_request(a)
+    s.add_request(b)
+    run_step(s, s.schedule())  # both prefilled, one token each: 4 tokens in 2 blocks each
+    out = s.schedule()
+    assert ids(out) == [("a", 1), ("b", 1)]
+    run_step(s, out)  # 5 tokens each: both need a 3rd block next
+    out = s.schedule()
+    assert out.preempted == [b]
+    assert ids(out) == [("a", 1)]
+    assert b.status == RequestStatus.PREEMPTED and b.num_computed_tokens == 0
+    assert list(s.waiting) == [b] and s.num_preemptions == 1
+    assert kv.get_block_ids("b") == []
+    run_step(s, out)
+    s.finish(a, RequestStatus.FINISHED_LENGTH)
+    assert kv.pool.num_free_blocks == 4 or kv.enable_caching
+    out = s.schedule()
+    # b comes back with its prompt and its 2 outputs; 4 tokens (2 full blocks) were cached before preemption,
+    # and a hit must leave the last token to compute.
+    assert out.scheduled[0][0] is b
+    assert b.num_computed_tokens + out.scheduled[0][1] == b.num_tokens == 5
+
+
+def test_single_request_preempts_itself_rather_than_deadlock():
+    s, kv = make(num_blocks=2, block_size=2, budget=100)
+    a = req("a", 3)
+    s.add_request(a)
+    run_step(s, s.schedule())  # 3 computed + 1 sampled
+    run_step(s, s.schedule())  # 4 computed + 1 sampled: the 5th token needs a 3rd block
+    out = s.schedule()  # no victim but itself
+    assert out.preempted == [a] and out.scheduled == []
+    assert kv.pool.num_free_blocks == 2
+
+
+def test_no_admission_in_a_step_that_preempted():
+    s, _ = make(num_blocks=4, block_size=2, budget=100)
+    a, b = req("a", 3), req("b", 3)
+    s.add_request(a)
+    s.add_request(b)
+    run_step(s, s.schedule())
+    run_step(s, s.schedule())
+    c = req("c", 1)
+    s.add_request(c)
+    out = s.schedule()
+    assert out.preempted == [b]
+    assert [r.request_id for r in s.waiting] == ["b", "c"]
+
+
+def test_prefix_hit_skips_cached_tokens():
+    s, kv = make(num_blocks=16, block_size=4, budget=100)
+    a = req("a", 9)
+    s.add_request(a)
+    run_step(s, s.schedule())
+    b = req("b", 9)  # same prompt
+    s.add_request(b)
+    out = s.schedule()
+    assert ids(out) == [("a", 1), ("b", 1)]
+    assert b.num_cached_tokens == 8
+    assert kv.get_block_ids("b")[:2] == kv.get_block_ids("a")[:2]
+
+
+def test_finish_frees_blocks_unless_held():
+    s, kv = make()
+    a = req("a", 5)
+    a.kv_hold = True
+    s.add_request(a)
+    run_step(s, s.schedule())
+    s.finish(a, RequestStatus.FINISHED_LENGTH)
+    assert kv.get_block_ids("a") == [0, 1]
+    assert s.running == []
+    kv.free(a)
+    assert kv.get_block_ids("a") == []
