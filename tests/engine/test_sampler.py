@@ -117,6 +117,12 @@ def test_top_p_keeps_the_smallest_set_reaching_p():
     assert kept(out) == [{1}, {1, 3}, {1, 3, 4}, {0, 1, 2, 3, 4}]
 
 
+def test_top_p_stops_as_soon_as_the_mass_reaches_p():
+    # Four equal tokens (probability 0.25, exact in float): top_p=0.5 needs exactly two of them.
+    out = apply_top_k_top_p(torch.zeros(2, 4), [0, 0], [0.5, 0.50001])
+    assert [len(k) for k in kept(out)] == [2, 3]
+
+
 def test_top_p_applies_to_the_top_k_renormalized_distribution():
     logits = probs_logits([0.05, 0.4, 0.1, 0.3, 0.15])
     # top_k=3 leaves 0.4, 0.3, 0.15 -> renormalized 0.47, 0.35, 0.18: top_p=0.8 keeps two, not three.
@@ -128,6 +134,8 @@ def test_min_p_drops_tokens_below_a_fraction_of_the_top_probability():
     logits = probs_logits([0.05, 0.4, 0.1, 0.3, 0.15]).repeat(3, 1)
     out = apply_min_p(logits, [0.3, 0.5, 0.0])  # thresholds 0.12, 0.2, 0
     assert kept(out) == [{1, 3, 4}, {1, 3}, {0, 1, 2, 3, 4}]
+    # min_p=1 keeps exactly the tokens tied at the top.
+    assert kept(apply_min_p(torch.tensor([[1.0, 3.0, 3.0, 2.0]]), [1.0])) == [{1, 2}]
 
 
 def test_sampled_tokens_stay_inside_the_kept_set():
