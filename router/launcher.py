@@ -1,0 +1,193 @@
+"""`tandem up`: the whole stack on one machine, as child processes: N prefill workers, M decode workers, one router.
+
+1. `launch_commands(ns)` turns the flags into one `tandem <role> ...` command line per process (compose.yaml runs
+   the same lines; tests/test_compose.py checks that). Engine flags are passed to every worker, and the model
+   flags to the router, so all of them agree on the model and its context length.
+2. Workers start first, then the router; each child is in its own process group and gets SIGTERM if this process
+   dies without cleaning up (PR_SET_PDEATHSIG).
+3. It polls the router's `/health` until it answers 200 (a prefill and a decode instance are serving), then prints
+   where to connect.
+4. Ctrl-C or SIGTERM: the router is stopped first (it finishes open responses), then the workers; a child that does
+   not exit within --stop-timeout seconds is killed. Exit status 0.
+   If any child exits on its own, the rest are stopped the same way and `tandem up` exits 1.
+"""
+from __future__ import annotations
+
+import argparse
+import ctypes
+import signal
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from dataclasses import fields
+
+from engine.args import EngineArgs, add_engine_args
+
+# Ports of the workers, counted up from --worker-port: prefill 0..P-1, then decode 0..D-1.
+DEFAULT_WORKER_PORT = 50060
+# Each worker's Prometheus /metrics port, counted up the same way from --metrics-port.
+DEFAULT_METRICS_PORT = 9100
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="tandem up", description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--prefill", type=int, default=1, help="number of prefill workers")
+    p.add_argument("--decode", type=int, default=1, help="number of decode workers")
+    p.add_argument("--host", default="127.0.0.1", help="address every process binds to")
+    p.add_argument("--grpc-port", type=int, default=50051, help="router: public gRPC API port")
+    p.add_argument("--http-port", type=int, default=8000, help="router: OpenAI HTTP API port")
+    p.add_argument("--worker-port", type=int, default=DEFAULT_WORKER_PORT,
+                   help="first worker gRPC port (prefill workers first, then decode)")
+    p.add_argument("--metrics-port", type=int, default=DEFAULT_METRICS_PORT,
+                   help="first worker Prometheus port (same order as --worker-port)")
+    p.add_argument("--policy", choices=("round_robin", "least_loaded"), default="round_robin",
+                   help="router: how to pick instances")
+    p.add_argument("--ready-timeout", type=float, default=900.0, help="seconds to wait for the stack to be ready")
+    p.add_argument("--stop-timeout", type=float, default=15.0, help="seconds a child gets to exit before SIGKILL")
+    add_engine_args(p)
+    p.set_defaults(device="cpu")
+    return p
+
+
+def _engine_flags(ns: argparse.Namespace, names: tuple[str, ...] | None = None) -> list[str]:
+    """The engine flags to pass on: --model and --device always, the others where they differ from the default."""
+    out = []
+    for f in fields(EngineArgs):
+        if names is not None and f.name not in names:
+            continue
+        value, flag = getattr(ns, f.name), "--" + f.name.replace("_", "-")
+        if f.name not in ("model", "device") and value == f.default:
+            continue
+        if isinstance(value, bool):
+            out.append(flag if value else "--no-" + flag[2:])
+        elif value is not None:
+            out += [flag, str(value)]
+    return out
+
+
+def _local(host: str) -> str:
+    return "127.0.0.1" if host in ("0.0.0.0", "", "::") else host
+
+
+def launch_commands(ns: argparse.Namespace, address=None) -> dict[str, list[str]]:
+    """name -> the `tandem ...` command line of each process, in start order (workers, then the router).
+
+    `address(name)` is the host others use to reach process `name` (compose: its service name); by default
+    the bind host (127.0.0.1 when binding every interface).
+    """
+    address = address or (lambda name: _local(ns.host))
+    engine = _engine_flags(ns)
+    cmds: dict[str, list[str]] = {}
+    k = 0
+    for role, count in (("prefill", ns.prefill), ("decode", ns.decode)):
+        for i in range(count):
+            cmds[f"{role}-{i}"] = ["tandem", role, "--host", ns.host, "--port", str(ns.worker_port + k),
+                                   "--metrics-port", str(ns.metrics_port + k), *engine]
+            k += 1
+
+    def addrs(role: str) -> str:
+        return ",".join(f"{address(name)}:{cmd[cmd.index('--port') + 1]}"
+                        for name, cmd in cmds.items() if name.startswith(role + "-"))
+
+    cmds["router"] = ["tandem", "router", "--host", ns.host, "--grpc-port", str(ns.grpc_port),
+                      "--http-port", str(ns.http_port), "--prefill", addrs("prefill"), "--decode", addrs("decode"),
+                      "--policy", ns.policy, *_engine_flags(ns, ("model", "served_model_name", "max_model_len"))]
+    return cmds
+
+
+def _die_with_parent() -> None:
+    """In the child: get SIGTERM when the launcher dies, even by SIGKILL (Linux), so no worker is orphaned."""
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except OSError:
+        pass
+
+
+def _healthy(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(url, timeout=2) as r:
+            return r.status == 200
+    except (urllib.error.URLError, OSError):
+        return False
+
+
+class _Stop(Exception):
+    def __init__(self, signum: int):
+        super().__init__(signal.Signals(signum).name)
+
+
+def _raise_stop(signum, _frame):
+    raise _Stop(signum)
+
+
+def _stop_all(children: dict[str, subprocess.Popen], timeout: float) -> None:
+    """Router first (it drains open requests), then the workers; SIGKILL for any that outlive timeout."""
+    order = ["router"] + [name for name in children if name != "router"]
+    for group in (order[:1], order[1:]):
+        procs = [children[name] for name in group if name in children]
+        for proc in procs:
+            if proc.poll() is None:
+                proc.terminate()
+        deadline = time.monotonic() + timeout
+        for proc in procs:
+            try:
+                proc.wait(max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                print(f"tandem up: pid {proc.pid} did not stop in {timeout:.0f}s; killing it", file=sys.stderr)
+                proc.kill()
+                proc.wait()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    ns = parser.parse_args(argv)
+    if ns.prefill < 1 or ns.decode < 1:
+        parser.error(f"--prefill={ns.prefill} --decode={ns.decode}: each must be >= 1")
+    cmds = launch_commands(ns)
+    children: dict[str, subprocess.Popen] = {}
+    health_url = f"http://{_local(ns.host)}:{ns.http_port}/health"
+    signal.signal(signal.SIGTERM, _raise_stop)
+    signal.signal(signal.SIGINT, _raise_stop)
+    status = 0
+    try:
+        for name, cmd in cmds.items():
+            # `tandem` may not be on PATH (a venv not activated): run the same entry point with this interpreter.
+            children[name] = subprocess.Popen([sys.executable, "-m", "engine.cli", *cmd[1:]],
+                                              start_new_session=True, preexec_fn=_die_with_parent)
+            print(f"tandem up: started {name} (pid {children[name].pid}): {' '.join(cmd)}", flush=True)
+        ready, deadline = False, time.monotonic() + ns.ready_timeout
+        while True:
+            dead = [(name, p.returncode) for name, p in children.items() if p.poll() is not None]
+            if dead:
+                name, code = dead[0]
+                print(f"tandem up: {name} exited with status {code}; stopping the rest", file=sys.stderr, flush=True)
+                status = 1
+                break
+            if not ready:
+                if _healthy(health_url):
+                    ready = True
+                    model = ns.served_model_name or ns.model
+                    print(f"tandem up: ready. OpenAI API: http://{_local(ns.host)}:{ns.http_port}/v1 "
+                          f"(model {model!r}); gRPC: {_local(ns.host)}:{ns.grpc_port}; "
+                          f"{ns.prefill} prefill, {ns.decode} decode. Ctrl-C stops everything.", flush=True)
+                elif time.monotonic() > deadline:
+                    print(f"tandem up: not ready after {ns.ready_timeout:.0f}s ({health_url}); stopping",
+                          file=sys.stderr, flush=True)
+                    status = 1
+                    break
+            time.sleep(0.25)
+    except _Stop as e:
+        print(f"tandem up: {e}: stopping", flush=True)
+    finally:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C must not cut the clean-up short
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        _stop_all(children, ns.stop_timeout)
+    print("tandem up: stopped", flush=True)
+    return status
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,132 @@
+"""`tandem router`: one process, one uvloop event loop, serving the public gRPC API and the OpenAI HTTP API over a
+single RouterCore.
+
+1. Flags (and TANDEM_PREFILL_ADDRS / TANDEM_DECODE_ADDRS) say where the prefill and decode instances are.
+2. The HTTP port is bound first, so a port in use fails fast with a clear message, before any instance is dialled.
+3. `RouterCore.create` connects to the instances and starts polling their health; `/health` turns 200 once at least
+   one prefill and one decode instance answer.
+4. The gRPC server (router/grpc_server.py) and uvicorn (router/http.py's app) run side by side in this loop.
+5. SIGTERM or SIGINT: uvicorn stops accepting and finishes open responses (at most --shutdown-grace seconds), the
+   gRPC server drains with the same grace, then the core closes its channels. Exit status 0.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import logging
+import os
+import signal
+import socket
+import sys
+
+import uvicorn
+import uvloop
+
+log = logging.getLogger("tandem.router")
+
+ENV_PREFILL = "TANDEM_PREFILL_ADDRS"
+ENV_DECODE = "TANDEM_DECODE_ADDRS"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="tandem router", description=__doc__.split("\n\n")[0])
+    p.add_argument("--host", default="127.0.0.1", help="address to bind both APIs to (default: 127.0.0.1)")
+    p.add_argument("--grpc-port", type=int, default=50051, help="public gRPC API port (default: 50051)")
+    p.add_argument("--http-port", type=int, default=8000, help="OpenAI HTTP API port (default: 8000)")
+    p.add_argument("--prefill", default=None,
+                   help=f"prefill instances, host:port[,host:port...] (default: ${ENV_PREFILL})")
+    p.add_argument("--decode", default=None,
+                   help=f"decode instances, host:port[,host:port...] (default: ${ENV_DECODE})")
+    p.add_argument("--policy", choices=("round_robin", "least_loaded"), default="round_robin",
+                   help="how to pick instances (default: round_robin)")
+    p.add_argument("--model", default="smollm2", help="the model the workers serve (for the tokenizer)")
+    p.add_argument("--served-model-name", default=None, help="name clients use (default: the model's own name)")
+    p.add_argument("--max-model-len", type=int, default=None,
+                   help="context length (default: the model's); must match the workers'")
+    p.add_argument("--shutdown-grace", type=float, default=5.0,
+                   help="seconds open requests get to finish on SIGTERM (default: 5)")
+    p.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
+    return p
+
+
+def parse_addresses(value: str | None, env: str) -> list[str]:
+    """host:port list from a flag, else from the environment; ValueError names the flag when it is malformed."""
+    flag = "--" + ("prefill" if env == ENV_PREFILL else "decode")
+    raw = value if value is not None else os.environ.get(env, "")
+    addrs = [a.strip() for a in raw.split(",") if a.strip()]
+    if not addrs:
+        raise ValueError(f"{flag}: no instances given (pass {flag} host:port[,host:port...] or set ${env})")
+    for a in addrs:
+        host, _, port = a.rpartition(":")
+        if not host or not port.isdigit() or not 0 < int(port) < 65536:
+            raise ValueError(f"{flag}={a!r}: must be host:port with a port in 1..65535")
+    return addrs
+
+
+def _bind(host: str, port: int) -> socket.socket:
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, port))
+    sock.set_inheritable(True)
+    return sock
+
+
+class _Uvicorn(uvicorn.Server):
+    """uvicorn without its own signal handlers: this process handles SIGTERM/SIGINT for both servers."""
+
+    @contextlib.contextmanager
+    def capture_signals(self):
+        yield
+
+
+async def serve(ns: argparse.Namespace, prefill: list[str], decode: list[str]) -> None:
+    from router.core import RouterConfig, RouterCore
+    from router.grpc_server import start_grpc_server
+    from router.http import create_app
+
+    http_sock = _bind(ns.host, ns.http_port)
+    core = await RouterCore.create(RouterConfig(
+        prefill_addrs=prefill, decode_addrs=decode, policy=ns.policy, model=ns.model,
+        served_model_name=ns.served_model_name, max_model_len=ns.max_model_len))
+    try:
+        grpc_server = await start_grpc_server(core, f"{ns.host}:{ns.grpc_port}")
+        http = _Uvicorn(uvicorn.Config(create_app(core), lifespan="off", log_level=ns.log_level,
+                                       timeout_graceful_shutdown=ns.shutdown_grace, access_log=False))
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stop.set)
+        http_task = asyncio.create_task(http.serve(sockets=[http_sock]))
+        log.info("router: OpenAI HTTP on http://%s:%d, gRPC on %s:%d; prefill %s; decode %s; policy %s",
+                 ns.host, ns.http_port, ns.host, ns.grpc_port, ",".join(prefill), ",".join(decode), ns.policy)
+        stop_task = asyncio.create_task(stop.wait())
+        await asyncio.wait({http_task, stop_task}, return_when=asyncio.FIRST_COMPLETED)
+        log.info("router: shutting down")
+        http.should_exit = True
+        await asyncio.gather(http_task, grpc_server.stop(ns.shutdown_grace), return_exceptions=True)
+        stop_task.cancel()
+    finally:
+        await core.close()
+        http_sock.close()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    ns = parser.parse_args(argv)
+    logging.basicConfig(level=ns.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        prefill = parse_addresses(ns.prefill, ENV_PREFILL)
+        decode = parse_addresses(ns.decode, ENV_DECODE)
+    except ValueError as e:
+        parser.error(str(e))
+    try:
+        uvloop.run(serve(ns, prefill, decode))
+    except OSError as e:  # the HTTP or gRPC port is taken, or the host is not ours
+        print(f"tandem router: {e}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
