@@ -117,8 +117,12 @@ class Sampler:
         q = torch.empty_like(probs)
         q.exponential_()  # one shared draw for the rows without a seed
         for i, s in enumerate(states):
-            if s.generator is not None:
+            if s.generator is None:
+                continue
+            if s.generator.device == q.device:
                 q[i].exponential_(generator=s.generator)
+            else:  # e.g. a CPU generator with CUDA logits: draw where the generator lives, then copy
+                q[i].copy_(torch.empty(q.shape[1], device=s.generator.device).exponential_(generator=s.generator))
         # Exp(1) can round to 0 on some backends; 0 / 0 would be NaN and win the argmax.
         q.clamp_(min=torch.finfo(torch.float32).tiny)
         return (probs / q).argmax(dim=-1)
