@@ -44,3 +44,10 @@ def check_same_device(**tensors: torch.Tensor) -> None:
     devices = {name: t.device for name, t in tensors.items()}
     if len(set(devices.values())) > 1:
         raise ValueError(f"tensors on different devices: {devices}")
+
+
+def check_out(name: str, out: torch.Tensor, like_shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> None:
+    """A caller-supplied output: same shape, dtype and device as the kernel would allocate, last dim contiguous."""
+    check_tensor(name, out, dtypes=(dtype,), shape=tuple(like_shape))
+    if out.device != device:
+        raise ValueError(f"{name}: on {out.device}, expected {device}")

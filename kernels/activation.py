@@ -6,7 +6,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from kernels._checks import FLOAT_DTYPES, check_tensor
+from kernels._checks import FLOAT_DTYPES, check_out, check_tensor
 
 
 def silu_and_mul_ref(x: torch.Tensor) -> torch.Tensor:
@@ -33,14 +33,19 @@ def _silu_and_mul_kernel(
     tl.store(out_ptr + row * stride_out + cols, (silu * up.to(tl.float32)).to(gate.dtype), mask=mask)
 
 
-def silu_and_mul_triton(x: torch.Tensor) -> torch.Tensor:
+def silu_and_mul_triton(x: torch.Tensor, *, out: torch.Tensor | None = None) -> torch.Tensor:
     check_tensor("x", x, dtypes=FLOAT_DTYPES)
     if x.dim() == 0 or x.shape[-1] % 2:
         raise ValueError(f"x: last dim {x.shape[-1] if x.dim() else None} must be even (gate and up halves)")
     inter = x.shape[-1] // 2
     x2 = x.reshape(-1, 2 * inter)
-    out = torch.empty((*x.shape[:-1], inter), dtype=x.dtype, device=x.device)
-    out2 = out.view(-1, inter)
+    if out is None:
+        out = torch.empty((*x.shape[:-1], inter), dtype=x.dtype, device=x.device)
+    check_out("out", out, (*x.shape[:-1], inter), x.dtype, x.device)
+    try:
+        out2 = out.view(-1, inter)
+    except RuntimeError:
+        raise ValueError(f"out: strides {out.stride()} do not let the leading dims flatten into rows") from None
     if x2.shape[0] == 0 or inter == 0:
         return out
     block_i = min(triton.next_power_of_2(inter), 1024)

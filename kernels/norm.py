@@ -9,7 +9,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels._checks import FLOAT_DTYPES, check_same_device, check_tensor
+from kernels._checks import FLOAT_DTYPES, check_out, check_same_device, check_tensor
 
 
 def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -57,15 +57,21 @@ def _rms_norm_kernel(
     tl.store(out_ptr + row * stride_out + cols, (y * w).to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def _as_rows(name: str, t: torch.Tensor, n: int) -> torch.Tensor:
-    """[..., n] -> [rows, n] view (a copy only if the leading dims cannot be flattened)."""
+def _as_rows(name: str, t: torch.Tensor, n: int, *, view: bool = False) -> torch.Tensor:
+    """[..., n] -> [rows, n]: a view (inputs may be copied when the leading dims cannot be flattened)."""
     if t.shape[-1] != n:
         raise ValueError(f"{name}: last dim {t.shape[-1]}, expected hidden size {n} (weight.shape[0])")
-    return t.reshape(-1, n)
+    if not view:
+        return t.reshape(-1, n)
+    try:
+        return t.view(-1, n)
+    except RuntimeError:
+        raise ValueError(f"{name}: strides {t.stride()} do not let the leading dims flatten into rows") from None
 
 
 def _launch_rms_norm(
-    x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
+    x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float,
+    out: torch.Tensor | None, residual_out: torch.Tensor | None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     check_tensor("x", x, dtypes=FLOAT_DTYPES)
     check_tensor("weight", weight, ndim=1, dtypes=FLOAT_DTYPES)
@@ -82,12 +88,15 @@ def _launch_rms_norm(
         raise ValueError(f"weight: hidden size {n} > 65536, the largest row one program holds")
     x2 = _as_rows("x", x, n)
     out_dtype = x.dtype if x.dtype == torch.float32 else torch.promote_types(x.dtype, weight.dtype)
-    out = torch.empty(x.shape, dtype=out_dtype, device=x.device)
-    out2 = out.view(-1, n)
+    if out is None:
+        out = torch.empty(x.shape, dtype=out_dtype, device=x.device)
+    check_out("out", out, tuple(x.shape), out_dtype, x.device)
+    out2 = _as_rows("out", out, n, view=True)
     if residual is not None:
         r2 = _as_rows("residual", residual, n)
-        res_out = torch.empty_like(x)
-        res_out2 = res_out.view(-1, n)
+        res_out = torch.empty(x.shape, dtype=x.dtype, device=x.device) if residual_out is None else residual_out
+        check_out("residual_out", res_out, tuple(x.shape), x.dtype, x.device)
+        res_out2 = _as_rows("residual_out", res_out, n, view=True)
     else:
         r2 = res_out2 = x2  # unused
         res_out = None
@@ -103,14 +112,18 @@ def _launch_rms_norm(
     return out, res_out
 
 
-def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    return _launch_rms_norm(x, None, weight, eps)[0]
+def rms_norm_triton(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, *, out: torch.Tensor | None = None
+) -> torch.Tensor:
+    return _launch_rms_norm(x, None, weight, eps, out, None)[0]
 
 
 def fused_add_rms_norm_triton(
-    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, *,
+    out: torch.Tensor | None = None, residual_out: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """residual <- x + residual; returns (rms_norm(residual), residual). Out of place, like the reference."""
-    out, res = _launch_rms_norm(x, residual, weight, eps)
+    """residual <- x + residual; returns (rms_norm(residual), residual). Out of place like the reference unless
+    out / residual_out are given (residual_out=residual, out=x make it in place)."""
+    out, res = _launch_rms_norm(x, residual, weight, eps, out, residual_out)
     assert res is not None
     return out, res

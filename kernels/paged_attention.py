@@ -23,7 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels._checks import FLOAT_DTYPES, FP8_DTYPE, check_same_device, check_tensor, interpreting
+from kernels._checks import FLOAT_DTYPES, FP8_DTYPE, check_out, check_same_device, check_tensor, interpreting
 
 
 def gather_kv_ref(
@@ -356,6 +356,7 @@ def paged_attention_triton(
     k_scale: float = 1.0,
     v_scale: float = 1.0,
     *,
+    out: torch.Tensor | None = None,  # [num_tokens, num_heads, head_dim] to write into (else allocated)
     config: dict[str, int] | None = None,  # overrides default_config's entries (tests and bench/kernels.py)
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
     """The device values (seq_lens, query_start_loc, block_tables) are trusted, not checked (that needs a host
@@ -385,7 +386,9 @@ def paged_attention_triton(
         if not float(val) > 0:
             raise ValueError(f"{name}={val}: must be > 0")
 
-    out = torch.empty_like(q, memory_format=torch.contiguous_format)
+    if out is None:
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    check_out("out", out, tuple(q.shape), q.dtype, q.device)
     if num_tokens == 0 or num_seqs == 0:
         return out
     queries_per_kv = num_heads // num_kv_heads

@@ -9,7 +9,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels._checks import FLOAT_DTYPES, check_same_device, check_tensor
+from kernels._checks import FLOAT_DTYPES, check_out, check_same_device, check_tensor
 
 
 def rotary_embedding_ref(
@@ -79,8 +79,11 @@ def rotary_embedding_triton(
     q: torch.Tensor,  # [num_tokens, num_heads, head_dim], any strides with a contiguous last dim
     k: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
     cos_sin_cache: torch.Tensor,  # [max_position, head_dim] float32
+    *,
+    q_out: torch.Tensor | None = None,
+    k_out: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Returns new (q, k) tensors; the inputs are not modified. Positions are not range-checked on the device
+    """Returns (q, k) rotated: new tensors unless q_out / k_out are given (q_out=q, k_out=k: in place). Positions are not range-checked on the device
     (that would need a host sync): they must be < cos_sin_cache.shape[0]."""
     check_tensor("positions", positions, ndim=1, dtypes=(torch.int32, torch.int64), last_dim_contiguous=False)
     check_tensor("q", q, ndim=3, dtypes=FLOAT_DTYPES)
@@ -92,8 +95,10 @@ def rotary_embedding_triton(
         raise ValueError(f"positions: {positions.shape[0]} entries, expected num_tokens={num_tokens}")
     if head_dim % 2:
         raise ValueError(f"q: head_dim={head_dim} must be even")
-    q_out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-    k_out = torch.empty(k.shape, dtype=k.dtype, device=k.device)
+    q_out = torch.empty(q.shape, dtype=q.dtype, device=q.device) if q_out is None else q_out
+    k_out = torch.empty(k.shape, dtype=k.dtype, device=k.device) if k_out is None else k_out
+    check_out("q_out", q_out, tuple(q.shape), q.dtype, q.device)
+    check_out("k_out", k_out, tuple(k.shape), k.dtype, k.device)
     if num_tokens == 0:
         return q_out, k_out
     half = head_dim // 2

@@ -1,0 +1,200 @@
+"""kernels/paged_attention.py: the Triton kernel against paged_attention_ref.
+
+On the CPU these run under TRITON_INTERPRET=1 (tests/kernels/conftest.py) with small shapes; on CUDA the same grid
+runs, plus full Qwen2.5-7B shapes and a cache past 2**31 elements.
+"""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from kernels import paged_attention
+from kernels.paged_attention import default_config, paged_attention_ref, paged_attention_triton
+
+ON_CUDA = torch.cuda.is_available()
+DEVICE = "cuda" if ON_CUDA else "cpu"
+cuda_only = pytest.mark.skipif(not ON_CUDA, reason="needs a CUDA device")
+TOL = {torch.float32: 2e-5, torch.float16: 3e-3, torch.bfloat16: 2e-2}
+
+
+def make_batch(specs, num_heads, num_kv_heads, head_dim, block_size, dtype, kv_fp8=False, *, seed,
+               num_layers=2, layer=1, spare_blocks=3, device=DEVICE):
+    """specs: [(q_len, seq_len)]. Returns the kernel's arguments with K/V in the layer view of one strided
+    [num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim] tensor; slots no sequence owns hold NaN."""
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+    nblk = [math.ceil(sl / block_size) for _, sl in specs]
+    num_blocks = sum(nblk) + spare_blocks
+    kv = torch.full((num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim), float("nan"))
+    perm = torch.randperm(num_blocks, generator=gen)
+    max_blocks = max(nblk) + 2
+    block_tables = torch.zeros(len(specs), max_blocks, dtype=torch.int32)
+    used = 0
+    for i, ((_, sl), n) in enumerate(zip(specs, nblk)):
+        ids = perm[used:used + n]
+        used += n
+        block_tables[i, :n] = ids
+        flat = torch.randn(n * block_size, 2, num_kv_heads, head_dim, generator=gen)
+        flat[sl:] = float("nan")  # stale tail of the last block
+        kv[ids, layer] = flat.view(n, block_size, 2, num_kv_heads, head_dim).transpose(1, 2)
+    k_scale = v_scale = 1.0
+    if kv_fp8:
+        k_scale, v_scale = 0.02, 0.03
+        kv[:, :, 0] /= k_scale
+        kv[:, :, 1] /= v_scale
+        kv = kv.to(torch.float8_e4m3fn)
+    else:
+        kv = kv.to(dtype)
+    kv = kv.to(device)
+    q_lens = torch.tensor([ql for ql, _ in specs])
+    qsl = torch.zeros(len(specs) + 1, dtype=torch.int32)
+    qsl[1:] = torch.cumsum(q_lens, 0)
+    q = torch.randn(int(qsl[-1]), num_heads, head_dim, generator=gen).to(dtype).to(device)
+    seq_lens = torch.tensor([sl for _, sl in specs], dtype=torch.int32)
+    return dict(
+        q=q, k_cache=kv[:, layer, 0], v_cache=kv[:, layer, 1], block_tables=block_tables.to(device),
+        seq_lens=seq_lens.to(device), query_start_loc=qsl.to(device), max_query_len=int(q_lens.max()),
+        max_seq_len=int(seq_lens.max()), scale=head_dim ** -0.5, k_scale=k_scale, v_scale=v_scale,
+    )
+
+
+def check(args, config=None, seed=None):
+    q = args["q"]
+    out = torch.full_like(q, float("nan"))
+    res = paged_attention_triton(**args, out=out, config=config)
+    assert res is out
+    ref = paged_attention_ref(**args)
+    assert torch.isfinite(ref).all()
+    assert torch.isfinite(out).all(), f"seed {seed}: kernel left unwritten (NaN) outputs or read stale slots"
+    err = ((out.float() - ref.float()).norm() / ref.float().norm()).item()
+    assert err < TOL[q.dtype], f"seed {seed}: relative error {err:.2e} >= {TOL[q.dtype]:.0e}"
+
+
+def ragged_specs(seed, num_seqs, max_ctx, max_q):
+    """A mixed batch: prefill chunks with a cached prefix, whole prompts and decodes, random lengths."""
+    gen = torch.Generator().manual_seed(seed)
+    specs = [(1, 1), (max_q, max_q)]  # a first-token decode and a whole prompt with no prefix
+    for _ in range(num_seqs - 2):
+        ql = 1 if torch.rand(1, generator=gen) < 0.5 else int(torch.randint(2, max_q + 1, (1,), generator=gen))
+        ctx = int(torch.randint(0, max_ctx, (1,), generator=gen))
+        specs.append((ql, ctx + ql))
+    return [specs[i] for i in torch.randperm(len(specs), generator=gen)]
+
+
+# (head_dim, num_heads, num_kv_heads, block_size, dtype, kv_fp8): covers head sizes 64/128 (+80 padded),
+# GQA ratios 1, 2, 3, 4, 7, 8, block sizes 16/32, three dtypes, fp8 KV.
+GRID = [
+    (64, 4, 4, 16, torch.float32, False),
+    (64, 8, 4, 32, torch.float16, False),
+    (128, 8, 2, 16, torch.bfloat16, False),
+    (128, 8, 1, 32, torch.float32, False),
+    (64, 14, 2, 16, torch.bfloat16, False),
+    (80, 4, 2, 16, torch.float16, False),
+    (128, 6, 2, 16, torch.float16, True),
+    (64, 8, 1, 32, torch.bfloat16, True),
+    (64, 4, 4, 16, torch.float32, True),
+]
+
+
+@pytest.mark.parametrize("head_dim,num_heads,num_kv_heads,block_size,dtype,kv_fp8", GRID)
+def test_mixed_prefill_and_decode(head_dim, num_heads, num_kv_heads, block_size, dtype, kv_fp8):
+    seed = int(torch.randint(2**31, (1,)))  # fresh inputs each run; a failure prints its seed
+    max_ctx, max_q = (2000, 300) if ON_CUDA else (70, 20)
+    specs = ragged_specs(seed, 16 if ON_CUDA else 5, max_ctx, max_q)
+    check(make_batch(specs, num_heads, num_kv_heads, head_dim, block_size, dtype, kv_fp8, seed=seed), seed=seed)
+
+
+@pytest.mark.parametrize("num_segments", [2, 4, 8])
+@pytest.mark.parametrize("kv_fp8", [False, True])
+def test_split_context_decode(num_segments, kv_fp8):
+    # Lengths from 1 (most segments empty) to several tiles per segment; ragged tails.
+    specs = [(1, 1), (1, 17), (1, 150), (1, 63)] if not ON_CUDA else [(1, n) for n in (1, 17, 4100, 9000, 777)]
+    args = make_batch(specs, 8, 2, 64, 16, torch.bfloat16, kv_fp8, seed=num_segments * 7 + kv_fp8)
+    check(args, config=dict(num_segments=num_segments, tile_n=16))
+
+
+def test_split_context_mixed_batch():
+    # The split path is general: prefill chunks in a split launch must agree too.
+    args = make_batch([(9, 60), (1, 40), (20, 20)], 4, 2, 64, 16, torch.float32, seed=11)
+    check(args, config=dict(num_segments=4, tile_n=16))
+
+
+@pytest.mark.parametrize("tile_n,block_m", [(16, 16), (32, 64), (64, 32)])
+def test_tile_sizes_independent_of_block_size(tile_n, block_m):
+    # tile_n below, at and above the cache block size (32), several query tiles per sequence.
+    args = make_batch([(40, 100), (1, 65), (33, 33)], 8, 2, 64, 32, torch.float16, seed=tile_n + block_m)
+    check(args, config=dict(tile_n=tile_n, block_m=block_m))
+
+
+def test_strided_query_and_unit_batch():
+    # q as the middle slice of a fused qkv projection [T, (H + 2*Hkv) * D]: token stride != H * D.
+    args = make_batch([(5, 12)], 4, 2, 64, 16, torch.float32, seed=3)
+    qkv = torch.randn(5, 8 * 64, device=DEVICE)
+    qkv[:, :4 * 64] = args["q"].reshape(5, -1)
+    args["q"] = qkv[:, :4 * 64].view(5, 4, 64)
+    assert not args["q"].is_contiguous()
+    check(args)
+
+
+def test_dispatch_matches_reference_on_cpu_tensors():
+    args = make_batch([(3, 9), (1, 4)], 4, 2, 64, 16, torch.float32, seed=5, device="cpu")
+    torch.testing.assert_close(paged_attention(**args), paged_attention_ref(**args))
+
+
+def test_default_config_splits_only_small_long_decodes():
+    assert default_config(64, 4, 7, 128, 1, 4096, 132)["num_segments"] > 1
+    assert default_config(256, 4, 7, 128, 1, 4096, 132)["num_segments"] == 1
+    assert default_config(1, 4, 7, 128, 512, 4096, 132)["num_segments"] == 1
+    assert default_config(1, 4, 7, 128, 1, 64, 132)["num_segments"] == 1
+
+
+def test_bad_arguments_name_the_argument():
+    args = make_batch([(2, 5)], 4, 2, 64, 16, torch.float32, seed=1)
+    with pytest.raises(ValueError, match="num_heads=3 is not a multiple"):
+        paged_attention_triton(**{**args, "q": torch.randn(2, 4, 64, device=DEVICE)[:, :3]})
+    with pytest.raises(ValueError, match="k_cache: dtype"):
+        paged_attention_triton(**{**args, "k_cache": args["k_cache"].half()})
+    with pytest.raises(ValueError, match="seq_lens: dtype"):
+        paged_attention_triton(**{**args, "seq_lens": args["seq_lens"].float()})
+    with pytest.raises(ValueError, match="query_start_loc: shape"):
+        paged_attention_triton(**{**args, "query_start_loc": args["query_start_loc"][:1]})
+    with pytest.raises(ValueError, match="max_seq_len=1000"):
+        paged_attention_triton(**{**args, "max_seq_len": 1000})
+    with pytest.raises(ValueError, match="scale=0"):
+        paged_attention_triton(**{**args, "scale": 0.0})
+    with pytest.raises(ValueError, match="q: last-dim stride"):
+        paged_attention_triton(**{**args, "q": args["q"].transpose(1, 2).contiguous().transpose(1, 2)})
+
+
+@cuda_only
+@pytest.mark.parametrize("dtype,kv_fp8", [(torch.bfloat16, False), (torch.bfloat16, True), (torch.float16, False)])
+@pytest.mark.parametrize("max_q", [1, 1024])
+def test_qwen_shapes_full(dtype, kv_fp8, max_q):
+    # Qwen2.5-7B: 28 query heads, 4 KV heads, head_dim 128; decodes to 8k context, prefill chunks of 1024.
+    specs = [(1, 8192), (1, 3000), (1, 1)] + ([(max_q, 4096), (max_q, max_q), (17, 5000)] if max_q > 1 else
+                                              [(1, n) for n in (100, 4096, 513)])
+    check(make_batch(specs, 28, 4, 128, 16, dtype, kv_fp8, seed=max_q))
+
+
+@cuda_only
+def test_cache_past_int32_offsets():
+    # A cache of 70000 blocks x 2 x 16 x 8 x 128 = 2.3e9 elements: block ids above 65536 need 64-bit offsets.
+    num_blocks, block_size, hkv, d = 70000, 16, 8, 128
+    kv = torch.empty(num_blocks, 1, 2, block_size, hkv, d, dtype=torch.bfloat16, device="cuda")
+    assert kv.numel() > 2**31
+    seq_lens = [700, 1, 333]
+    bt = torch.zeros(3, 48, dtype=torch.int32, device="cuda")
+    top = num_blocks - 1
+    for i, sl in enumerate(seq_lens):
+        n = math.ceil(sl / block_size)
+        ids = torch.arange(top - n + 1, top + 1, device="cuda").flip(0)
+        top -= n
+        bt[i, :n] = ids
+        kv[ids] = torch.randn(n, 1, 2, block_size, hkv, d, device="cuda", dtype=torch.bfloat16)
+    qsl = torch.tensor([0, 5, 6, 9], dtype=torch.int32, device="cuda")
+    args = dict(q=torch.randn(9, 32, d, device="cuda", dtype=torch.bfloat16), k_cache=kv[:, 0, 0],
+                v_cache=kv[:, 0, 1], block_tables=bt, seq_lens=torch.tensor(seq_lens, dtype=torch.int32,
+                device="cuda"), query_start_loc=qsl, max_query_len=5, max_seq_len=700, scale=d ** -0.5)
+    check(args)
+    check(args, config=dict(num_segments=4))
