@@ -1,0 +1,1 @@
+"""The decode service: receives prompts' KV from prefill instances and generates the rest in a continuous batch."""

@@ -1,0 +1,268 @@
+"""The decode service's core: reservations, incoming KV transfers, and the continuous batch.
+
+The life of a request inside a decode instance:
+1. The router calls Decode: `decode()` validates the parameters and reserves blocks for the whole prompt
+   (`engine.reserve_prefilled`). No room: RESOURCE_EXHAUSTED, and the router tries another instance. Otherwise it
+   answers Reserved and arms a timer for the transfer deadline.
+2. The prefill instance opens TransferKv with the same request id: `transfer()` checks the KvTransferOpen (a live
+   reservation, the cache layout field by field, prompt length, block count), then writes each KvBlocks run into
+   the reserved blocks (`kv_cache[block_ids] = payload`, in the engine thread, which first checks that the
+   reservation is still live so that a late write never lands in a freed block).
+3. On KvTransferCommit, with every block received, `engine.commit_prefilled(first_token)` puts the request in the
+   running batch (the first token was already streamed by prefill) and the KvTransferAck lets prefill free its copy.
+4. Each engine step's outputs go back to the loop; the Decode stream yields them as TokenDeltas until the request
+   finishes. Preemption (recompute) and prefix caching happen inside this instance's engine.
+5. Failures: the deadline passing before the commit, a bad or broken transfer, or the router cancelling the call
+   all end the Decode stream; its `finally` aborts the request in the engine, which frees the reservation or the
+   running request's blocks. Nothing else holds blocks.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass, field
+
+import grpc
+
+from engine.metrics import Metrics
+from prefill_svc.engine_worker import EngineWorker
+from prefill_svc.kv_layout import layout_mismatch, layout_of, write_blocks
+from protos.runtime import ServiceError, delta_to_proto, sampling_from_proto
+from protos.tandem.v1 import common_pb2, decode_pb2, kv_transfer_pb2
+
+log = logging.getLogger("tandem.decode")
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+@dataclass
+class _Dec:
+    """Loop-side state of one request."""
+    request_id: str
+    num_prompt_tokens: int
+    timeout_s: float
+    arrival: float
+    out: asyncio.Queue = field(default_factory=asyncio.Queue)  # StepOutput | Exception
+    block_ids: list[int] | None = None
+    transfer_open: bool = False
+    committed: bool = False
+    timer: asyncio.TimerHandle | None = None
+    last_token_time: float | None = None
+
+
+class DecodeCore:
+    def __init__(self, engine, metrics: Metrics, default_kv_timeout_s: float = 30.0):
+        self.engine = engine
+        self.metrics = metrics
+        self.default_kv_timeout_s = default_kv_timeout_s
+        self.model_name = engine.model_name
+        self.max_model_len = engine.max_model_len
+        self.block_size = engine.config.cache.block_size
+        self.layout = layout_of(engine.kv_cache)
+        self._live: set[str] = set()  # engine thread: reservations that may still be written
+        self._reqs: dict[str, _Dec] = {}  # event loop only
+        self._counters = (0, 0, 0)
+        self.worker: EngineWorker | None = None
+
+    async def start(self) -> None:
+        self.worker = EngineWorker(self.engine, asyncio.get_running_loop(), self._on_step, self._after_step,
+                                   name="decode-engine")
+        self.worker.start()
+
+    async def close(self) -> None:
+        for rid in list(self._reqs):
+            self.worker.submit(self._end, rid)
+        self.worker.stop()
+
+    # ---- engine thread ----------------------------------------------------------------------------------------
+    def _reserve(self, engine, rid: str, prompt: list[int], params) -> list[int] | None:
+        ids = engine.reserve_prefilled(rid, prompt, params)
+        if ids is not None:
+            self._live.add(rid)
+        return ids
+
+    def _write(self, engine, rid: str, block_ids: list[int], data: bytes) -> None:
+        if rid not in self._live:
+            raise ServiceError(grpc.StatusCode.ABORTED, f"request_id={rid!r}: the reservation was freed")
+        write_blocks(engine.kv_cache, block_ids, data)
+
+    def _commit(self, engine, rid: str, first_token_id: int):
+        if rid not in self._live:
+            raise ServiceError(grpc.StatusCode.ABORTED, f"request_id={rid!r}: the reservation was freed")
+        self._live.discard(rid)
+        return engine.commit_prefilled(rid, first_token_id)
+
+    def _end(self, engine, rid: str) -> None:
+        self._live.discard(rid)
+        engine.abort(rid)  # frees a reservation, or the running request's blocks; no-op when already finished
+
+    def _after_step(self, engine, outs):
+        kv = engine.kv
+        counters = (kv.prefix_queries, kv.prefix_hits, engine.scheduler.num_preemptions)
+        deltas = [b - a for a, b in zip(self._counters, counters)]
+        self._counters = counters
+        return engine.num_running, len(self._live), kv.usage(), deltas
+
+    def _load(self, engine) -> common_pb2.InstanceLoad:
+        kv = engine.kv
+        used = kv.num_blocks - kv.pool.num_free_blocks
+        return common_pb2.InstanceLoad(
+            role="decode", model=self.model_name, num_requests_running=engine.num_running,
+            num_requests_waiting=len(self._live) + engine.num_waiting, num_used_blocks=used,
+            num_total_blocks=kv.num_blocks, kv_cache_usage=used / kv.num_blocks, block_size=self.block_size,
+            max_model_len=self.max_model_len)
+
+    # ---- event loop -------------------------------------------------------------------------------------------
+    def _on_step(self, outs, stats) -> None:
+        for out in outs:
+            d = self._reqs.get(out.request_id)
+            if d is not None and d.committed:
+                d.out.put_nowait(out)
+        if stats is not None:
+            running, waiting, usage, (dq, dh, dp) = stats
+            m = self.metrics
+            m.num_requests_running.set(running)
+            m.num_requests_waiting.set(waiting)
+            m.kv_cache_usage_perc.set(usage)
+            m.prefix_cache_queries.inc(dq)
+            m.prefix_cache_hits.inc(dh)
+            m.num_preemptions.inc(dp)
+
+    async def load(self) -> common_pb2.InstanceLoad:
+        load = await self.worker.call(self._load)
+        load.num_tracked_requests = len(self._reqs)
+        return load
+
+    def _fail(self, rid: str, exc: Exception) -> None:
+        d = self._reqs.get(rid)
+        if d is not None and not d.committed:
+            d.out.put_nowait(exc)
+
+    def _expire(self, rid: str) -> None:
+        d = self._reqs.get(rid)
+        if d is None or d.committed:
+            return
+        self.metrics.kv_transfer_failures.inc()
+        log.warning("kv transfer for %s missed its %.1fs deadline; freeing the reservation", rid, d.timeout_s)
+        self._fail(rid, ServiceError(grpc.StatusCode.DEADLINE_EXCEEDED,
+                                     f"kv transfer for request_id={rid!r} not complete after {d.timeout_s:g}s; "
+                                     "the reservation was freed"))
+        self.worker.submit(self._end, rid)
+
+    async def decode(self, request_id: str, prompt: list[int], params_msg: common_pb2.SamplingParams,
+                     kv_timeout_s: float | None):
+        """Yields DecodeResponse messages: Reserved, then the deltas after the first token."""
+        if not request_id:
+            raise ValueError("request_id: must not be empty")
+        if request_id in self._reqs:
+            raise ServiceError(grpc.StatusCode.ALREADY_EXISTS, f"request_id={request_id!r}: already in flight")
+        params = sampling_from_proto(params_msg, n=1)
+        d = _Dec(request_id, len(prompt), kv_timeout_s or self.default_kv_timeout_s, time.monotonic())
+        self._reqs[request_id] = d
+        try:
+            d.block_ids = await self.worker.call(self._reserve, request_id, prompt, params)
+            if d.block_ids is None:
+                raise ServiceError(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                   f"decode has no room for {len(prompt)} prompt tokens "
+                                   f"({cdiv(len(prompt), self.block_size)} blocks) now; try another instance")
+            d.timer = asyncio.get_running_loop().call_later(d.timeout_s, self._expire, request_id)
+            yield decode_pb2.DecodeResponse(reserved=decode_pb2.Reserved(num_blocks=len(d.block_ids)))
+            while True:
+                item = await d.out.get()
+                if isinstance(item, Exception):
+                    raise item
+                now = time.monotonic()
+                if item.new_token_ids and d.last_token_time is not None:
+                    self.metrics.inter_token_latency_seconds.observe(now - d.last_token_time)
+                d.last_token_time = now
+                self.metrics.generation_tokens.inc(len(item.new_token_ids))
+                yield decode_pb2.DecodeResponse(delta=delta_to_proto(item))
+                if item.finished:
+                    self.metrics.e2e_request_latency_seconds.observe(now - d.arrival)
+                    self.metrics.finished(item.finish_reason)
+                    return
+        finally:
+            if d.timer is not None:
+                d.timer.cancel()
+            self._reqs.pop(request_id, None)
+            self.worker.submit(self._end, request_id)
+
+    async def transfer(self, messages) -> kv_transfer_pb2.KvTransferAck:
+        """Receives one request's KV (see kv_transfer.proto); returns the ack once the request is in the batch."""
+        t0 = time.monotonic()
+        try:
+            first = await anext(messages)
+        except StopAsyncIteration:
+            raise ValueError("TransferKv: empty stream; the first message must be `open`") from None
+        if not first.HasField("open"):
+            raise ValueError(f"TransferKv: first message is `{first.WhichOneof('kind')}`; it must be `open`")
+        op = first.open
+        rid = op.request_id
+        d = self._reqs.get(rid)
+        if d is None or d.block_ids is None:
+            raise ServiceError(grpc.StatusCode.NOT_FOUND, f"open.request_id={rid!r}: no reservation here (never "
+                                                          "made, expired, or cancelled)")
+        if d.transfer_open or d.committed:
+            raise ServiceError(grpc.StatusCode.ALREADY_EXISTS, f"open.request_id={rid!r}: transfer already open")
+        d.transfer_open = True
+        received = bytearray(len(d.block_ids))  # 1 where a block arrived
+        nbytes = 0
+        try:
+            bad = layout_mismatch(self.layout, op.layout)
+            if bad is None and op.num_prompt_tokens != d.num_prompt_tokens:
+                bad = f"open.num_prompt_tokens={op.num_prompt_tokens}: the reservation is for {d.num_prompt_tokens}"
+            if bad is None and op.num_blocks != len(d.block_ids):
+                bad = f"open.num_blocks={op.num_blocks}: the reservation holds {len(d.block_ids)} blocks"
+            if bad is not None:
+                raise ServiceError(grpc.StatusCode.INVALID_ARGUMENT, bad)
+            block_bytes = self.layout.block_bytes
+            async for msg in messages:
+                kind = msg.WhichOneof("kind")
+                if kind == "blocks":
+                    b = msg.blocks
+                    if b.num_blocks < 1 or b.first_block_index + b.num_blocks > len(d.block_ids):
+                        raise ServiceError(grpc.StatusCode.INVALID_ARGUMENT,
+                                           f"blocks.first_block_index={b.first_block_index}, num_blocks="
+                                           f"{b.num_blocks}: must lie within the {len(d.block_ids)} reserved blocks")
+                    if len(b.data) != b.num_blocks * block_bytes:
+                        raise ServiceError(grpc.StatusCode.INVALID_ARGUMENT,
+                                           f"blocks.data: {len(b.data)} bytes, must be num_blocks * block_bytes = "
+                                           f"{b.num_blocks * block_bytes}")
+                    ids = d.block_ids[b.first_block_index:b.first_block_index + b.num_blocks]
+                    await self.worker.call(self._write, rid, ids, b.data)
+                    received[b.first_block_index:b.first_block_index + b.num_blocks] = b"\x01" * b.num_blocks
+                    nbytes += len(b.data)
+                    self.metrics.kv_transfer_bytes.inc(len(b.data))
+                elif kind == "commit":
+                    missing = received.count(0)
+                    if missing:
+                        raise ServiceError(grpc.StatusCode.INVALID_ARGUMENT,
+                                           f"commit: {missing} of {len(received)} blocks never arrived")
+                    out = await self.worker.call(self._commit, rid, msg.commit.first_token_id)
+                    d.committed = True
+                    if d.timer is not None:
+                        d.timer.cancel()
+                    if out.finished:  # the first token already ended it (the router has that token)
+                        out.new_token_ids, out.new_text, out.new_logprobs = [], "", None
+                        d.out.put_nowait(out)
+                    self.metrics.kv_transfer_seconds.observe(time.monotonic() - t0)
+                    return kv_transfer_pb2.KvTransferAck(request_id=rid, received_bytes=nbytes,
+                                                         num_blocks=len(received))
+                else:
+                    raise ValueError(f"TransferKv: unexpected `{kind}` message after `open`")
+            raise ServiceError(grpc.StatusCode.ABORTED, "TransferKv: stream ended without `commit`")
+        except BaseException as exc:
+            if not d.committed:
+                self.metrics.kv_transfer_failures.inc()
+                if isinstance(exc, asyncio.CancelledError):
+                    err = ServiceError(grpc.StatusCode.ABORTED, f"kv transfer for request_id={rid!r} was cancelled "
+                                                                "by the prefill instance")
+                elif isinstance(exc, ServiceError):
+                    err = exc
+                else:
+                    err = ServiceError(grpc.StatusCode.ABORTED, f"kv transfer for request_id={rid!r} failed: {exc}")
+                self._fail(rid, err)
+            raise

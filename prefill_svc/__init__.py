@@ -1,0 +1,1 @@
+"""The prefill service: computes prompts' KV and first tokens and streams the KV to decode instances."""

@@ -1,0 +1,251 @@
+"""The prefill service's core: one engine thread, the requests in flight, and their KV transfers.
+
+The life of a request inside a prefill instance:
+1. `prefill()` validates the sampling parameters and queues the prompt in the engine with max_tokens=1 and
+   kv_hold=True (the engine keeps the blocks after the first token), and, when the router named a decode target,
+   opens the KV transfer stream to it (Decode.TransferKv) with a KvTransferOpen describing the cache layout.
+2. The engine thread runs chunked prefill, batching chunks of many prompts under the token budget. After each step
+   the `_after_step` hook (still in the engine thread) reads the blocks that became full (`kv_cache[block_ids]`,
+   one gather and one device -> host copy) and the loop queues them as KvBlocks messages: the transfer of chunk k
+   overlaps the compute of chunk k+1. The step that finishes the prompt also samples the first token; the hook then
+   sends the last, partial block too.
+3. The first token is streamed back to the router at once (FirstToken), before the transfer completes.
+4. If the request ended with that token (a stop token, max_tokens=1, a full context) there is nothing for decode
+   to do: the transfer is cancelled (decode frees its reservation). Otherwise a KvTransferCommit with the first
+   token closes the stream, and once decode acknowledges, TransferDone ends the RPC.
+5. Whatever happens (ack, transfer error, deadline, client cancellation), `finally` aborts the request in the engine,
+   which frees the held blocks (`engine.abort` -> `release_kv`). Nothing else holds blocks.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass, field
+
+import grpc
+
+from engine.metrics import Metrics
+from prefill_svc.engine_worker import EngineWorker
+from prefill_svc.kv_layout import layout_of, read_blocks
+from protos.runtime import KV_CHUNK_BYTES, ServiceError, channel, delta_to_proto, sampling_from_proto
+from protos.tandem.v1 import common_pb2, decode_pb2_grpc, kv_transfer_pb2, prefill_pb2
+
+log = logging.getLogger("tandem.prefill")
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+@dataclass
+class _Tx:
+    """Engine-thread state of one outgoing transfer."""
+    num_prompt_tokens: int
+    sent_blocks: int = 0
+
+
+@dataclass
+class _Req:
+    """Loop-side state of one request."""
+    request_id: str
+    num_prompt_tokens: int
+    arrival: float
+    first: asyncio.Future
+    tx: asyncio.Queue | None = None
+    sent_bytes: int = 0
+    sent_blocks: int = 0
+    extra: dict = field(default_factory=dict)
+
+
+class PrefillCore:
+    def __init__(self, engine, metrics: Metrics, default_kv_timeout_s: float = 30.0):
+        self.engine = engine  # owned by the worker thread once start() ran; read-only constants below
+        self.metrics = metrics
+        self.default_kv_timeout_s = default_kv_timeout_s
+        self.model_name = engine.model_name
+        self.max_model_len = engine.max_model_len
+        self.block_size = engine.config.cache.block_size
+        self.layout = layout_of(engine.kv_cache)
+        self.blocks_per_message = max(1, KV_CHUNK_BYTES // self.layout.block_bytes)
+        self._tx: dict[str, _Tx] = {}  # engine thread only
+        self._reqs: dict[str, _Req] = {}  # event loop only
+        self._channels: dict[str, grpc.aio.Channel] = {}
+        self._counters = (0, 0, 0)  # prefix queries, prefix hits, preemptions (engine thread)
+        self.worker: EngineWorker | None = None
+
+    async def start(self) -> None:
+        self.worker = EngineWorker(self.engine, asyncio.get_running_loop(), self._on_step, self._after_step,
+                                   name="prefill-engine")
+        self.worker.start()
+
+    async def close(self) -> None:
+        for rid in list(self._reqs):
+            self.worker.submit(self._end, rid)
+        self.worker.stop()
+        for ch in self._channels.values():
+            await ch.close()
+
+    # ---- engine thread ----------------------------------------------------------------------------------------
+    def _add(self, engine, rid: str, prompt: list[int], params, transfer: bool) -> None:
+        engine.add_request(rid, prompt, params, kv_hold=True)
+        if transfer:
+            self._tx[rid] = _Tx(len(prompt))
+
+    def _end(self, engine, rid: str) -> None:
+        self._tx.pop(rid, None)
+        engine.abort(rid)  # frees the held blocks (or the running request's) and forgets it
+
+    def _after_step(self, engine, outs) -> tuple[list, object]:
+        payloads = []
+        for out in outs:
+            tx = self._tx.get(out.request_id)
+            if tx is None:
+                continue
+            if out.finished and out.finish_reason == "abort":
+                self._tx.pop(out.request_id, None)
+                continue
+            final = out.finished
+            n = tx.num_prompt_tokens
+            upto = cdiv(n, self.block_size) if final else min(out.num_computed_tokens, n) // self.block_size
+            if upto > tx.sent_blocks:
+                ids = engine.get_block_ids(out.request_id)[tx.sent_blocks:upto]
+                for i in range(0, len(ids), self.blocks_per_message):
+                    run = ids[i:i + self.blocks_per_message]
+                    payloads.append((out.request_id, tx.sent_blocks + i, len(run), read_blocks(engine.kv_cache, run)))
+                tx.sent_blocks = upto
+            if final:
+                del self._tx[out.request_id]
+        kv = engine.kv
+        counters = (kv.prefix_queries, kv.prefix_hits, engine.scheduler.num_preemptions)
+        deltas = [b - a for a, b in zip(self._counters, counters)]
+        self._counters = counters
+        return payloads, (engine.num_running, engine.num_waiting, kv.usage(), deltas)
+
+    def _load(self, engine) -> common_pb2.InstanceLoad:
+        sched, kv = engine.scheduler, engine.kv
+        queued = sum(r.num_tokens - r.num_computed_tokens for r in list(sched.waiting) + sched.running)
+        used = kv.num_blocks - kv.pool.num_free_blocks
+        return common_pb2.InstanceLoad(
+            role="prefill", model=self.model_name, num_requests_running=engine.num_running,
+            num_requests_waiting=engine.num_waiting, num_queued_tokens=queued, num_used_blocks=used,
+            num_total_blocks=kv.num_blocks, kv_cache_usage=used / kv.num_blocks, block_size=self.block_size,
+            max_model_len=self.max_model_len)
+
+    # ---- event loop -------------------------------------------------------------------------------------------
+    def _on_step(self, outs, extra) -> None:
+        payloads, stats = extra if extra else ([], None)
+        for rid, first, n, data in payloads:
+            r = self._reqs.get(rid)
+            if r is None or r.tx is None:
+                continue
+            r.tx.put_nowait(kv_transfer_pb2.KvTransferMessage(
+                blocks=kv_transfer_pb2.KvBlocks(first_block_index=first, num_blocks=n, data=data)))
+        for out in outs:
+            r = self._reqs.get(out.request_id)
+            if r is not None and (out.new_token_ids or out.finished) and not r.first.done():
+                r.first.set_result(out)
+        if stats is not None:
+            running, waiting, usage, (dq, dh, dp) = stats
+            m = self.metrics
+            m.num_requests_running.set(running)
+            m.num_requests_waiting.set(waiting)
+            m.kv_cache_usage_perc.set(usage)
+            m.prefix_cache_queries.inc(dq)
+            m.prefix_cache_hits.inc(dh)
+            m.num_preemptions.inc(dp)
+
+    async def load(self) -> common_pb2.InstanceLoad:
+        load = await self.worker.call(self._load)
+        load.num_tracked_requests = len(self._reqs)
+        return load
+
+    def _channel(self, address: str) -> grpc.aio.Channel:
+        ch = self._channels.get(address)
+        if ch is None:
+            ch = self._channels[address] = channel(address)
+        return ch
+
+    async def prefill(self, request_id: str, prompt: list[int], params_msg: common_pb2.SamplingParams,
+                      decode_address: str, kv_timeout_s: float | None):
+        """Yields PrefillResponse messages: FirstToken, then TransferDone when a decode target took the KV."""
+        if not request_id:
+            raise ValueError("request_id: must not be empty")
+        if request_id in self._reqs:
+            raise ServiceError(grpc.StatusCode.ALREADY_EXISTS, f"request_id={request_id!r}: already in flight")
+        params = sampling_from_proto(params_msg, n=1)  # validates the request's own parameters
+        first_params = sampling_from_proto(params_msg, n=1, max_tokens=1, min_tokens=min(params.min_tokens, 1))
+        timeout = kv_timeout_s or self.default_kv_timeout_s
+        loop = asyncio.get_running_loop()
+        r = _Req(request_id, len(prompt), time.monotonic(), loop.create_future())
+        self._reqs[request_id] = r
+        sender: asyncio.Task | None = None
+        try:
+            if decode_address:
+                r.tx = asyncio.Queue()
+            await self.worker.call(self._add, request_id, prompt, first_params, bool(decode_address))
+            if decode_address:
+                sender = asyncio.create_task(self._send(r, decode_address, timeout))
+            waiters = [r.first] + ([sender] if sender else [])
+            await asyncio.wait(waiters, return_when=asyncio.FIRST_COMPLETED)
+            if not r.first.done():  # the transfer failed before the first token
+                sender.result()
+                raise ServiceError(grpc.StatusCode.INTERNAL, "kv transfer ended before the first token")
+            out = r.first.result()
+            if out.finish_reason == "abort":
+                raise ServiceError(grpc.StatusCode.INTERNAL, "the engine aborted the request (model step failed)")
+            t_first = time.monotonic()
+            self.metrics.time_to_first_token_seconds.observe(t_first - r.arrival)
+            self.metrics.prompt_tokens.inc(len(prompt))
+            done = (out.finish_reason != "length" or params.max_tokens == 1
+                    or len(prompt) + 1 >= self.max_model_len)
+            delta = delta_to_proto(out)
+            if not done:  # the request goes on in decode: the first token is not the last
+                delta.finish_reason = common_pb2.FINISH_REASON_UNSPECIFIED
+            yield prefill_pb2.PrefillResponse(first_token=prefill_pb2.FirstToken(
+                delta=delta, num_prompt_tokens=len(prompt), num_cached_tokens=out.num_cached_tokens))
+            if sender is None or done:
+                return
+            r.tx.put_nowait(kv_transfer_pb2.KvTransferMessage(commit=kv_transfer_pb2.KvTransferCommit(
+                first_token_id=out.new_token_ids[0], num_cached_tokens=out.num_cached_tokens)))
+            seconds = await sender
+            yield prefill_pb2.PrefillResponse(transfer_done=prefill_pb2.TransferDone(
+                transfer_bytes=r.sent_bytes, num_blocks=r.sent_blocks, transfer_seconds=seconds,
+                tail_seconds=time.monotonic() - t_first))
+        finally:
+            self._reqs.pop(request_id, None)
+            if sender is not None and not sender.done():
+                sender.cancel()
+            self.worker.submit(self._end, request_id)
+
+    async def _send(self, r: _Req, address: str, timeout: float) -> float:
+        """Streams r's transfer to address; returns its duration in seconds once decode acknowledged."""
+        stub = decode_pb2_grpc.DecodeStub(self._channel(address))
+        t0 = time.monotonic()
+        num_blocks = cdiv(r.num_prompt_tokens, self.block_size)
+
+        async def messages():
+            yield kv_transfer_pb2.KvTransferMessage(open=kv_transfer_pb2.KvTransferOpen(
+                request_id=r.request_id, layout=self.layout, num_prompt_tokens=r.num_prompt_tokens,
+                num_blocks=num_blocks, deadline_ms=int(timeout * 1000)))
+            while True:
+                msg = await r.tx.get()
+                if msg.HasField("blocks"):
+                    r.sent_bytes += len(msg.blocks.data)
+                    r.sent_blocks += msg.blocks.num_blocks
+                    self.metrics.kv_transfer_bytes.inc(len(msg.blocks.data))
+                yield msg
+                if msg.HasField("commit"):
+                    return
+
+        try:
+            await stub.TransferKv(messages(), timeout=timeout)
+        except asyncio.CancelledError:
+            raise
+        except grpc.aio.AioRpcError as e:
+            self.metrics.kv_transfer_failures.inc()
+            log.warning("kv transfer of %s to %s failed: %s %s", r.request_id, address, e.code().name, e.details())
+            raise ServiceError(e.code(), f"kv transfer to decode {address} failed: {e.details()}") from None
+        seconds = time.monotonic() - t0
+        self.metrics.kv_transfer_seconds.observe(seconds)
+        return seconds

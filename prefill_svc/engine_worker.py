@@ -1,0 +1,98 @@
+"""The one thread that owns an engine (shared by the prefill and the decode service).
+
+The engine is not thread-safe, so everything that touches it (adding, aborting, reserving, reading or writing KV
+blocks, stepping) runs in this thread. The asyncio side sends commands through a queue (`call` awaits the result,
+`submit` does not); between commands the thread steps the engine whenever it has work, runs the service's
+`after_step` hook (in this thread, e.g. to read freshly filled KV blocks) and hands the step's outputs to the event
+loop with `loop.call_soon_threadsafe(on_step, outputs, extra)`.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+from collections.abc import Callable
+from typing import Any
+
+log = logging.getLogger("tandem.engine_worker")
+
+_STOP = object()
+
+
+class EngineWorker:
+    def __init__(self, engine, loop: asyncio.AbstractEventLoop, on_step: Callable[[list, Any], None],
+                 after_step: Callable[[Any, list], Any] | None = None, name: str = "engine"):
+        self.engine = engine
+        self.loop = loop
+        self.on_step = on_step
+        self.after_step = after_step
+        self._q: queue.SimpleQueue = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self.num_steps = 0
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self, timeout: float = 5.0) -> None:
+        self._q.put(_STOP)
+        self._thread.join(timeout)
+
+    async def call(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """Runs fn(engine, *args) in the engine thread; returns its result or raises its exception."""
+        fut = self.loop.create_future()
+        self._q.put((fn, args, fut))
+        return await fut
+
+    def submit(self, fn: Callable[..., Any], *args: Any) -> None:
+        """Runs fn(engine, *args) in the engine thread without waiting (errors are logged)."""
+        self._q.put((fn, args, None))
+
+    def _resolve(self, fut: asyncio.Future, ok: bool, value: Any) -> None:
+        if fut.cancelled():
+            return
+        if ok:
+            fut.set_result(value)
+        else:
+            fut.set_exception(value)
+
+    def _execute(self, item) -> bool:
+        if item is _STOP:
+            return False
+        fn, args, fut = item
+        try:
+            result, ok = fn(self.engine, *args), True
+        except Exception as exc:  # noqa: BLE001 - a failed command ends its caller's request, not the thread
+            result, ok = exc, False
+            if fut is None:
+                log.exception("engine command %s failed", getattr(fn, "__name__", fn))
+        if fut is not None:
+            self.loop.call_soon_threadsafe(self._resolve, fut, ok, result)
+        return True
+
+    def _run(self) -> None:
+        engine = self.engine
+        while True:
+            # Block for a command only when there is nothing to step.
+            try:
+                item = self._q.get(block=not engine.has_unfinished_requests(), timeout=None)
+            except queue.Empty:
+                item = None
+            while item is not None:
+                if not self._execute(item):
+                    return
+                try:
+                    item = self._q.get_nowait()
+                except queue.Empty:
+                    item = None
+            if not engine.has_unfinished_requests():
+                continue
+            try:
+                outs = engine.step()
+                extra = self.after_step(engine, outs) if self.after_step is not None else None
+            except Exception:  # noqa: BLE001 - the engine aborts a failing batch itself; this is a last resort
+                log.exception("engine step failed")
+                continue
+            self.num_steps += 1
+            if outs or extra:
+                self.loop.call_soon_threadsafe(self.on_step, outs, extra)

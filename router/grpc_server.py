@@ -1,0 +1,71 @@
+"""The public gRPC API (tandem.v1.Generate) over a RouterCore, with grpc.health.v1 and reflection.
+
+A thin servicer: protobuf -> GenerateRequest (SamplingParams validates and names the field), RouterCore.generate,
+GenerateDelta -> protobuf. RequestError and ValueError become status codes in protos.runtime.grpc_method (the one
+place): invalid_argument -> INVALID_ARGUMENT, not_found -> NOT_FOUND, resource_exhausted -> RESOURCE_EXHAUSTED,
+unavailable -> UNAVAILABLE, anything else -> INTERNAL. A client's cancel cancels the handler, which closes the core's
+stream and so cancels the request on the prefill and decode services.
+"""
+from __future__ import annotations
+
+import uuid
+
+import grpc
+
+from protos.runtime import (add_health_and_reflection, finish_to_proto, grpc_method, logprobs_to_proto, new_server,
+                            sampling_from_proto, set_serving)
+from protos.tandem.v1 import common_pb2, generate_pb2, generate_pb2_grpc
+from router.core import GenerateRequest, RequestError, RouterCore
+
+SERVICE_NAME = generate_pb2.DESCRIPTOR.services_by_name["Generate"].full_name
+
+
+class GenerateServicer(generate_pb2_grpc.GenerateServicer):
+    def __init__(self, core: RouterCore):
+        self.core = core
+
+    def _model(self, name: str) -> str:
+        return name or self.core.models()[0]
+
+    @grpc_method
+    async def Generate(self, request, context):
+        params = sampling_from_proto(request.params)
+        if request.prompt and request.prompt_token_ids:
+            raise RequestError("invalid_argument", "prompt", "prompt: give exactly one of prompt and prompt_token_ids")
+        rid = "cmpl-" + uuid.uuid4().hex
+        req = GenerateRequest(request_id=rid, model=self._model(request.model),
+                              prompt=None if request.prompt_token_ids else request.prompt,
+                              prompt_token_ids=list(request.prompt_token_ids) or None, params=params)
+        async for d in self.core.generate(req):
+            delta = common_pb2.TokenDelta(token_ids=d.token_ids, text=d.text,
+                                          finish_reason=finish_to_proto(d.finish_reason) if d.finish_reason else 0,
+                                          num_output_tokens=d.completion_tokens)
+            if d.logprobs:
+                delta.logprobs.extend(logprobs_to_proto(d.logprobs, d.token_ids))
+            yield generate_pb2.GenerateResponse(
+                request_id=rid, index=d.index, delta=delta,
+                usage=generate_pb2.Usage(prompt_tokens=d.prompt_tokens, completion_tokens=d.completion_tokens))
+
+    @grpc_method
+    async def Tokenize(self, request, context):
+        model = self._model(request.model)
+        if model not in self.core.models():
+            raise RequestError("not_found", "model", f"model={model!r}: not served here")
+        return generate_pb2.TokenizeResponse(token_ids=await self.core.tokenize(request.text))
+
+    @grpc_method
+    async def ListModels(self, request, context):
+        return generate_pb2.ListModelsResponse(models=self.core.models(), max_model_len=self.core.max_model_len)
+
+
+async def start_grpc_server(core: RouterCore, address: str) -> grpc.aio.Server:
+    """Starts the public API on address ("host:port"); the caller stops it with `await server.stop(grace)`."""
+    server = new_server()
+    generate_pb2_grpc.add_GenerateServicer_to_server(GenerateServicer(core), server)
+    hs = add_health_and_reflection(server, [SERVICE_NAME])
+    if server.add_insecure_port(address) == 0:
+        raise OSError(f"cannot bind the gRPC API to {address}")
+    await server.start()
+    # SERVING once the router is up; readiness of the instances behind it is the core's ready() (HTTP /health).
+    await set_serving(hs, [SERVICE_NAME], True)
+    return server

@@ -1,0 +1,132 @@
+"""The router's view of its prefill and decode instances: channels, health polling, and the picking policies.
+
+Every `poll_interval_s` each instance gets a grpc.health.v1 Check for its service and a GetLoad; an instance that
+fails either (or that a request found unreachable, `mark_down`) leaves the rotation until a poll succeeds again.
+
+Policies (`--policy`):
+- round_robin: healthy instances in turn.
+- least_loaded: decode instances by KV-cache usage (polled, in 10 % steps), then by requests this router has in
+  flight there; prefill instances by prompt tokens this router has in flight there, then by polled queued tokens.
+  The in-flight counts are exact and immediate (this router sends the requests); the polled numbers are at most one
+  poll interval old and also cover other routers' requests.
+"""
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+from dataclasses import dataclass, field
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from protos.runtime import channel
+from protos.tandem.v1 import common_pb2, decode_pb2, decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc
+
+log = logging.getLogger("tandem.router.instances")
+
+POLICIES = ("round_robin", "least_loaded")
+_SERVICES = {"prefill": prefill_pb2.DESCRIPTOR.services_by_name["Prefill"].full_name,
+             "decode": decode_pb2.DESCRIPTOR.services_by_name["Decode"].full_name}
+_STUBS = {"prefill": prefill_pb2_grpc.PrefillStub, "decode": decode_pb2_grpc.DecodeStub}
+
+
+@dataclass(eq=False)
+class Instance:
+    role: str
+    address: str
+    channel: grpc.aio.Channel
+    stub: object
+    health: health_pb2_grpc.HealthStub
+    healthy: bool = False
+    load: common_pb2.InstanceLoad | None = None
+    inflight: int = 0  # this router's requests there
+    inflight_tokens: int = 0  # their prompt tokens (prefill)
+    last_error: str = ""
+
+    def score(self) -> tuple:
+        polled = self.load or common_pb2.InstanceLoad()
+        if self.role == "decode":
+            return round(polled.kv_cache_usage * 10), self.inflight
+        return self.inflight_tokens, polled.num_queued_tokens
+
+
+@dataclass
+class InstancePool:
+    role: str
+    addresses: list[str]
+    policy: str = "round_robin"
+    poll_interval_s: float = 1.0
+    poll_timeout_s: float = 2.0
+    instances: list[Instance] = field(init=False)
+
+    def __post_init__(self) -> None:
+        if self.role not in _STUBS:
+            raise ValueError(f"role={self.role!r}: must be prefill or decode")
+        if self.policy not in POLICIES:
+            raise ValueError(f"policy={self.policy!r}: must be one of {', '.join(POLICIES)}")
+        if not self.addresses:
+            raise ValueError(f"{self.role}_addrs: at least one host:port is needed")
+        self.instances = []
+        for a in self.addresses:
+            ch = channel(a)
+            self.instances.append(Instance(self.role, a, ch, _STUBS[self.role](ch), health_pb2_grpc.HealthStub(ch)))
+        self._rr = itertools.count()
+        self._task: asyncio.Task | None = None
+
+    async def start(self) -> None:
+        await self.poll_once()
+        self._task = asyncio.create_task(self._poll_forever())
+
+    async def close(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+        for inst in self.instances:
+            await inst.channel.close()
+
+    async def _poll_forever(self) -> None:
+        while True:
+            await asyncio.sleep(self.poll_interval_s)
+            try:
+                await self.poll_once()
+            except Exception:  # noqa: BLE001 - polling must go on
+                log.exception("health poll failed")
+
+    async def poll_once(self) -> None:
+        await asyncio.gather(*(self._poll(i) for i in self.instances))
+
+    async def _poll(self, inst: Instance) -> None:
+        try:
+            resp = await inst.health.Check(health_pb2.HealthCheckRequest(service=_SERVICES[self.role]),
+                                           timeout=self.poll_timeout_s)
+            if resp.status != health_pb2.HealthCheckResponse.SERVING:
+                raise RuntimeError(f"health status {health_pb2.HealthCheckResponse.ServingStatus.Name(resp.status)}")
+            inst.load = await inst.stub.GetLoad(common_pb2.GetLoadRequest(), timeout=self.poll_timeout_s)
+        except Exception as e:  # noqa: BLE001
+            msg = e.code().name if isinstance(e, grpc.aio.AioRpcError) else str(e)
+            if inst.healthy:
+                log.warning("%s %s is down: %s", self.role, inst.address, msg)
+            inst.healthy, inst.last_error = False, msg
+            return
+        if not inst.healthy:
+            log.info("%s %s is up", self.role, inst.address)
+        inst.healthy, inst.last_error = True, ""
+
+    def mark_down(self, inst: Instance, reason: str) -> None:
+        if inst.healthy:
+            log.warning("%s %s taken out of rotation: %s", self.role, inst.address, reason)
+        inst.healthy, inst.last_error = False, reason
+
+    def healthy(self) -> list[Instance]:
+        return [i for i in self.instances if i.healthy]
+
+    def ordered(self) -> list[Instance]:
+        """Healthy instances, the policy's first choice first (the others are fallbacks, in order)."""
+        up = self.healthy()
+        if not up:
+            return []
+        if self.policy == "round_robin":
+            k = next(self._rr) % len(up)
+            return up[k:] + up[:k]
+        return sorted(up, key=Instance.score)
