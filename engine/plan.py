@@ -1,0 +1,271 @@
+"""`tandem plan`: KV-cache sizing from a model's config alone (never its weights).
+
+    usable      = memory * gpu_memory_utilization
+    weights     = parameters counted from the config * bytes of --dtype
+    KV / token  = 2 (K and V) * layers * kv_heads * head_dim * bytes of --kv-cache-dtype
+    blocks      = (usable - weights) // (block_size * KV / token)
+    tokens      = blocks * block_size
+    sequences   = blocks // ceil(max_model_len / block_size)      (how many max_model_len requests fit at once)
+
+Like vLLM's rule of thumb, it leaves no room for activations, CUDA graphs or the allocator's slack: the engine's
+profiled numbers will be somewhat lower.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import re
+import sys
+from dataclasses import dataclass
+
+from transformers import PretrainedConfig
+
+_DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
+_DTYPE_ALIASES = {"fp32": "float32", "float": "float32", "half": "float16", "fp16": "float16", "bf16": "bfloat16"}
+_KV_DTYPE_BYTES = {"fp8": 1, "fp8_e4m3": 1}
+_UNITS = {
+    "": 1, "b": 1,
+    "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+    "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
+}
+_SIZE_RE = re.compile(r"^\s*([0-9]+(?:\.[0-9]+)?)\s*([a-zA-Z]*)\s*$")
+
+
+@dataclass(frozen=True)
+class Plan:
+    model: str
+    """The model spec planned for."""
+    architecture: str
+    """config.architectures[0]."""
+    dtype: str
+    """Weight dtype (resolved; never 'auto')."""
+    kv_cache_dtype: str
+    """KV cache dtype (resolved; never 'auto')."""
+    num_params: int
+    """Parameters counted from the config (tied embeddings counted once)."""
+    weight_bytes: int
+    """num_params * bytes of dtype."""
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    kv_bytes_per_token: int
+    """2 * num_layers * num_kv_heads * head_dim * bytes of kv_cache_dtype."""
+    memory_bytes: int
+    """Device memory given."""
+    gpu_memory_utilization: float
+    """Fraction of memory_bytes the engine may use."""
+    kv_memory_bytes: int
+    """int(memory_bytes * gpu_memory_utilization) - weight_bytes; negative when the weights do not fit."""
+    block_size: int
+    """Tokens per KV block."""
+    num_blocks: int
+    """KV blocks that fit in kv_memory_bytes (0 when it is negative)."""
+    max_kv_tokens: int
+    """num_blocks * block_size."""
+    max_model_len: int
+    """Context length of one sequence."""
+    max_num_seqs_at_max_len: int
+    """Sequences of max_model_len tokens whose KV fits at once."""
+
+    @property
+    def fits(self) -> bool:
+        return self.max_num_seqs_at_max_len >= 1
+
+
+def parse_size(text: str, flag: str = "--memory") -> int:
+    """'80GiB' -> 85899345920; units B, KB/MB/GB/TB (powers of 1000), KiB/MiB/GiB/TiB (powers of 1024)."""
+    m = _SIZE_RE.match(str(text))
+    unit = m.group(2).lower() if m else None
+    if m is None or unit not in _UNITS:
+        raise ValueError(
+            f"{flag}={text!r}: not a size; write a number with an optional unit, e.g. 80GiB, 80GB, 512MiB, 1024 "
+            f"(units: B, KB, MB, GB, TB, KiB, MiB, GiB, TiB)"
+        )
+    value = int(float(m.group(1)) * _UNITS[unit])
+    if value <= 0:
+        raise ValueError(f"{flag}={text!r}: must be > 0 bytes")
+    return value
+
+
+def _head_dim(config: PretrainedConfig) -> int:
+    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+
+def count_params(config: PretrainedConfig) -> int:
+    """Parameters of a Llama/Mistral/Qwen2 decoder with this config, exactly as transformers builds it."""
+    h, inter, vocab = config.hidden_size, config.intermediate_size, config.vocab_size
+    hd, nh = _head_dim(config), config.num_attention_heads
+    nkv = getattr(config, "num_key_value_heads", None) or nh
+    arch = config.architectures[0]
+    qkv_bias = arch == "Qwen2ForCausalLM" or bool(getattr(config, "attention_bias", False))
+    o_bias = arch != "Qwen2ForCausalLM" and bool(getattr(config, "attention_bias", False))
+    mlp_bias = bool(getattr(config, "mlp_bias", False))
+    attn = h * nh * hd + 2 * h * nkv * hd + nh * hd * h
+    attn += (nh * hd + 2 * nkv * hd if qkv_bias else 0) + (h if o_bias else 0)
+    mlp = 3 * h * inter + ((2 * inter + h) if mlp_bias else 0)
+    per_layer = attn + mlp + 2 * h  # + input and post-attention norms
+    embed = vocab * h
+    head = 0 if config.tie_word_embeddings else vocab * h
+    return embed + config.num_hidden_layers * per_layer + h + head
+
+
+def _resolve_dtype(dtype: str, config: PretrainedConfig) -> str:
+    if dtype == "auto":
+        cfg = getattr(config, "dtype", None)
+        name = str(cfg).removeprefix("torch.") if cfg is not None else "bfloat16"
+        # A float32 checkpoint is served in 16 bits on a GPU, as vLLM does.
+        return name if name in ("float16", "bfloat16") else "bfloat16"
+    name = _DTYPE_ALIASES.get(dtype, dtype)
+    if name not in _DTYPE_BYTES:
+        raise ValueError(f"dtype={dtype!r}: must be one of auto, {', '.join(_DTYPE_BYTES)}")
+    return name
+
+
+def _resolve_kv_dtype(kv_cache_dtype: str, dtype: str) -> str:
+    if kv_cache_dtype == "auto":
+        return dtype
+    if kv_cache_dtype in _KV_DTYPE_BYTES:
+        return "fp8_e4m3"
+    name = _DTYPE_ALIASES.get(kv_cache_dtype, kv_cache_dtype)
+    if name not in _DTYPE_BYTES:
+        raise ValueError(
+            f"kv_cache_dtype={kv_cache_dtype!r}: must be one of auto, fp8, fp8_e4m3, {', '.join(_DTYPE_BYTES)}"
+        )
+    return name
+
+
+def plan(
+    model_spec: str,
+    memory_bytes: int,
+    max_model_len: int,
+    dtype: str = "auto",
+    kv_cache_dtype: str = "auto",
+    gpu_memory_utilization: float = 0.9,
+    block_size: int = 16,
+) -> Plan:
+    """Size the KV cache of `model_spec` in `memory_bytes` of device memory. Reads only the config."""
+    if not isinstance(memory_bytes, int) or memory_bytes <= 0:
+        raise ValueError(f"memory_bytes={memory_bytes!r}: must be an int > 0")
+    if not isinstance(max_model_len, int) or max_model_len < 1:
+        raise ValueError(f"max_model_len={max_model_len!r}: must be an int >= 1")
+    if not 0.0 < gpu_memory_utilization <= 1.0:
+        raise ValueError(f"gpu_memory_utilization={gpu_memory_utilization!r}: must be in (0, 1]")
+    if not isinstance(block_size, int) or block_size < 1:
+        raise ValueError(f"block_size={block_size!r}: must be an int >= 1")
+    from engine.loader import resolve_model
+
+    config = resolve_model(model_spec).config
+    if max_model_len > config.max_position_embeddings:
+        raise ValueError(
+            f"max_model_len={max_model_len}: must be <= {config.max_position_embeddings} "
+            f"(max_position_embeddings of {model_spec})"
+        )
+    wdtype = _resolve_dtype(dtype, config)
+    kvdtype = _resolve_kv_dtype(kv_cache_dtype, wdtype)
+    kv_elem = _KV_DTYPE_BYTES.get(kvdtype) or _DTYPE_BYTES[kvdtype]
+    num_params = count_params(config)
+    weight_bytes = num_params * _DTYPE_BYTES[wdtype]
+    nkv = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+    hd = _head_dim(config)
+    kv_per_token = 2 * config.num_hidden_layers * nkv * hd * kv_elem
+    kv_memory = int(memory_bytes * gpu_memory_utilization) - weight_bytes
+    num_blocks = max(kv_memory, 0) // (block_size * kv_per_token)
+    return Plan(
+        model=model_spec, architecture=config.architectures[0], dtype=wdtype, kv_cache_dtype=kvdtype,
+        num_params=num_params, weight_bytes=weight_bytes, num_layers=config.num_hidden_layers, num_kv_heads=nkv,
+        head_dim=hd, kv_bytes_per_token=kv_per_token, memory_bytes=memory_bytes,
+        gpu_memory_utilization=gpu_memory_utilization, kv_memory_bytes=kv_memory, block_size=block_size,
+        num_blocks=num_blocks, max_kv_tokens=num_blocks * block_size, max_model_len=max_model_len,
+        max_num_seqs_at_max_len=num_blocks // math.ceil(max_model_len / block_size),
+    )
+
+
+def _gib(n: int) -> str:
+    return f"{n / 2**30:,.2f} GiB"
+
+
+def format_plan(p: Plan) -> str:
+    kv_elem = p.kv_bytes_per_token // (2 * p.num_layers * p.num_kv_heads * p.head_dim)
+    rows = [
+        ("model", f"{p.model} ({p.architecture})"),
+        ("parameters", f"{p.num_params:,}"),
+        (f"weights ({p.dtype})", f"{p.weight_bytes:,} B = {_gib(p.weight_bytes)}"),
+        (f"KV bytes per token ({p.kv_cache_dtype})",
+         f"{p.kv_bytes_per_token:,} = 2 x {p.num_layers} layers x {p.num_kv_heads} kv heads x {p.head_dim} head_dim "
+         f"x {kv_elem} B"),
+        ("usable memory", f"{_gib(p.memory_bytes)} x {p.gpu_memory_utilization:g} = "
+                          f"{_gib(int(p.memory_bytes * p.gpu_memory_utilization))}"),
+        ("left for KV cache", _gib(p.kv_memory_bytes)),
+        (f"KV blocks ({p.block_size} tokens)", f"{p.num_blocks:,}"),
+        ("KV tokens", f"{p.max_kv_tokens:,}"),
+        (f"sequences of {p.max_model_len:,} tokens", f"{p.max_num_seqs_at_max_len:,}"),
+    ]
+    width = max(len(k) for k, _ in rows)
+    lines = [f"{k:<{width}}  {v}" for k, v in rows]
+    if p.kv_memory_bytes < 0:
+        lines.append("DOES NOT FIT: the weights alone exceed the usable memory")
+    elif not p.fits:
+        lines.append(f"DOES NOT FIT: not even one sequence of max_model_len={p.max_model_len} tokens")
+    lines.append("(no room reserved for activations or CUDA graphs: the engine's profiled numbers will be lower)")
+    return "\n".join(lines)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="tandem plan", description="KV-cache sizing: bytes per token and how many sequences fit in a memory budget."
+    )
+    parser.add_argument("--model", required=True, help="smollm2, random:<preset>, a HuggingFace dir or a .gguf file")
+    parser.add_argument("--memory", required=True, help="device memory, e.g. 80GiB, 80GB, 512MiB")
+    parser.add_argument("--max-model-len", required=True, help="context length of one sequence (tokens)")
+    parser.add_argument("--dtype", default="auto", help="weight dtype: auto, bfloat16, float16, float32")
+    parser.add_argument("--kv-cache-dtype", default="auto", help="auto (the weight dtype), fp8, or a float dtype")
+    parser.add_argument("--gpu-memory-utilization", default="0.9", help="fraction of the memory to use, in (0, 1]")
+    parser.add_argument("--block-size", default="16", help="tokens per KV block")
+    return parser
+
+
+def _int_flag(parser: argparse.ArgumentParser, flag: str, text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        parser.error(f"{flag}={text!r}: must be an integer, e.g. {flag} 4096")
+    if value < 1:
+        parser.error(f"{flag}={text!r}: must be >= 1")
+    return value
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Print the plan; exit status 1 when not even one max_model_len sequence fits, 2 on bad arguments."""
+    parser = build_parser()
+    ns = parser.parse_args(argv)
+    try:
+        memory = parse_size(ns.memory, "--memory")
+    except ValueError as e:
+        parser.error(str(e))
+    max_model_len = _int_flag(parser, "--max-model-len", ns.max_model_len)
+    block_size = _int_flag(parser, "--block-size", ns.block_size)
+    try:
+        util = float(ns.gpu_memory_utilization)
+    except ValueError:
+        util = math.nan
+    if not 0.0 < util <= 1.0:
+        parser.error(f"--gpu-memory-utilization={ns.gpu_memory_utilization!r}: must be a number in (0, 1], e.g. 0.9")
+    flags = {"memory_bytes": "--memory", "max_model_len": "--max-model-len", "dtype": "--dtype",
+             "kv_cache_dtype": "--kv-cache-dtype", "model": "--model"}
+    try:
+        p = plan(ns.model, memory, max_model_len, dtype=ns.dtype, kv_cache_dtype=ns.kv_cache_dtype,
+                 gpu_memory_utilization=util, block_size=block_size)
+    except ValueError as e:
+        msg = str(e)
+        for field, flag in flags.items():  # name the flag the user typed, not the Python field
+            if msg.startswith(f"{field}="):
+                msg = flag + msg[len(field):]
+                break
+        parser.error(msg)
+    print(format_plan(p))
+    return 0 if p.fits else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
