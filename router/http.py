@@ -417,7 +417,12 @@ def create_app(core: RouterCore) -> FastAPI:
         if max_tokens is None:  # as vLLM: the rest of the context (the core rejects a prompt that fills it)
             max_tokens = max(1, core.max_model_len - len(prompt_ids))
         top_n = body.top_logprobs or 0
-        params = _sampling_params(body, max_tokens=max_tokens, logprobs=top_n if body.logprobs else None)
+        try:
+            params = _sampling_params(body, max_tokens=max_tokens, logprobs=top_n if body.logprobs else None)
+        except APIError as e:
+            if e.param == "max_tokens" and body.max_completion_tokens is not None:
+                e.param = "max_completion_tokens"  # the name this client used
+            raise
         rid, created = random_id("chatcmpl"), int(time.time())
         streams = await open_streams(request, [GenerateRequest(request_id=rid, model=model, prompt=None,
                                                                prompt_token_ids=prompt_ids, params=params)])

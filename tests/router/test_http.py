@@ -1,0 +1,129 @@
+"""The HTTP front's answers that need no worker: request validation, errors in OpenAI's JSON, /health, /metrics,
+/v1/models. The app runs over a real RouterCore (random:tiny's tokenizer) whose prefill and decode addresses have
+nobody listening, so it is up but not ready. Generation is tested end to end in tests/e2e/test_http.py."""
+import socket
+
+import httpx
+import pytest
+
+from router.core import RouterConfig, RouterCore
+from router.http import create_app
+
+
+@pytest.fixture(scope="module")
+def anyio_backend():
+    return "asyncio"
+
+
+def _closed_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]  # closed again when this returns: nobody listens there
+
+
+@pytest.fixture(scope="module")
+async def client(anyio_backend):
+    addr = f"127.0.0.1:{_closed_port()}"
+    core = await RouterCore.create(RouterConfig(prefill_addrs=[addr], decode_addrs=[addr], model="random:tiny",
+                                                max_model_len=64))
+    transport = httpx.ASGITransport(app=create_app(core))
+    async with httpx.AsyncClient(transport=transport, base_url="http://router") as c:
+        yield c
+    await core.close()
+
+
+def _assert_error(r: httpx.Response, status: int, param: str | None) -> dict:
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"}
+    assert err["param"] == param, err
+    assert err["message"]
+    assert err["type"] == ("invalid_request_error" if status < 500 else "server_error")
+    return err
+
+
+BAD = [
+    ({"prompt": ""}, "prompt"),
+    ({"prompt": "x" * 64}, "prompt"),  # 64 tokens: the whole context, nothing left to generate
+    ({"prompt": "hello", "max_tokens": 60}, "max_tokens"),  # 5 + 60 > max_model_len=64
+    ({"prompt": "hello", "max_tokens": 0}, "max_tokens"),
+    ({"prompt": "hello", "max_tokens": -3}, "max_tokens"),
+    ({"prompt": "hello", "temperature": -0.1}, "temperature"),
+    ({"prompt": "hello", "top_p": 0}, "top_p"),
+    ({"prompt": "hello", "top_p": 1.01}, "top_p"),
+    ({"prompt": "hello", "n": 0}, "n"),
+    ({"prompt": "hello", "logprobs": 21}, "logprobs"),
+    ({"prompt": "hello", "max_tokens": "many"}, "max_tokens"),
+    ({"prompt": [1, 2, 100000]}, "prompt_token_ids"),  # outside the vocabulary
+    ({"max_tokens": 3}, "prompt"),
+]
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("body,param", BAD, ids=[f"{p}:{list(b.items())[-1]}"[:60] for b, p in BAD])
+async def test_completions_bad_input_is_400_naming_the_field(client, body, param):
+    _assert_error(await client.post("/v1/completions", json={"model": "random:tiny", **body}), 400, param)
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("path,body,param", [
+    ("/v1/chat/completions", {"messages": []}, "messages"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "temperature": -1}, "temperature"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 0},
+     "max_completion_tokens"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "top_logprobs": 2}, "top_logprobs"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi " * 40}]}, "prompt_token_ids"),
+    ("/generate", {"prompt": ""}, "prompt"),
+    ("/generate", {"prompt": "hi", "top_p": 2}, "top_p"),
+])
+async def test_other_endpoints_bad_input_is_400_naming_the_field(client, path, body, param):
+    _assert_error(await client.post(path, json=body), 400, param)
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions", "/generate"])
+async def test_malformed_json_is_400(client, path):
+    for raw in (b'{"prompt": "hi",', b"[1, 2]", b"\xff\xfe"):
+        err = _assert_error(await client.post(path, content=raw, headers={"content-type": "application/json"}),
+                            400, None)
+        assert "JSON" in err["message"]
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("path,body", [("/v1/completions", {"prompt": "hi"}),
+                                       ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]}),
+                                       ("/generate", {"prompt": "hi"})])
+async def test_unknown_model_is_404(client, path, body):
+    err = _assert_error(await client.post(path, json={**body, "model": "gpt-4"}), 404, "model")
+    assert err["code"] == "model_not_found" and "gpt-4" in err["message"]
+
+
+@pytest.mark.anyio
+async def test_valid_request_without_workers_is_503_and_the_router_stays_up(client):
+    err = _assert_error(await client.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2}), 503, None)
+    assert err["code"] == "unavailable"
+    assert (await client.get("/v1/models")).status_code == 200
+
+
+@pytest.mark.anyio
+async def test_health_is_503_until_prefill_and_decode_are_up(client):
+    r = await client.get("/health")
+    assert r.status_code == 503
+
+
+@pytest.mark.anyio
+async def test_models_lists_the_served_model(client):
+    r = await client.get("/v1/models")
+    assert r.status_code == 200
+    body = r.json()
+    assert body["object"] == "list"
+    assert [(m["id"], m["object"], m["max_model_len"]) for m in body["data"]] == [("random:tiny", "model", 64)]
+
+
+@pytest.mark.anyio
+async def test_metrics_are_prometheus_text_with_tandem_names(client):
+    await client.post("/v1/completions", json={"prompt": ""})
+    r = await client.get("/metrics")
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/plain")
+    assert 'tandem:http_requests_total{path="/v1/completions",status="400"}' in r.text
+    assert "tandem:time_to_first_token_seconds" in r.text
