@@ -119,7 +119,7 @@ class DecodeCore:
     def _on_step(self, outs, stats) -> None:
         for out in outs:
             d = self._reqs.get(out.request_id)
-            if d is not None and d.committed:
+            if d is not None:  # (the commit's future may resolve after this step's outputs arrive)
                 d.out.put_nowait(out)
         if stats is not None:
             running, waiting, usage, (dq, dh, dp) = stats

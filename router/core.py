@@ -317,7 +317,7 @@ class RouterCore:
                 return
             drain = asyncio.create_task(self._drain(pcall, pinst, dcall))
             completion = 1
-            async for resp in dcall:
+            while (resp := await dcall.read()) is not grpc.aio.EOF:  # read(): the first answer was read() too
                 if not resp.HasField("delta"):
                     continue
                 d = resp.delta
@@ -348,7 +348,7 @@ class RouterCore:
     async def _drain(self, pcall, pinst: Instance, dcall) -> None:
         """Reads the prefill stream to its end (TransferDone); a failure there cancels the decode stream."""
         try:
-            async for resp in pcall:
+            while (resp := await pcall.read()) is not grpc.aio.EOF:
                 if resp.HasField("transfer_done"):
                     td = resp.transfer_done
                     log.debug("kv transfer %d bytes, %.4fs (tail %.4fs)", td.transfer_bytes, td.transfer_seconds,
