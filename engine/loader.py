@@ -35,7 +35,7 @@ import torch
 from transformers import AutoConfig, PretrainedConfig, PreTrainedTokenizerBase
 
 from engine.presets import PRESETS, preset_config
-from engine.tokenizer import synthetic_tokenizer
+from engine.tokenizer import is_synthetic, load_synthetic, synthetic_tokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -217,6 +217,8 @@ def load_tokenizer(resolved: ResolvedModel) -> PreTrainedTokenizerBase:
             f"model={resolved.spec!r}: no tokenizer files ({', '.join(_TOKENIZER_FILES)}) in {resolved.weights_dir}; "
             "save the tokenizer into the model directory (tokenizer.save_pretrained(dir))"
         )
+    if is_synthetic(resolved.tokenizer_dir):
+        return load_synthetic(resolved.tokenizer_dir)
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(resolved.tokenizer_dir, local_files_only=True)

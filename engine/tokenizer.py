@@ -11,7 +11,9 @@ Encoding then decoding any UTF-8 text gives it back exactly (no normalizer, no m
 
 from __future__ import annotations
 
+import json
 from functools import lru_cache
+from pathlib import Path
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
@@ -21,6 +23,7 @@ EOS_TOKEN = "<|im_end|>"
 IM_START_TOKEN = "<|im_start|>"
 PAD_TOKEN = "<|pad|>"
 SPECIAL_TOKENS = [BOS_TOKEN, EOS_TOKEN, IM_START_TOKEN, PAD_TOKEN]
+SYNTHETIC_MARK = "tandem_synthetic_tokenizer"
 NUM_BYTE_TOKENS = 256
 MIN_VOCAB_SIZE = NUM_BYTE_TOKENS + len(SPECIAL_TOKENS)
 
@@ -75,4 +78,19 @@ def synthetic_tokenizer(vocab_size: int) -> PreTrainedTokenizerFast:
         model_max_length=1 << 30,
     )
     fast.chat_template = CHAT_TEMPLATE
+    # Saved into tokenizer_config.json. AutoTokenizer picks the class from config.json's model_type for some models
+    # (a Qwen2 dir gets Qwen2Tokenizer, which adds an NFC normalizer and a 513th token), so engine.loader reads this
+    # mark and loads the saved tokenizer.json as it is.
+    fast.init_kwargs[SYNTHETIC_MARK] = True
     return fast
+
+
+def is_synthetic(tokenizer_dir) -> bool:
+    """Whether `tokenizer_dir` holds a tokenizer saved from synthetic_tokenizer()."""
+    path = Path(tokenizer_dir) / "tokenizer_config.json"
+    return path.is_file() and bool(json.loads(path.read_text()).get(SYNTHETIC_MARK, False))
+
+
+def load_synthetic(tokenizer_dir) -> PreTrainedTokenizerFast:
+    """Load a saved synthetic tokenizer exactly as saved (bypassing AutoTokenizer's choice of class)."""
+    return PreTrainedTokenizerFast.from_pretrained(str(tokenizer_dir), local_files_only=True)
