@@ -10,7 +10,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels._checks import FLOAT_DTYPES, FP8_DTYPE, check_same_device, check_tensor
+from kernels._checks import FLOAT_DTYPES, FP8_DTYPE, check_same_device, check_tensor, interpreting
 
 
 def write_kv_ref(
@@ -36,6 +36,19 @@ def write_kv_ref(
 
 
 @triton.jit
+def _round_to_e4m3_grid(x):
+    """Rounds float32 x (|x| <= 448) to the nearest e4m3 value, ties to even, in float32 arithmetic: adding and
+    subtracting 1.5 * 2**23 * ulp(x) makes the float32 adder do the rounding. Used under the interpreter, whose own
+    float -> fp8 conversion drops the mantissa carry (0.49 -> 0.25); the GPU's cvt instruction is exact."""
+    bits = x.to(tl.int32, bitcast=True)
+    exponent = tl.maximum(((bits >> 23) & 0xFF) - 127, -6)  # e4m3: 3 mantissa bits, subnormals below 2**-6
+    magic = ((exponent - 3 + 23 + 127) << 23) | 0x400000  # 1.5 * 2**(exponent - 3 + 23)
+    magic_f = magic.to(tl.float32, bitcast=True)
+    r = (tl.abs(x) + magic_f) - magic_f
+    return tl.where(x < 0, -r, r)  # keeps the sign of values that round to zero
+
+
+@triton.jit
 def _write_kv_kernel(
     k_ptr,  # [num_tokens, num_kv_heads, head_dim]
     v_ptr,  # [num_tokens, num_kv_heads, head_dim]
@@ -55,6 +68,7 @@ def _write_kv_kernel(
     BLOCK_SIZE: tl.constexpr,  # tokens per cache block
     QUANT: tl.constexpr,  # divide by the scale (and saturate when the cache is fp8)
     FP8: tl.constexpr,
+    ROUND_IN_FP32: tl.constexpr,  # the interpreter's fp8 conversion is inexact
 ):
     head = tl.program_id(1)
     toks = tl.program_id(0).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)  # [BLOCK_T]
@@ -71,6 +85,9 @@ def _write_kv_kernel(
         if FP8:
             k = tl.clamp(k, -448.0, 448.0)
             v = tl.clamp(v, -448.0, 448.0)
+            if ROUND_IN_FP32:
+                k = _round_to_e4m3_grid(k)
+                v = _round_to_e4m3_grid(v)
     kc = k_cache_ptr + blocks[:, None] * stride_kc_b + offs[:, None] * stride_kc_s + head * stride_kc_h + d
     vc = v_cache_ptr + blocks[:, None] * stride_vc_b + offs[:, None] * stride_vc_s + head * stride_vc_h + d
     tl.store(kc, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
@@ -112,5 +129,6 @@ def write_kv_triton(
         num_tokens, float(k_scale), float(v_scale),
         HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim), BLOCK_T=block_t,
         BLOCK_SIZE=k_cache.shape[1], QUANT=fp8 or k_scale != 1.0 or v_scale != 1.0, FP8=fp8,
+        ROUND_IN_FP32=fp8 and interpreting(),
         num_warps=4,
     )
