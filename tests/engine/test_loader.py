@@ -195,8 +195,9 @@ def test_mismatched_checkpoint_raises_naming_tensors(tmp_path, tiny_llama_dir, e
 def _random_model(preset: str, seed: int = 0):
     r = resolve_model(f"random:{preset}")
     r.random_seed = seed
-    torch.manual_seed(999)
-    model = AutoModelForCausalLM.from_config(r.config, dtype=torch.float32)
+    with torch.device("meta"):  # skip transformers' own (slow) init: load_weights does it
+        model = AutoModelForCausalLM.from_config(r.config, dtype=torch.float32)
+    model = model.to_empty(device="cpu")
     load_weights(model, r)
     return model
 
