@@ -1,0 +1,250 @@
+"""Times each Triton kernel at Qwen2.5-7B shapes against its torch reference and the H200's ceilings.
+
+  python bench/kernels.py [--quick] [--sweep] [--json out.json]
+
+Qwen2.5-7B: 28 query heads, 4 KV heads, head_dim 128, hidden 3584, intermediate 18944; block size 16.
+Each row prints the time (median of triton.testing.do_bench, which clears the L2 before every run), the bytes it
+must move at least (each input read once, each output written once) and the FLOPs, and the fraction of the
+ceilings reached: 4.26 TB/s copy and 781 TFLOP/s bf16 (the issue's H200 numbers; this run's own measured copy and
+matmul rates are printed too). Needs a CUDA device.
+"""
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from kernels.activation import silu_and_mul_ref, silu_and_mul_triton  # noqa: E402
+from kernels.kv_write import write_kv_ref, write_kv_triton  # noqa: E402
+from kernels.norm import fused_add_rms_norm_ref, fused_add_rms_norm_triton, rms_norm_ref, rms_norm_triton  # noqa: E402
+from kernels.paged_attention import default_config, paged_attention_ref, paged_attention_triton  # noqa: E402
+from kernels.rotary import rotary_embedding_ref, rotary_embedding_triton  # noqa: E402
+
+PEAK_BW = 4.26e12  # B/s, H200 device-to-device copy (read + write)
+PEAK_FLOPS = 781e12  # FLOP/s, H200 dense bf16
+H, HKV, D, HIDDEN, INTER, BS = 28, 4, 128, 3584, 18944, 16
+REF_MEM_LIMIT = 24e9  # skip the torch reference where its float32 intermediates would exceed this
+
+
+def bench(fn) -> float:
+    import triton.testing
+    return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median") * 1e-3  # seconds
+
+
+def ceilings() -> dict[str, float]:
+    n = 1 << 30
+    a = torch.empty(n, dtype=torch.uint8, device="cuda").random_()
+    b = torch.empty_like(a)
+    copy_s = bench(lambda: b.copy_(a))
+    x = torch.randn(8192, 8192, dtype=torch.bfloat16, device="cuda")
+    y = torch.randn(8192, 8192, dtype=torch.bfloat16, device="cuda")
+    mm_s = bench(lambda: x @ y)
+    del a, b, x, y
+    return {"copy_TB_s": 2 * n / copy_s / 1e12, "bf16_matmul_TFLOP_s": 2 * 8192**3 / mm_s / 1e12}
+
+
+def paged_batch(specs, dtype=torch.bfloat16, kv_fp8=False):
+    """specs: [(q_len, seq_len)] -> paged_attention's arguments over a shuffled block pool, plus bytes/FLOPs."""
+    nblk = [math.ceil(sl / BS) for _, sl in specs]
+    num_blocks = sum(nblk) + 1
+    kv = torch.randn(num_blocks, 1, 2, BS, HKV, D, dtype=dtype, device="cuda")
+    k_scale = v_scale = 1.0
+    if kv_fp8:
+        kv = (kv * 16).to(torch.float8_e4m3fn)
+        k_scale = v_scale = 1 / 16
+    perm = torch.randperm(num_blocks, device="cuda")
+    bt = torch.zeros(len(specs), max(nblk), dtype=torch.int32, device="cuda")
+    used = 0
+    for i, n in enumerate(nblk):
+        bt[i, :n] = perm[used:used + n]
+        used += n
+    q_lens = torch.tensor([ql for ql, _ in specs])
+    qsl = torch.zeros(len(specs) + 1, dtype=torch.int32)
+    qsl[1:] = q_lens.cumsum(0)
+    num_tokens = int(qsl[-1])
+    args = dict(q=torch.randn(num_tokens, H, D, dtype=dtype, device="cuda"), k_cache=kv[:, 0, 0],
+                v_cache=kv[:, 0, 1], block_tables=bt, seq_lens=torch.tensor([sl for _, sl in specs],
+                dtype=torch.int32, device="cuda"), query_start_loc=qsl.cuda(), max_query_len=int(q_lens.max()),
+                max_seq_len=max(sl for _, sl in specs), scale=D ** -0.5, k_scale=k_scale, v_scale=v_scale)
+    elt = kv.element_size()
+    kv_bytes = sum(sl * HKV * D * 2 * elt for _, sl in specs)
+    qo_bytes = 2 * num_tokens * H * D * args["q"].element_size()
+    # causal: query j of a sequence sees seq_len - q_len + j + 1 keys; QK^T and PV are 2 FLOPs per MAC each
+    visible = sum(ql * (sl - ql) + ql * (ql + 1) // 2 for ql, sl in specs)
+    ref_mem = len(specs) * max(sl for _, sl in specs) * H * D * 4 * 4 + \
+        len(specs) * H * int(q_lens.max()) * max(sl for _, sl in specs) * 4 * 3
+    return args, kv_bytes + qo_bytes, 4 * visible * H * D, ref_mem
+
+
+ROWS: list[dict] = []
+
+
+def record(kernel, shape, fn, ref_fn, nbytes, flops, extra=None, bound="bw"):
+    t = bench(fn)
+    try:
+        t_ref = bench(ref_fn) if ref_fn is not None else None
+    except torch.OutOfMemoryError:
+        t_ref = None
+    row = dict(kernel=kernel, shape=shape, ms=t * 1e3, ref_ms=t_ref * 1e3 if t_ref else None,
+               TB_s=nbytes / t / 1e12, TFLOP_s=flops / t / 1e12, frac_bw=nbytes / t / PEAK_BW,
+               frac_flops=flops / t / PEAK_FLOPS, bound=bound, **(extra or {}))
+    ROWS.append(row)
+    ref = f"{row['ref_ms']:9.3f}" if t_ref else "        -"
+    print(f"{kernel:22s} {shape:34s} {row['ms']:9.4f} {ref}  {row['TB_s']:6.2f} TB/s ({row['frac_bw']:5.1%})  "
+          f"{row['TFLOP_s']:6.1f} TF/s ({row['frac_flops']:5.1%})", flush=True)
+    return row
+
+
+def bench_attention(quick: bool):
+    decode = [(1, 4096), (1, 32768), (8, 4096), (64, 512), (64, 4096), (64, 32768), (256, 4096), (256, 32768)]
+    if quick:
+        decode = [(1, 32768), (64, 4096), (256, 4096)]
+    for batch, ctx in decode:
+        for fp8 in (False, True) if (batch, ctx) == (64, 4096) else (False,):
+            args, nbytes, flops, ref_mem = paged_batch([(1, ctx)] * batch, kv_fp8=fp8)
+            cfg = default_config(batch, HKV, H // HKV, D, 1, ctx, torch.cuda.get_device_properties(0).multi_processor_count)
+            record("decode_attn" + ("_fp8" if fp8 else ""), f"batch={batch} ctx={ctx}",
+                   lambda: paged_attention_triton(**args), (lambda: paged_attention_ref(**args))
+                   if ref_mem < REF_MEM_LIMIT else None, nbytes, flops, dict(config=cfg))
+            del args
+    prefill = [("chunk=4096 prefix=0", [(4096, 4096)]), ("chunk=4096 prefix=4096", [(4096, 8192)]),
+               ("4 x chunk=1024 prefix=3072", [(1024, 4096)] * 4),
+               ("mixed 2048-chunk + 63 decodes@4k", [(2048, 6144)] + [(1, 4096)] * 63)]
+    if quick:
+        prefill = prefill[:1]
+    for name, specs in prefill:
+        args, nbytes, flops, ref_mem = paged_batch(specs)
+        record("prefill_attn", name, lambda: paged_attention_triton(**args),
+               (lambda: paged_attention_ref(**args)) if ref_mem < REF_MEM_LIMIT else None, nbytes, flops,
+               bound="flops")
+        del args
+
+
+def sweep_attention(budget_s: float):
+    """Times config variants at the target shapes (docs/kernels.md keeps the table); stops after budget_s."""
+    nsm = torch.cuda.get_device_properties(0).multi_processor_count
+    shapes = [("decode batch=64 ctx=4096", [(1, 4096)] * 64), ("decode batch=1 ctx=32768", [(1, 32768)]),
+              ("decode batch=256 ctx=4096", [(1, 4096)] * 256)]
+    args, nbytes, flops, _ = paged_batch([(4096, 4096)])
+    best = None
+    deadline = time.time() + budget_s / 4  # each of the four groups gets a quarter
+    for block_m in (64, 128):
+        for tile_n in (32, 64, 128):
+            for warps, stages in ((4, 2), (4, 3), (8, 2), (8, 3)):
+                if time.time() > deadline:
+                    break
+                cfg = dict(block_m=block_m, tile_n=tile_n, num_warps=warps, num_stages=stages)
+                try:
+                    row = record("sweep_prefill", "chunk=4096", lambda: paged_attention_triton(**args, config=cfg),
+                                 None, nbytes, flops, dict(config=cfg), bound="flops")
+                except Exception as e:  # noqa: BLE001 (an out-of-resources config is a data point)
+                    print(f"  {cfg}: {type(e).__name__}: {str(e)[:100]}")
+                    continue
+                print(f"    {cfg}")
+                if best is None or row["ms"] < best["ms"]:
+                    best = row
+    if best:
+        print(f"BEST prefill chunk=4096: {best['config']} {best['ms']:.4f} ms {best['frac_flops']:.1%} of 781 TFLOP/s")
+    del args
+    for name, specs in shapes:
+        args, nbytes, flops, _ = paged_batch(specs)
+        best = None
+        deadline = time.time() + budget_s / 4
+        for tile_n in (64, 32, 128):
+            for segs in (1, 2, 4, 8, 16):
+                if segs > 1 and len(specs) * HKV * segs > 16 * nsm:
+                    continue
+                for warps, stages in ((4, 2), (4, 3), (8, 3)):
+                    if time.time() > deadline:
+                        break
+                    cfg = dict(tile_n=tile_n, num_segments=segs, num_warps=warps, num_stages=stages)
+                    try:
+                        row = record("sweep_decode", name, lambda: paged_attention_triton(**args, config=cfg),
+                                     None, nbytes, flops, dict(config=cfg))
+                    except Exception as e:  # noqa: BLE001
+                        print(f"  {cfg}: {type(e).__name__}: {str(e)[:100]}")
+                        continue
+                    print(f"    {cfg}")
+                    if best is None or row["ms"] < best["ms"]:
+                        best = row
+        if best:
+            print(f"BEST {name}: {best['config']} {best['ms']:.4f} ms {best['frac_bw']:.1%} of 4.26 TB/s")
+        del args
+
+
+def bench_pointwise(quick: bool):
+    bf16 = torch.bfloat16
+    for tokens in (64, 4096, 32768) if not quick else (4096, 32768):
+        nblocks = math.ceil(tokens / BS) + 8
+        kv = torch.randn(nblocks, 28, 2, BS, HKV, D, dtype=bf16, device="cuda")  # 28 layers: strided views
+        k = torch.randn(tokens, HKV, D, dtype=bf16, device="cuda")
+        v = torch.randn_like(k)
+        slots = torch.randperm(nblocks * BS, device="cuda")[:tokens]
+        kc, vc = kv[:, 3, 0], kv[:, 3, 1]
+        record("write_kv", f"tokens={tokens}", lambda: write_kv_triton(k, v, kc, vc, slots),
+               lambda: write_kv_ref(k, v, kc, vc, slots), 4 * tokens * HKV * D * 2 + tokens * 8, 0)
+        kv8 = torch.empty(kv.shape, dtype=torch.float8_e4m3fn, device="cuda")
+        kc8, vc8 = kv8[:, 3, 0], kv8[:, 3, 1]
+        record("write_kv_fp8", f"tokens={tokens}", lambda: write_kv_triton(k, v, kc8, vc8, slots, 0.05, 0.05),
+               lambda: write_kv_ref(k, v, kc8, vc8, slots, 0.05, 0.05), 2 * tokens * HKV * D * 3 + tokens * 8, 0)
+        del kv, kv8
+    for tokens in (1, 64, 4096, 32768) if not quick else (4096,):
+        x = torch.randn(tokens, HIDDEN, dtype=bf16, device="cuda")
+        r = torch.randn_like(x)
+        w = torch.randn(HIDDEN, dtype=bf16, device="cuda")
+        n = x.numel() * 2
+        record("rms_norm", f"tokens={tokens}", lambda: rms_norm_triton(x, w, 1e-6), lambda: rms_norm_ref(x, w, 1e-6),
+               2 * n + HIDDEN * 2, 0)
+        record("fused_add_rms_norm", f"tokens={tokens}", lambda: fused_add_rms_norm_triton(x, r, w, 1e-6),
+               lambda: fused_add_rms_norm_ref(x, r, w, 1e-6), 4 * n + HIDDEN * 2, 0)
+        pos = torch.randint(0, 32768, (tokens,), device="cuda")
+        qkv = torch.randn(tokens, (H + 2 * HKV) * D, dtype=bf16, device="cuda")
+        q = qkv[:, :H * D].view(tokens, H, D)
+        kk = qkv[:, H * D:(H + HKV) * D].view(tokens, HKV, D)
+        cache = torch.randn(32768, D, device="cuda")
+        record("rotary", f"tokens={tokens}", lambda: rotary_embedding_triton(pos, q, kk, cache, q_out=q, k_out=kk),
+               lambda: rotary_embedding_ref(pos, q, kk, cache), 2 * tokens * (H + HKV) * D * 2 + tokens * D * 4, 0)
+        g = torch.randn(tokens, 2 * INTER, dtype=bf16, device="cuda")
+        record("silu_and_mul", f"tokens={tokens}", lambda: silu_and_mul_triton(g), lambda: silu_and_mul_ref(g),
+               3 * tokens * INTER * 2, 0)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--json", help="write the rows and the run's metadata here")
+    ap.add_argument("--quick", action="store_true", help="fewer shapes")
+    ap.add_argument("--sweep", action="store_true", help="also time attention config variants")
+    ap.add_argument("--sweep-budget", type=float, default=150.0, help="seconds the sweep may take")
+    ap.add_argument("--only", choices=["attention", "pointwise", "sweep"], help="one group only")
+    a = ap.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("bench/kernels.py needs a CUDA device")
+    t0 = time.time()
+    ceil = ceilings()
+    print(f"{torch.cuda.get_device_name(0)}: measured copy {ceil['copy_TB_s']:.2f} TB/s, bf16 matmul "
+          f"{ceil['bf16_matmul_TFLOP_s']:.0f} TFLOP/s (fractions below are of 4.26 TB/s and 781 TFLOP/s)")
+    print(f"{'kernel':22s} {'shape':34s} {'ms':>9s} {'ref ms':>9s}")
+    if a.only in (None, "attention"):
+        bench_attention(a.quick)
+    if a.only in (None, "pointwise"):
+        bench_pointwise(a.quick)
+    if a.sweep or a.only == "sweep":
+        sweep_attention(a.sweep_budget)
+    print(f"done in {time.time() - t0:.0f} s")
+    if a.json:
+        try:
+            from bench.common import write_json
+            write_json(a.json, {"ceilings_measured": ceil, "rows": ROWS})
+        except ImportError:
+            import json
+            Path(a.json).write_text(json.dumps({"ceilings_measured": ceil, "rows": ROWS}, indent=2, default=str))
+
+
+if __name__ == "__main__":
+    main()
