@@ -161,6 +161,7 @@ def convert_gguf(gguf: Path, name: str) -> Path:
         if final.is_dir():  # another process converted it while we waited
             return final
         tmp = Path(tempfile.mkdtemp(prefix=f"{final.name}.tmp-", dir=final.parent))
+        os.chmod(tmp, 0o755)  # mkdtemp makes it private; the cache is shared like any model dir
         try:
             t0 = time.perf_counter()
             _convert_gguf_into(gguf, tmp)

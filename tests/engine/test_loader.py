@@ -352,3 +352,65 @@ def test_failed_gguf_conversion_leaves_nothing(fake_gguf, monkeypatch):
 def test_resolved_model_is_a_plain_dataclass():
     r = ResolvedModel("x", "x", resolve_model("random:tiny").config, None, None, 3)
     assert r.random_seed == 3
+
+
+# --- the synthetic tokenizer (engine/tokenizer.py), as load_tokenizer gives it for random: models ------------------
+
+
+def test_synthetic_tokenizer_layout():
+    from engine.tokenizer import MIN_VOCAB_SIZE, synthetic_tokenizer
+
+    tok = synthetic_tokenizer(1000)
+    assert len(tok) == 1000 and MIN_VOCAB_SIZE == 260
+    assert (tok.bos_token_id, tok.eos_token_id, tok.pad_token_id) == (256, 257, 259)
+    assert tok.convert_tokens_to_ids("<|im_start|>") == 258
+    assert tok.encode("AZ\n") == [65, 90, 10]  # a byte's id is the byte
+    assert tok.decode([300, 999]) == "<f300><f999>"  # fillers decode to printable text
+    assert tok.encode("a<|im_end|>") == [97, 257]  # specials in text are single tokens, as in HF tokenizers
+    assert tok.decode([97, 257], skip_special_tokens=True) == "a"
+
+
+def test_synthetic_tokenizer_round_trips_any_utf8():
+    import random
+
+    from engine.tokenizer import synthetic_tokenizer
+
+    tok = synthetic_tokenizer(MIN := 260)
+    rng = random.Random(0)
+    fixed = ["", " ", "  leading and trailing  ", "\x00\x01\t\r\n", "e\u0301 vs \u00e9", "ﬁ", "日本語", "🎉👩‍👩‍👧",
+             "\ud7ff\ue000\U0010ffff", "<f300> <|bos| > <|im_start"]
+    randoms = ["".join(chr(rng.choice([rng.randrange(0x20, 0x7f), rng.randrange(0x80, 0xd800),
+                                       rng.randrange(0xe000, 0x110000)])) for _ in range(rng.randrange(1, 40)))
+               for _ in range(200)]
+    for text in fixed + randoms:
+        ids = tok.encode(text)
+        assert all(i < 256 for i in ids) and len(ids) == len(text.encode("utf-8")), repr(text)
+        assert tok.decode(ids) == text, repr(text)
+    assert len(tok) == MIN
+
+
+def test_synthetic_tokenizer_chat_template():
+    from engine.tokenizer import synthetic_tokenizer
+
+    tok = synthetic_tokenizer(512)
+    msgs = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
+    text = tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False)
+    assert text == "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n"
+    assert tok.apply_chat_template(msgs, tokenize=False).endswith("Hi<|im_end|>\n")
+
+
+@pytest.mark.parametrize("vocab_size", [259, 0, "512", None])
+def test_synthetic_tokenizer_too_small_vocab(vocab_size):
+    from engine.tokenizer import synthetic_tokenizer
+
+    with pytest.raises(ValueError, match=rf"vocab_size={vocab_size!r}: .*>= 260"):
+        synthetic_tokenizer(vocab_size)
+
+
+def test_synthetic_tokenizer_of_a_7b_vocab_builds_quickly():
+    from engine.tokenizer import synthetic_tokenizer
+
+    t0 = time.perf_counter()
+    tok = synthetic_tokenizer(152064)
+    assert len(tok) == 152064 and tok.decode([152063]) == "<f152063>"
+    assert time.perf_counter() - t0 < 5.0
