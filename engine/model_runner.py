@@ -60,7 +60,8 @@ class ModelRunner:
         self.sampler = Sampler(hf_config.vocab_size, eos_token_id)
         self.num_blocks = self._num_blocks()
         # [num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim]: one block's bytes for all layers together.
-        self.kv_cache = torch.zeros(self.num_blocks, self.num_layers, 2, self.block_size, self.num_kv_heads,
+        # Unwritten slots are never read as valid: attention masks everything past seq_lens.
+        self.kv_cache = torch.empty(self.num_blocks, self.num_layers, 2, self.block_size, self.num_kv_heads,
                                     self.head_dim, dtype=self.kv_dtype, device=self.device)
         self.k_scales = [1.0] * self.num_layers
         self.v_scales = [1.0] * self.num_layers
