@@ -1,0 +1,347 @@
+"""The OpenAI HTTP API end to end: `tandem up` starts a real router, one prefill and two decode workers on loopback,
+and the tests speak HTTP to the router. Greedy outputs are compared with the offline engine (engine.LLM) on the
+same model: random:tiny for the whole API, SmolLM2 for a real tokenizer and chat template."""
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from engine import LLM, SamplingParams
+
+ROOT = Path(__file__).resolve().parents[2]
+READY_TIMEOUT_S = 240
+
+
+def free_port_block(n: int) -> int:
+    """The first of n consecutive free ports on 127.0.0.1."""
+    for _ in range(100):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            base = s.getsockname()[1]
+        if base + n >= 65536:
+            continue
+        socks = []
+        try:
+            for p in range(base, base + n):
+                s = socket.socket()
+                socks.append(s)
+                s.bind(("127.0.0.1", p))
+            return base
+        except OSError:
+            continue
+        finally:
+            for s in socks:
+                s.close()
+    raise RuntimeError("no block of free ports")
+
+
+class Stack:
+    """`tandem up` as a child process; its output (and its children's) is kept in `lines`."""
+
+    def __init__(self, *args: str, prefill: int = 1, decode: int = 2):
+        base = free_port_block(2 + 2 * (prefill + decode))
+        self.http = f"http://127.0.0.1:{base}"
+        self.worker_ports = {f"{role}-{i}": base + 2 + k for k, (role, i) in enumerate(
+            [("prefill", i) for i in range(prefill)] + [("decode", i) for i in range(decode)])}
+        self.metrics_ports = [base + 2 + prefill + decode + k for k in range(prefill + decode)]
+        self.argv = [sys.executable, "-m", "engine.cli", "up", "--http-port", str(base), "--grpc-port",
+                     str(base + 1), "--worker-port", str(base + 2), "--metrics-port", str(self.metrics_ports[0]),
+                     "--prefill", str(prefill), "--decode", str(decode), *args]
+        self.proc = subprocess.Popen(self.argv, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                     env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        self.lines: list[str] = []
+        self.ready = threading.Event()
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self) -> None:
+        for line in self.proc.stdout:
+            self.lines.append(line)
+            if "tandem up: ready." in line:
+                self.ready.set()
+
+    def wait_ready(self, timeout: float = READY_TIMEOUT_S) -> "Stack":
+        deadline = time.monotonic() + timeout
+        while not self.ready.wait(0.5):
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                self.stop()
+                raise RuntimeError("tandem up did not get ready:\n" + "".join(self.lines[-60:]))
+        return self
+
+    def child_pids(self) -> dict[str, int]:
+        return {m.group(1): int(m.group(2)) for line in self.lines
+                if (m := re.match(r"tandem up: started (\S+) \(pid (\d+)\)", line))}
+
+    def stop(self, sig: int = signal.SIGINT, timeout: float = 60) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+        try:
+            return self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            return self.proc.wait()
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def worker_load(name: str, port: int):
+    """A worker's live load (tandem.v1 GetLoad): blocks in use and requests it still tracks."""
+    import grpc
+
+    from protos.tandem.v1 import common_pb2, decode_pb2_grpc, prefill_pb2_grpc
+
+    stub = prefill_pb2_grpc.PrefillStub if name.startswith("prefill") else decode_pb2_grpc.DecodeStub
+    with grpc.insecure_channel(f"127.0.0.1:{port}") as ch:
+        return stub(ch).GetLoad(common_pb2.GetLoadRequest(), timeout=5)
+
+
+def sse_events(r: httpx.Response):
+    """(arrival time, parsed data or "[DONE]") for each SSE event of a streaming response."""
+    for line in r.iter_lines():
+        if line.startswith("data: "):
+            data = line[len("data: "):]
+            yield time.perf_counter(), data if data == "[DONE]" else json.loads(data)
+
+
+PROMPTS = ["Hello, my name is", "The capital of France is", "1, 2, 3, 4,"]
+MAX_TOKENS = 12
+
+
+# ------------------------------------------------------------------------------------------------ random:tiny
+@pytest.fixture(scope="module")
+def tiny():
+    stack = Stack("--model", "random:tiny").wait_ready()
+    yield stack
+    stack.stop()
+
+
+@pytest.fixture(scope="module")
+def tiny_llm():
+    return LLM("random:tiny", device="cpu", kv_cache_memory=0.05)
+
+
+@pytest.fixture(scope="module")
+def client(tiny):
+    with httpx.Client(base_url=tiny.http, timeout=120) as c:
+        yield c
+
+
+def greedy(**kw) -> dict:
+    return {"model": "random:tiny", "temperature": 0, "max_tokens": MAX_TOKENS, **kw}
+
+
+def test_health_and_models(client):
+    assert client.get("/health").status_code == 200
+    assert [m["id"] for m in client.get("/v1/models").json()["data"]] == ["random:tiny"]
+
+
+def test_completions_greedy_equals_offline_engine(client, tiny_llm):
+    expected = tiny_llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=MAX_TOKENS))
+    for prompt, exp in zip(PROMPTS, expected):
+        r = client.post("/v1/completions", json=greedy(prompt=prompt))
+        assert r.status_code == 200, r.text
+        body = r.json()
+        (choice,) = body["choices"]
+        assert choice["text"] == exp.outputs[0].text
+        assert choice["finish_reason"] == exp.outputs[0].finish_reason
+        assert body["usage"] == {"prompt_tokens": len(exp.prompt_token_ids),
+                                 "completion_tokens": len(exp.outputs[0].token_ids),
+                                 "total_tokens": len(exp.prompt_token_ids) + len(exp.outputs[0].token_ids)}
+    # A batch of prompts in one request: one choice per prompt, in order.
+    r = client.post("/v1/completions", json=greedy(prompt=PROMPTS))
+    assert [c["text"] for c in r.json()["choices"]] == [e.outputs[0].text for e in expected]
+    assert [c["index"] for c in r.json()["choices"]] == [0, 1, 2]
+    # Token ids as the prompt.
+    r = client.post("/v1/completions", json=greedy(prompt=expected[0].prompt_token_ids))
+    assert r.json()["choices"][0]["text"] == expected[0].outputs[0].text
+
+
+def test_streamed_text_equals_offline_engine_and_usage_comes_last(client, tiny_llm):
+    (exp,) = tiny_llm.generate([PROMPTS[1]], SamplingParams(temperature=0, max_tokens=MAX_TOKENS))
+    with client.stream("POST", "/v1/completions", json=greedy(prompt=PROMPTS[1], stream=True,
+                                                               stream_options={"include_usage": True})) as r:
+        assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+        events = [e for _, e in sse_events(r)]
+    assert events[-1] == "[DONE]"
+    usage = events[-2]
+    assert usage["choices"] == [] and usage["usage"]["completion_tokens"] == len(exp.outputs[0].token_ids)
+    chunks = events[:-2]
+    assert all(c["object"] == "text_completion" and "usage" not in c for c in chunks)
+    assert "".join(c["choices"][0]["text"] for c in chunks) == exp.outputs[0].text
+    assert chunks[-1]["choices"][0]["finish_reason"] == exp.outputs[0].finish_reason
+
+
+def test_chat_greedy_equals_offline_engine(client, tiny_llm):
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Name a color."}]
+    (exp,) = tiny_llm.chat(messages, SamplingParams(temperature=0, max_tokens=MAX_TOKENS))
+    r = client.post("/v1/chat/completions", json=greedy(messages=messages))
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["object"] == "chat.completion"
+    assert body["choices"][0]["message"] == {"role": "assistant", "content": exp.outputs[0].text}
+    assert body["usage"]["prompt_tokens"] == len(exp.prompt_token_ids)
+    with client.stream("POST", "/v1/chat/completions", json=greedy(messages=messages, stream=True)) as r:
+        events = [e for _, e in sse_events(r)]
+    assert events[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    assert "".join(e["choices"][0]["delta"].get("content", "") for e in events[1:-1]) == exp.outputs[0].text
+    assert events[-1] == "[DONE]"
+
+
+def test_vllm_generate_returns_prompt_plus_completion(client, tiny_llm):
+    (exp,) = tiny_llm.generate([PROMPTS[0]], SamplingParams(temperature=0, max_tokens=MAX_TOKENS))
+    r = client.post("/generate", json={"prompt": PROMPTS[0], "temperature": 0, "max_tokens": MAX_TOKENS})
+    assert r.json() == {"text": [PROMPTS[0] + exp.outputs[0].text]}
+    with client.stream("POST", "/generate", json={"prompt": PROMPTS[0], "temperature": 0, "max_tokens": MAX_TOKENS,
+                                                  "stream": True}) as r:
+        parts = [json.loads(p) for p in r.read().decode().split("\0") if p]
+    assert parts[-1] == {"text": [PROMPTS[0] + exp.outputs[0].text]}
+    assert len(parts) > 1
+
+
+def test_sse_chunks_arrive_before_the_end(client):
+    body = greedy(prompt=PROMPTS[0], max_tokens=64, ignore_eos=True, stream=True)
+    t0 = time.perf_counter()
+    with client.stream("POST", "/v1/completions", json=body) as r:
+        events = list(sse_events(r))
+    t_done = events[-1][0]
+    content = [(t, e) for t, e in events[:-1] if e["choices"][0]["text"]]
+    assert events[-1][1] == "[DONE]" and len(content) >= 8
+    # The first token reaches the client well before the stream ends: the chunks are not buffered to the end.
+    assert content[0][0] - t0 < 0.75 * (t_done - t0), (content[0][0] - t0, t_done - t0)
+    assert len({round(t, 4) for t, _ in content}) > len(content) // 4
+
+
+def test_n2_usage_and_seed(client):
+    body = {"model": "random:tiny", "prompt": PROMPTS[2], "n": 2, "temperature": 1.0, "seed": 7, "max_tokens": 8,
+            "ignore_eos": True}
+    a = client.post("/v1/completions", json=body).json()
+    assert sorted(c["index"] for c in a["choices"]) == [0, 1]
+    assert all(c["finish_reason"] == "length" for c in a["choices"])
+    prompt_tokens = a["usage"]["prompt_tokens"]
+    assert a["usage"] == {"prompt_tokens": prompt_tokens, "completion_tokens": 16, "total_tokens": prompt_tokens + 16}
+    assert client.post("/v1/completions", json=body).json()["choices"] == a["choices"]  # the same seed, the same text
+    with client.stream("POST", "/v1/completions", json={**body, "stream": True,
+                                                        "stream_options": {"include_usage": True}}) as r:
+        events = [e for _, e in sse_events(r)]
+    texts = {0: "", 1: ""}
+    for e in events[:-2]:
+        for c in e["choices"]:
+            texts[c["index"]] += c["text"]
+    assert texts == {c["index"]: c["text"] for c in a["choices"]}
+    assert events[-2]["usage"] == a["usage"]
+
+
+def test_stop_string_and_logprobs(client, tiny_llm):
+    (exp,) = tiny_llm.generate([PROMPTS[1]], SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True))
+    full = exp.outputs[0].text
+    stop = full[len(full) // 2:len(full) // 2 + 2]
+    r = client.post("/v1/completions", json=greedy(prompt=PROMPTS[1], stop=[stop], ignore_eos=True)).json()
+    assert r["choices"][0]["finish_reason"] == "stop"
+    assert r["choices"][0]["text"] == full[:full.index(stop)]
+    r = client.post("/v1/completions", json=greedy(prompt=PROMPTS[1], logprobs=2, max_tokens=5, ignore_eos=True))
+    lp = r.json()["choices"][0]["logprobs"]
+    assert len(lp["tokens"]) == len(lp["token_logprobs"]) == len(lp["top_logprobs"]) == 5
+    assert all(x <= 0 for x in lp["token_logprobs"])
+    assert all(1 <= len(top) <= 3 for top in lp["top_logprobs"])  # top 2 plus the sampled token
+    assert r.json()["usage"]["completion_tokens"] == 5
+    r = client.post("/v1/chat/completions", json=greedy(messages=[{"role": "user", "content": "hi"}], max_tokens=4,
+                                                        logprobs=True, top_logprobs=3, ignore_eos=True))
+    content = r.json()["choices"][0]["logprobs"]["content"]
+    assert len(content) == 4 and all(len(c["top_logprobs"]) == 3 for c in content)
+
+
+def test_32_concurrent_streams_complete(client):
+    import concurrent.futures
+
+    def one(i: int) -> tuple:
+        with httpx.Client(base_url=client.base_url, timeout=120) as c:
+            with c.stream("POST", "/v1/completions", json=greedy(
+                    prompt=f"request {i}", max_tokens=8, ignore_eos=True, stream=True,
+                    stream_options={"include_usage": True})) as r:
+                events = [e for _, e in sse_events(r)]
+        assert events[-1] == "[DONE]"
+        return events[-3]["choices"][0]["finish_reason"], events[-2]["usage"]["completion_tokens"]
+
+    with concurrent.futures.ThreadPoolExecutor(32) as pool:
+        assert list(pool.map(one, range(32))) == [("length", 8)] * 32
+
+
+def test_client_disconnect_cancels_the_request_on_both_services(client, tiny):
+    body = greedy(prompt=PROMPTS[0], max_tokens=1500, ignore_eos=True, stream=True)
+    with client.stream("POST", "/v1/completions", json=body) as r:
+        for k, _ in enumerate(sse_events(r)):
+            if k == 5:
+                break  # leaving the block closes the connection
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:
+        held = {name: (load.num_used_blocks, load.num_requests_running, load.num_tracked_requests)
+                for name, port in tiny.worker_ports.items() if (load := worker_load(name, port))}
+        if all(v == (0, 0, 0) for v in held.values()):
+            break
+        time.sleep(0.2)
+    assert all(v == (0, 0, 0) for v in held.values()), f"still held (blocks, running, tracked): {held}"
+    assert client.get("/health").status_code == 200
+
+
+def test_bad_input_is_400_and_the_stack_stays_up(client):
+    for body, param in [({"prompt": ""}, "prompt"), ({"prompt": "x", "max_tokens": 0}, "max_tokens"),
+                        ({"prompt": "x", "temperature": -1}, "temperature"), ({"prompt": "x", "top_p": 0}, "top_p"),
+                        ({"prompt": "x" * 3000}, "prompt")]:
+        r = client.post("/v1/completions", json={"model": "random:tiny", **body})
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+    assert client.post("/v1/completions", json={"model": "nope", "prompt": "x"}).status_code == 404
+    assert client.post("/v1/completions", content=b"{", headers={"content-type": "application/json"}).status_code == 400
+    assert client.post("/v1/completions", json=greedy(prompt="still up")).status_code == 200
+
+
+def test_metrics_expose_tandem_series(client):
+    text = client.get("/metrics").text
+    assert re.search(r'^tandem:time_to_first_token_seconds_count\{[^}]*role="router"[^}]*\} [1-9]', text, re.M)
+    assert re.search(r'^tandem:http_requests_total\{path="/v1/completions",status="200"\} [1-9]', text, re.M)
+
+
+def test_ctrl_c_stops_every_process(tiny):
+    pids = tiny.child_pids()
+    assert sorted(pids) == ["decode-0", "decode-1", "prefill-0", "router"]
+    assert tiny.stop(signal.SIGINT) == 0
+    assert [name for name, pid in pids.items() if alive(pid)] == []
+    assert "tandem up: stopped" in "".join(tiny.lines)
+
+
+# ------------------------------------------------------------------------------------------------ SmolLM2
+def test_smollm2_greedy_completions_and_chat_equal_offline_engine():
+    stack = Stack("--model", "smollm2", "--max-model-len", "2048", decode=1)
+    llm = LLM("smollm2", device="cpu", max_model_len=2048, kv_cache_memory=0.2)  # loads while the stack starts
+    try:
+        stack.wait_ready()
+        params = SamplingParams(temperature=0, max_tokens=8)
+        prompts = ["The capital of France is", "def fibonacci(n):"]
+        with httpx.Client(base_url=stack.http, timeout=300) as c:
+            name = c.get("/v1/models").json()["data"][0]["id"]
+            for prompt, exp in zip(prompts, llm.generate(prompts, params)):
+                r = c.post("/v1/completions", json={"model": name, "prompt": prompt, "temperature": 0, "max_tokens": 8})
+                assert r.json()["choices"][0]["text"] == exp.outputs[0].text
+            messages = [{"role": "user", "content": "What is 2+2?"}]
+            (exp,) = llm.chat(messages, params)
+            r = c.post("/v1/chat/completions", json={"model": name, "messages": messages, "temperature": 0,
+                                                     "max_tokens": 8})
+            assert r.json()["choices"][0]["message"]["content"] == exp.outputs[0].text
+            assert r.json()["usage"]["prompt_tokens"] == len(exp.prompt_token_ids)
+    finally:
+        assert stack.stop(signal.SIGTERM) == 0
