@@ -108,7 +108,8 @@ def bench_attention(quick: bool):
     for batch, ctx in decode:
         for fp8 in (False, True) if (batch, ctx) == (64, 4096) else (False,):
             args, nbytes, flops, ref_mem = paged_batch([(1, ctx)] * batch, kv_fp8=fp8)
-            cfg = default_config(batch, HKV, H // HKV, D, 1, ctx, torch.cuda.get_device_properties(0).multi_processor_count)
+            cfg = default_config(batch, batch, HKV, H // HKV, D, 1, ctx,
+                                 torch.cuda.get_device_properties(0).multi_processor_count)
             record("decode_attn" + ("_fp8" if fp8 else ""), f"batch={batch} ctx={ctx}",
                    lambda: paged_attention_triton(**args), (lambda: paged_attention_ref(**args))
                    if ref_mem < REF_MEM_LIMIT else None, nbytes, flops, dict(config=cfg))
@@ -126,56 +127,44 @@ def bench_attention(quick: bool):
         del args
 
 
-def sweep_attention(budget_s: float):
-    """Times config variants at the target shapes (docs/kernels.md keeps the table); stops after budget_s."""
-    nsm = torch.cuda.get_device_properties(0).multi_processor_count
-    shapes = [("decode batch=64 ctx=4096", [(1, 4096)] * 64), ("decode batch=1 ctx=32768", [(1, 32768)]),
-              ("decode batch=256 ctx=4096", [(1, 4096)] * 256)]
-    args, nbytes, flops, _ = paged_batch([(4096, 4096)])
+def _sweep(label, name, specs, configs, deadline, kv_fp8=False, bound="bw"):
+    args, nbytes, flops, _ = paged_batch(specs, kv_fp8=kv_fp8)
     best = None
-    deadline = time.time() + budget_s / 4  # each of the four groups gets a quarter
-    for block_m in (64, 128):
-        for tile_n in (32, 64, 128):
-            for warps, stages in ((4, 2), (4, 3), (8, 2), (8, 3)):
-                if time.time() > deadline:
-                    break
-                cfg = dict(block_m=block_m, tile_n=tile_n, num_warps=warps, num_stages=stages)
-                try:
-                    row = record("sweep_prefill", "chunk=4096", lambda: paged_attention_triton(**args, config=cfg),
-                                 None, nbytes, flops, dict(config=cfg), bound="flops")
-                except Exception as e:  # noqa: BLE001 (an out-of-resources config is a data point)
-                    print(f"  {cfg}: {type(e).__name__}: {str(e)[:100]}")
-                    continue
-                print(f"    {cfg}")
-                if best is None or row["ms"] < best["ms"]:
-                    best = row
+    for cfg in configs:
+        if time.time() > deadline:
+            print(f"  sweep budget spent: {name} stopped early")
+            break
+        try:
+            row = record(label, name, lambda: paged_attention_triton(**args, config=cfg), None, nbytes, flops,
+                         dict(config=cfg), bound=bound)
+        except Exception as e:  # noqa: BLE001 (an out-of-resources config is a data point)
+            print(f"  {cfg}: {type(e).__name__}: {str(e)[:100]}")
+            continue
+        print(f"    {cfg}")
+        if best is None or row["ms"] < best["ms"]:
+            best = row
     if best:
-        print(f"BEST prefill chunk=4096: {best['config']} {best['ms']:.4f} ms {best['frac_flops']:.1%} of 781 TFLOP/s")
+        frac = best["frac_flops"] if bound == "flops" else best["frac_bw"]
+        print(f"BEST {label} {name}: {best['config']} {best['ms']:.4f} ms {frac:.1%}")
     del args
-    for name, specs in shapes:
-        args, nbytes, flops, _ = paged_batch(specs)
-        best = None
-        deadline = time.time() + budget_s / 4
-        for tile_n in (64, 32, 128):
-            for segs in (1, 2, 4, 8, 16):
-                if segs > 1 and len(specs) * HKV * segs > 16 * nsm:
-                    continue
-                for warps, stages in ((4, 2), (4, 3), (8, 3)):
-                    if time.time() > deadline:
-                        break
-                    cfg = dict(tile_n=tile_n, num_segments=segs, num_warps=warps, num_stages=stages)
-                    try:
-                        row = record("sweep_decode", name, lambda: paged_attention_triton(**args, config=cfg),
-                                     None, nbytes, flops, dict(config=cfg))
-                    except Exception as e:  # noqa: BLE001
-                        print(f"  {cfg}: {type(e).__name__}: {str(e)[:100]}")
-                        continue
-                    print(f"    {cfg}")
-                    if best is None or row["ms"] < best["ms"]:
-                        best = row
-        if best:
-            print(f"BEST {name}: {best['config']} {best['ms']:.4f} ms {best['frac_bw']:.1%} of 4.26 TB/s")
-        del args
+
+
+def sweep_attention(budget_s: float):
+    """Times config variants at the target shapes (docs/kernels.md keeps the tables); stops after budget_s."""
+    deadline = time.time() + budget_s
+    prefill = [dict(block_m=128, tile_n=t, num_warps=8, num_stages=st) for t in (64, 128) for st in (2, 3, 4)]
+    prefill += [dict(block_m=64, tile_n=64, num_warps=w, num_stages=st) for w, st in ((4, 2), (4, 3), (8, 2))]
+    _sweep("sweep_prefill", "chunk=4096", [(4096, 4096)], prefill, deadline, bound="flops")
+    _sweep("sweep_prefill", "chunk=4096 prefix=4096", [(4096, 8192)], prefill[:6], deadline, bound="flops")
+    mixed = [dict(block_m=m, tile_n=64, num_warps=w, num_stages=2) for m, w in ((128, 8), (64, 4), (32, 4))]
+    _sweep("sweep_mixed", "2048-chunk + 63 decodes@4k", [(2048, 6144)] + [(1, 4096)] * 63, mixed, deadline,
+           bound="flops")
+    decode = [dict(tile_n=t, num_segments=sg, num_warps=4, num_stages=st) for t in (64, 128) for sg in (1, 2)
+              for st in (2, 3)]
+    _sweep("sweep_decode_fp8", "batch=64 ctx=4096", [(1, 4096)] * 64, decode, deadline, kv_fp8=True)
+    _sweep("sweep_decode", "batch=64 ctx=4096", [(1, 4096)] * 64, decode, deadline)
+    long = [dict(tile_n=t, num_segments=sg, num_warps=4, num_stages=3) for t in (64, 128) for sg in (32, 64, 128)]
+    _sweep("sweep_decode", "batch=1 ctx=32768", [(1, 32768)], long, deadline)
 
 
 def bench_pointwise(quick: bool):

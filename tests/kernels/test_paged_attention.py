@@ -143,10 +143,15 @@ def test_dispatch_matches_reference_on_cpu_tensors():
 
 
 def test_default_config_splits_only_small_long_decodes():
-    assert default_config(64, 4, 7, 128, 1, 4096, 132)["num_segments"] > 1
-    assert default_config(256, 4, 7, 128, 1, 4096, 132)["num_segments"] == 1
-    assert default_config(1, 4, 7, 128, 512, 4096, 132)["num_segments"] == 1
-    assert default_config(1, 4, 7, 128, 1, 64, 132)["num_segments"] == 1
+    # (num_tokens, num_seqs, num_kv_heads, queries_per_kv, head_dim, max_query_len, max_seq_len, num_sms)
+    assert default_config(1, 1, 4, 7, 128, 1, 32768, 132)["num_segments"] > 8
+    assert default_config(8, 8, 4, 7, 128, 1, 4096, 132)["num_segments"] > 1
+    assert default_config(64, 64, 4, 7, 128, 1, 4096, 132)["num_segments"] == 1
+    assert default_config(4096, 1, 4, 7, 128, 4096, 4096, 132) == dict(
+        block_m=128, tile_n=64, num_segments=1, num_warps=8, num_stages=2)
+    assert default_config(1, 1, 4, 7, 128, 1, 64, 132)["num_segments"] == 1
+    # many decodes beside one chunk: smaller row tiles waste less on the decodes
+    assert default_config(2048 + 255, 256, 4, 7, 128, 2048, 6144, 132)["block_m"] == 64
 
 
 def test_bad_arguments_name_the_argument():
