@@ -23,7 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from kernels.activation import silu_and_mul_ref, silu_and_mul_triton  # noqa: E402
 from kernels.kv_write import write_kv_ref, write_kv_triton  # noqa: E402
 from kernels.norm import fused_add_rms_norm_ref, fused_add_rms_norm_triton, rms_norm_ref, rms_norm_triton  # noqa: E402
-from kernels.paged_attention import default_config, paged_attention_ref, paged_attention_triton  # noqa: E402
+from kernels.paged_attention import LAST_LAUNCH, default_config, paged_attention_ref, paged_attention_triton  # noqa: E402
 from kernels.rotary import rotary_embedding_ref, rotary_embedding_triton  # noqa: E402
 
 PEAK_BW = 4.26e12  # B/s, H200 device-to-device copy (read + write)
@@ -121,6 +121,10 @@ def bench_attention(quick: bool):
         prefill = prefill[:1]
     for name, specs in prefill:
         args, nbytes, flops, ref_mem = paged_batch(specs)
+        paged_attention_triton(**args)
+        k = LAST_LAUNCH.get("kernel")
+        if k is not None and hasattr(k, "n_regs"):
+            print(f"  compiled: {k.n_regs} registers, {k.n_spills} spills, {getattr(k.metadata, 'shared', '?')} B smem")
         record("prefill_attn", name, lambda: paged_attention_triton(**args),
                (lambda: paged_attention_ref(**args)) if ref_mem < REF_MEM_LIMIT else None, nbytes, flops,
                bound="flops")

@@ -311,6 +311,7 @@ def _reduce_segments_kernel(
 
 
 _NUM_SMS: dict[int, int] = {}
+LAST_LAUNCH: dict = {}  # the last compiled attention kernel (bench/kernels.py reads its registers and spills)
 
 
 def _num_sms(device: torch.device) -> int:
@@ -420,7 +421,7 @@ def paged_attention_triton(
     else:
         seg_out = seg_max = seg_sum = out  # unused
     grid = (num_tokens // block_q + num_seqs, num_kv_heads, num_segments)
-    _paged_attention_kernel[grid](
+    LAST_LAUNCH["kernel"] = _paged_attention_kernel[grid](
         out, seg_out, seg_max, seg_sum,
         q, k_cache, v_cache, block_tables, seq_lens, query_start_loc,
         float(scale) * float(k_scale) * math.log2(math.e), float(v_scale),
