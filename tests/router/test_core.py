@@ -1,0 +1,125 @@
+"""router/core.py and router/instances.py without services: validation happens before any instance is called, and
+the policies order instances as documented. (The request path itself is tested end to end in tests/e2e.)"""
+from __future__ import annotations
+
+import asyncio
+import socket
+
+import pytest
+
+from engine.sampling_params import SamplingParams
+from protos.tandem.v1 import common_pb2
+from router.core import GenerateRequest, RequestError, RouterConfig, RouterCore
+from router.instances import InstancePool
+
+
+def closed_port() -> str:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return f"127.0.0.1:{s.getsockname()[1]}"
+
+
+def run_with_core(fn, **cfg):
+    async def main():
+        core = await RouterCore.create(RouterConfig(prefill_addrs=[closed_port()], decode_addrs=[closed_port()],
+                                                    model="random:tiny", max_model_len=64, **cfg))
+        try:
+            return await fn(core)
+        finally:
+            await core.close()
+    return asyncio.run(main())
+
+
+async def first_delta(core, **kw):
+    req = dict(request_id="r1", model="random:tiny", prompt=None, prompt_token_ids=None, params=SamplingParams())
+    req.update(kw)
+    it = core.generate(GenerateRequest(**req))
+    try:
+        return await it.__anext__()
+    finally:
+        await it.aclose()
+
+
+@pytest.mark.parametrize("kw,code,field", [
+    (dict(model="nope", prompt="hi"), "not_found", "model"),
+    (dict(prompt=""), "invalid_argument", "prompt"),
+    (dict(), "invalid_argument", "prompt"),
+    (dict(prompt="hi", prompt_token_ids=[1]), "invalid_argument", "prompt"),
+    (dict(prompt_token_ids=[]), "invalid_argument", "prompt_token_ids"),
+    (dict(prompt_token_ids=[1, 512]), "invalid_argument", "prompt_token_ids"),
+    (dict(prompt="x" * 64), "invalid_argument", "prompt"),
+    (dict(prompt="x" * 10, params=SamplingParams(max_tokens=60)), "invalid_argument", "max_tokens"),
+    (dict(prompt="fine"), "unavailable", None),  # valid, but no instance is up
+])
+def test_generate_raises_before_the_first_delta(kw, code, field):
+    async def check(core):
+        assert not core.ready()
+        with pytest.raises(RequestError) as ei:
+            await first_delta(core, **kw)
+        return ei.value
+
+    err = run_with_core(check)
+    assert (err.code, err.field) == (code, field), err.message
+    if field:
+        assert err.message.startswith(field), err.message
+
+
+def test_models_tokenizer_and_limits():
+    async def check(core):
+        return core.models(), await core.tokenize("ab"), core.max_model_len, core.tokenizer.eos_token
+
+    models, toks, mml, eos = run_with_core(check, served_model_name="tiny")
+    assert models == ["tiny"] and toks == [97, 98] and mml == 64 and eos == "<|im_end|>"
+
+
+def test_config_rejects_bad_policy_and_context():
+    with pytest.raises(ValueError, match="policy"):
+        asyncio.run(RouterCore.create(RouterConfig([closed_port()], [closed_port()], policy="random",
+                                                   model="random:tiny")))
+    with pytest.raises(ValueError, match="max_model_len"):
+        asyncio.run(RouterCore.create(RouterConfig([closed_port()], [closed_port()], model="random:tiny",
+                                                   max_model_len=10**6)))
+
+
+def _pool(role, policy, n=3):
+    async def make():
+        return InstancePool(role, [f"127.0.0.1:{1000 + i}" for i in range(n)], policy)
+    pool = asyncio.run(make())
+    for inst in pool.instances:
+        inst.healthy = True
+    return pool
+
+
+def test_round_robin_rotates_over_healthy_instances():
+    pool = _pool("decode", "round_robin")
+    firsts = [pool.ordered()[0].address for _ in range(6)]
+    assert firsts == ["127.0.0.1:1000", "127.0.0.1:1001", "127.0.0.1:1002"] * 2
+    pool.mark_down(pool.instances[1], "test")
+    assert all(i.address != "127.0.0.1:1001" for _ in range(4) for i in pool.ordered())
+    assert len(pool.ordered()) == 2
+
+
+def test_least_loaded_decode_prefers_free_kv_then_fewer_inflight():
+    pool = _pool("decode", "least_loaded")
+    a, b, c = pool.instances
+    a.load = common_pb2.InstanceLoad(kv_cache_usage=0.52)
+    b.load = common_pb2.InstanceLoad(kv_cache_usage=0.11)
+    c.load = common_pb2.InstanceLoad(kv_cache_usage=0.14)
+    b.inflight, c.inflight = 5, 2
+    assert [i.address for i in pool.ordered()] == [c.address, b.address, a.address]
+
+
+def test_least_loaded_prefill_prefers_fewer_queued_tokens():
+    pool = _pool("prefill", "least_loaded")
+    a, b, c = pool.instances
+    a.inflight_tokens, b.inflight_tokens, c.inflight_tokens = 900, 10, 10
+    b.load = common_pb2.InstanceLoad(num_queued_tokens=500)
+    c.load = common_pb2.InstanceLoad(num_queued_tokens=20)
+    assert [i.address for i in pool.ordered()] == [c.address, b.address, a.address]
+
+
+def test_no_healthy_instance_means_empty_order():
+    pool = _pool("prefill", "round_robin", n=2)
+    for inst in pool.instances:
+        pool.mark_down(inst, "test")
+    assert pool.ordered() == []
