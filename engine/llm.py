@@ -39,6 +39,7 @@ class LLM:
 
     def __init__(self, model: str, **engine_args: Any):
         self.engine = LLMEngine.from_engine_args(EngineArgs(model=model, **engine_args))
+        self.engine.stream_text = False
         self._ids = itertools.count()
 
     def get_tokenizer(self):

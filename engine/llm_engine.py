@@ -82,6 +82,7 @@ class LLMEngine:
         self.children: dict[str, list[str]] = {}  # user request id -> engine request ids
         self.held: dict[str, Request] = {}  # finished kv_hold requests whose blocks are still allocated
         self.reserved: dict[str, Request] = {}  # decode side: blocks reserved for an incoming KV transfer
+        self.stream_text = True  # text deltas every step; the offline LLM turns this off (text once, at the end)
         self._pending: list[StepOutput] = []  # outputs produced outside step() (aborts), returned by the next step
         self.last_stats: StepStats | None = None
         log.info("engine ready: model=%s dtype=%s device=%s blocks=%d x %d tokens, max_model_len=%d",
@@ -263,8 +264,12 @@ class LLMEngine:
         if req.logprobs is not None and logprobs is not None:
             req.logprobs.append(logprobs)
             req.cumulative_logprob += logprobs.get(token, 0.0)
-        self._detokenize(req)
+        if self.stream_text or req.sampling_params.stop:
+            self._detokenize(req)
         status = self._check_stop(req, token)
+        if status is not None and not (self.stream_text or req.sampling_params.stop):
+            skip = req.sampling_params.skip_special_tokens
+            req.output_text = self.tokenizer.decode(req.output_token_ids, skip_special_tokens=skip)
         if status is not None:
             self.scheduler.finish(req, status)
             if req.kv_hold:
@@ -272,11 +277,16 @@ class LLMEngine:
         return self._output(req, [token], logprobs)
 
     def _detokenize(self, req: Request) -> None:
-        """Incremental detokenization over the output tokens (text only grows once complete characters exist)."""
+        """Incremental detokenization (vLLM's scheme): decode the few newest tokens with some context before them,
+        and append what they add once it is whole characters. Costs O(new tokens) per step, not O(output)."""
+        ids = req.output_token_ids
         skip = req.sampling_params.skip_special_tokens
-        text = self.tokenizer.decode(req.output_token_ids, skip_special_tokens=skip)
-        if not text.endswith("\ufffd"):
-            req.output_text = text
+        prefix = self.tokenizer.decode(ids[req.prefix_offset:req.read_offset], skip_special_tokens=skip)
+        text = self.tokenizer.decode(ids[req.prefix_offset:], skip_special_tokens=skip)
+        if len(text) > len(prefix) and not text.endswith("\ufffd"):
+            req.output_text += text[len(prefix):]
+            req.prefix_offset = req.read_offset
+            req.read_offset = len(ids)
 
     def _check_stop(self, req: Request, token: int) -> RequestStatus | None:
         p = req.sampling_params

@@ -94,11 +94,30 @@ class Attention(nn.Module):
         self.v_proj = nn.Linear(hidden, self.num_kv_heads * self.head_dim, bias=bias)
         self.o_proj = nn.Linear(self.num_heads * self.head_dim, hidden, bias=False)
 
+        self.qkv_proj: nn.Linear | None = None  # set by fuse(): one GEMM instead of three
+
+    @torch.no_grad()
+    def fuse(self) -> None:
+        qkv = [self.q_proj, self.k_proj, self.v_proj]
+        w = torch.cat([m.weight for m in qkv])
+        self.qkv_proj = nn.Linear(w.shape[1], w.shape[0], bias=self.q_proj.bias is not None,
+                                  device=w.device, dtype=w.dtype)
+        self.qkv_proj.weight.copy_(w)
+        if self.q_proj.bias is not None:
+            self.qkv_proj.bias.copy_(torch.cat([m.bias for m in qkv]))
+        del self.q_proj, self.k_proj, self.v_proj
+
     def forward(self, positions, x, cos_sin_cache, kv: LayerKV, meta: AttentionMetadata) -> torch.Tensor:
         T = x.shape[0]
-        q = self.q_proj(x).view(T, self.num_heads, self.head_dim)
-        k = self.k_proj(x).view(T, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(T, self.num_kv_heads, self.head_dim)
+        if self.qkv_proj is not None:
+            q, k, v = self.qkv_proj(x).split(
+                [self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim, self.num_kv_heads * self.head_dim],
+                dim=-1)
+        else:
+            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        q = q.reshape(T, self.num_heads, self.head_dim)
+        k = k.reshape(T, self.num_kv_heads, self.head_dim)
+        v = v.reshape(T, self.num_kv_heads, self.head_dim)
         q, k = kernels.rotary_embedding(positions, q, k, cos_sin_cache)
         kernels.write_kv(k, v, kv.k_cache, kv.v_cache, meta.slot_mapping, kv.k_scale, kv.v_scale)
         o = kernels.paged_attention(q, kv.k_cache, kv.v_cache, meta.block_tables, meta.seq_lens,
@@ -114,9 +133,21 @@ class MLP(nn.Module):
         self.gate_proj = nn.Linear(hidden, inter, bias=False)
         self.up_proj = nn.Linear(hidden, inter, bias=False)
         self.down_proj = nn.Linear(inter, hidden, bias=False)
+        self.gate_up_proj: nn.Linear | None = None  # set by fuse()
+
+    @torch.no_grad()
+    def fuse(self) -> None:
+        w = torch.cat([self.gate_proj.weight, self.up_proj.weight])
+        self.gate_up_proj = nn.Linear(w.shape[1], w.shape[0], bias=False, device=w.device, dtype=w.dtype)
+        self.gate_up_proj.weight.copy_(w)
+        del self.gate_proj, self.up_proj
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(kernels.silu_and_mul(torch.cat((self.gate_proj(x), self.up_proj(x)), dim=-1)))
+        if self.gate_up_proj is not None:
+            gate_up = self.gate_up_proj(x)
+        else:
+            gate_up = torch.cat((self.gate_proj(x), self.up_proj(x)), dim=-1)
+        return self.down_proj(kernels.silu_and_mul(gate_up))
 
 
 class DecoderLayer(nn.Module):
@@ -172,6 +203,12 @@ class LlamaForCausalLM(nn.Module):
         self.head_dim = head_dim
         self.register_buffer("cos_sin_cache", build_cos_sin_cache(config, head_dim, config.max_position_embeddings),
                              persistent=False)
+
+    def fuse_projections(self) -> None:
+        """After loading: q/k/v and gate/up become one GEMM each (applied from outside; names stay HF's until then)."""
+        for layer in self.model.layers:
+            layer.self_attn.fuse()
+            layer.mlp.fuse()
 
     def tie_weights(self) -> None:
         if self.tie_word_embeddings:

@@ -49,6 +49,8 @@ class ModelRunner:
         model.cos_sin_cache = model.cos_sin_cache.float()
         model.tie_weights()
         load_weights(model, resolved)
+        if self.device.type == "cuda":
+            model.fuse_projections()
         model.eval()
         self.model = model
         self.hf_config = hf_config

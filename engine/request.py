@@ -57,6 +57,8 @@ class Request:
             self.generator.manual_seed(sampling_params.seed + index)
         # Detokenization state (engine/llm_engine.py).
         self.output_text = ""
+        self.prefix_offset = 0  # output tokens [prefix_offset, read_offset) were decoded as context last time
+        self.read_offset = 0
         self.sent_text_len = 0
         self.sent_tokens = 0
         self.logprobs: list[dict[int, float]] | None = [] if sampling_params.logprobs is not None else None

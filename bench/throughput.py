@@ -1,0 +1,119 @@
+"""Offline throughput, vLLM's benchmark_throughput arguments: random-token prompts, fixed input and output lengths.
+
+  python bench/throughput.py --model random:qwen2.5-7b --dtype bfloat16 --num-prompts 500 --input-len 512 \
+      --output-len 256 --backend tandem hf
+
+Each backend runs the same prompts in the same invocation; one JSON file per backend run goes to bench/results/.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from bench.common import git_commit, machine_info, write_json  # noqa: E402
+
+
+def make_prompts(num: int, input_len: int, vocab: int, seed: int) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(10, vocab - 10, (num, input_len), generator=g).tolist()
+
+
+def run_tandem(args, prompts) -> tuple[float, int]:
+    from engine import LLM, SamplingParams
+
+    llm = LLM(args.model, dtype=args.dtype, max_model_len=args.input_len + args.output_len + 16,
+              max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+              kv_cache_dtype=args.kv_cache_dtype, enable_prefix_caching=False, seed=args.seed)
+    params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
+    llm.generate(prompt_token_ids=prompts[: min(8, len(prompts))], sampling_params=SamplingParams(
+        temperature=0.0, max_tokens=4, ignore_eos=True))  # warm-up: kernels compiled, graphs captured
+    sync()
+    t0 = time.perf_counter()
+    outs = llm.generate(prompt_token_ids=prompts, sampling_params=params)
+    sync()
+    elapsed = time.perf_counter() - t0
+    n_out = sum(len(o.outputs[0].token_ids) for o in outs)
+    del llm
+    return elapsed, n_out
+
+
+def run_hf(args, prompts) -> tuple[float, int]:
+    from transformers import AutoModelForCausalLM
+
+    from engine.loader import load_weights, resolve_model
+
+    resolved = resolve_model(args.model)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    dtype = getattr(torch, args.dtype) if args.dtype != "auto" else (torch.bfloat16 if device == "cuda" else torch.float32)
+    if resolved.weights_dir is not None:
+        model = AutoModelForCausalLM.from_pretrained(resolved.weights_dir, dtype=dtype).to(device)
+    else:
+        with torch.device(device):
+            model = AutoModelForCausalLM.from_config(resolved.config, dtype=dtype)
+        load_weights(model, resolved)
+    model.eval()
+    model.generation_config.eos_token_id = None
+    n_out = 0
+    sync()
+    t0 = time.perf_counter()
+    with torch.no_grad():
+        for i in range(0, len(prompts), args.hf_batch_size):
+            batch = torch.tensor(prompts[i:i + args.hf_batch_size], device=device)
+            out = model.generate(batch, attention_mask=torch.ones_like(batch), max_new_tokens=args.output_len,
+                                 do_sample=False, pad_token_id=0)
+            n_out += (out.shape[1] - batch.shape[1]) * batch.shape[0]
+    sync()
+    return time.perf_counter() - t0, n_out
+
+
+def sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="smollm2")
+    p.add_argument("--dtype", default="auto")
+    p.add_argument("--num-prompts", type=int, default=500)
+    p.add_argument("--input-len", type=int, default=512)
+    p.add_argument("--output-len", type=int, default=256)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--backend", nargs="+", default=["tandem"], choices=["tandem", "hf"])
+    p.add_argument("--max-num-seqs", type=int, default=256)
+    p.add_argument("--max-num-batched-tokens", type=int, default=8192)
+    p.add_argument("--kv-cache-dtype", default="auto")
+    p.add_argument("--hf-batch-size", type=int, default=256)
+    p.add_argument("--out-dir", default=str(Path(__file__).resolve().parent / "results"))
+    args = p.parse_args(argv)
+
+    from engine.loader import resolve_model
+    vocab = resolve_model(args.model).config.vocab_size
+    prompts = make_prompts(args.num_prompts, args.input_len, vocab, args.seed)
+    gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+    rows = []
+    for backend in args.backend:
+        elapsed, n_out = (run_tandem if backend == "tandem" else run_hf)(args, prompts)
+        total = n_out + args.num_prompts * args.input_len
+        rec = dict(backend=backend, gpu=gpu, model=args.model, num_prompts=args.num_prompts,
+                   input_len=args.input_len, output_len=args.output_len, elapsed_s=round(elapsed, 3),
+                   output_tokens_per_s=round(n_out / elapsed, 1), total_tokens_per_s=round(total / elapsed, 1),
+                   commit=git_commit()["sha"], date=time.strftime("%Y-%m-%d"), machine=machine_info())
+        write_json(Path(args.out_dir) / f"throughput-{backend}-{time.strftime('%Y%m%d-%H%M%S')}.json", rec)
+        rows.append(rec)
+        print(f"{backend:7s} {elapsed:8.2f} s  {rec['output_tokens_per_s']:10.1f} out tok/s  "
+              f"{rec['total_tokens_per_s']:10.1f} total tok/s", flush=True)
+        torch.cuda.empty_cache() if torch.cuda.is_available() else None
+    if len(rows) == 2:
+        print(f"tandem / hf = {rows[0]['output_tokens_per_s'] / rows[1]['output_tokens_per_s']:.2f}x")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

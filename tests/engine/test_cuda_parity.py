@@ -1,0 +1,133 @@
+"""The engine on CUDA (Triton kernels on the hot path) against transformers and against itself across dtypes.
+
+Runs only where CUDA is available (the H200); the CPU suite covers the same paths with the torch references.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+
+
+def build_random_dir(tmp_path, preset: str, seed: int, std: float):
+    from transformers import AutoModelForCausalLM
+
+    from engine.presets import preset_config
+    from engine.tokenizer import synthetic_tokenizer
+
+    cfg = preset_config(preset)
+    cfg.initializer_range = std
+    cfg.dtype = "float32"
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    if getattr(cfg, "architectures", ["x"])[0] == "Qwen2ForCausalLM":
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if name.endswith(".bias"):
+                    p.normal_(0.0, std)
+    model.save_pretrained(tmp_path, safe_serialization=True)
+    synthetic_tokenizer(cfg.vocab_size).save_pretrained(tmp_path)
+    return tmp_path
+
+
+def prompts_for(vocab: int, lens=(5, 37, 130, 300)) -> list[list[int]]:
+    g = torch.Generator().manual_seed(1)
+    return [torch.randint(300, vocab, (n,), generator=g).tolist() for n in lens]
+
+
+@pytest.fixture(scope="module")
+def smollm2_shape_dir(tmp_path_factory):
+    return build_random_dir(tmp_path_factory.mktemp("smollm2-shape"), "smollm2-135m", seed=0, std=0.05)
+
+
+@pytest.fixture(scope="module")
+def tiny_qwen2_cuda_dir(tmp_path_factory):
+    return build_random_dir(tmp_path_factory.mktemp("tiny-qwen2"), "tiny-qwen2", seed=1, std=0.1)
+
+
+def hf_greedy_cuda(model_dir, prompts, max_tokens):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).cuda().eval()
+    model.generation_config.eos_token_id = None
+    outs = []
+    with torch.no_grad():
+        for p in prompts:
+            ids = torch.tensor([p], device="cuda")
+            g = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_tokens,
+                               do_sample=False, pad_token_id=0)
+            outs.append(g[0, len(p):].tolist())
+    del model
+    torch.cuda.empty_cache()
+    return outs
+
+
+@pytest.mark.parametrize("fixture", ["smollm2_shape_dir", "tiny_qwen2_cuda_dir"])
+def test_fp32_greedy_matches_transformers_on_cuda(request, fixture):
+    from engine import LLM, SamplingParams
+
+    torch.backends.cuda.matmul.allow_tf32 = False
+    model_dir = request.getfixturevalue(fixture)
+    llm = LLM(str(model_dir), dtype="float32", device="cuda", kv_cache_memory=2.0, max_num_batched_tokens=128)
+    prompts = prompts_for(llm.engine.runner.hf_config.vocab_size)
+    expected = hf_greedy_cuda(model_dir, prompts, 64)
+    outs = llm.generate(prompt_token_ids=prompts,
+                        sampling_params=SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True))
+    got = [o.outputs[0].token_ids for o in outs]
+    agree = [sum(a == b for a, b in zip(g, e)) / len(e) for g, e in zip(got, expected)]
+    assert got == expected, f"per-prompt agreement {agree}"
+
+
+def step_logits(llm, tokens: list[int]) -> torch.Tensor:
+    """Logits at every position of one sequence, computed as one prefill through the engine's runner."""
+    from engine.request import Request
+    from engine.sampling_params import SamplingParams
+    from engine.scheduler import SchedulerOutput
+
+    eng = llm.engine
+    req = Request("probe", tokens, SamplingParams(max_tokens=1), 1)
+    assert eng.kv.allocate_slots(req, len(tokens))
+    try:
+        sched = SchedulerOutput(scheduled=[(req, len(tokens))])
+        inputs = eng.runner.prepare_inputs(sched, [eng.kv.get_block_ids("probe")])
+        with torch.inference_mode():
+            hidden = eng.runner.model(inputs.input_ids, inputs.positions, eng.runner.kv_layers, inputs.meta)
+            return eng.runner.model.compute_logits(hidden).float()
+    finally:
+        req.status = req.status.FINISHED_ABORTED
+        eng.kv.free(req)
+
+
+def test_bf16_logits_within_1e2_of_fp32(smollm2_shape_dir):
+    from engine import LLM, SamplingParams
+
+    llm32 = LLM(str(smollm2_shape_dir), dtype="float32", device="cuda", kv_cache_memory=1.0)
+    prompt = prompts_for(llm32.engine.runner.hf_config.vocab_size, lens=(200,))[0]
+    out = llm32.generate(prompt_token_ids=[prompt],
+                         sampling_params=SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True))[0]
+    seq = prompt + out.outputs[0].token_ids
+    ref = step_logits(llm32, seq)
+    del llm32
+    llm16 = LLM(str(smollm2_shape_dir), dtype="bfloat16", device="cuda", kv_cache_memory=1.0)
+    got = step_logits(llm16, seq)
+    rel = ((got - ref).norm(dim=-1) / ref.norm(dim=-1))[len(prompt) - 1:]  # each generated step
+    assert rel.max().item() < 1e-2, f"max relative error {rel.max().item():.3e}"
+
+
+def test_fp8_kv_greedy_agrees_with_bf16(smollm2_shape_dir):
+    from engine import LLM, SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=256, ignore_eos=True)
+    prompts = prompts_for(49152, lens=(64, 200))
+    runs = {}
+    for kv_dtype in ("auto", "fp8"):
+        llm = LLM(str(smollm2_shape_dir), dtype="bfloat16", device="cuda", kv_cache_memory=1.0,
+                  kv_cache_dtype=kv_dtype)
+        runs[kv_dtype] = [o.outputs[0].token_ids for o in llm.generate(prompt_token_ids=prompts,
+                                                                        sampling_params=params)]
+        del llm
+    total = sum(len(a) for a in runs["auto"])
+    # Positions agree until the first divergence; after it the sequences are different contexts.
+    same = sum(a == b for x, y in zip(runs["auto"], runs["fp8"]) for a, b in zip(x, y))
+    assert same / total >= 0.95, f"fp8 KV agrees on {same}/{total} positions"
