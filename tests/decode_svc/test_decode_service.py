@@ -1,0 +1,174 @@
+"""The decode service in-process (a real engine, a real gRPC server on loopback), driven the way a prefill instance
+and the router drive it: reservations, refusals, layout checks, deadlines. No block may stay allocated."""
+from __future__ import annotations
+
+import asyncio
+import socket
+
+import grpc
+import pytest
+
+from decode_svc.core import DecodeCore
+from decode_svc.servicer import DecodeServicer
+from engine import EngineArgs, LLMEngine
+from engine.metrics import Metrics
+from prefill_svc.kv_layout import layout_of
+from protos.runtime import new_server
+from protos.tandem.v1 import common_pb2, decode_pb2, decode_pb2_grpc, kv_transfer_pb2 as kv
+
+
+@pytest.fixture(scope="module")
+def engine():
+    return LLMEngine.from_engine_args(EngineArgs(model="random:tiny", device="cpu", num_gpu_blocks_override=64,
+                                                 max_model_len=1024, block_size=16))
+
+
+def run(engine, scenario):
+    async def main():
+        core = DecodeCore(engine, Metrics("random:tiny", "decode"))
+        await core.start()
+        server = new_server()
+        decode_pb2_grpc.add_DecodeServicer_to_server(DecodeServicer(core), server)
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        server.add_insecure_port(f"127.0.0.1:{port}")
+        await server.start()
+        try:
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as ch:
+                return await scenario(decode_pb2_grpc.DecodeStub(ch), core)
+        finally:
+            await server.stop(0)
+            await core.close()
+    return asyncio.run(main())
+
+
+def decode_req(rid, n_tokens, timeout_ms=10_000, **params):
+    return decode_pb2.DecodeRequest(request_id=rid, prompt_token_ids=[3] * n_tokens,
+                                    params=common_pb2.SamplingParams(**{"temperature": 0.0, "max_tokens": 8, **params}),
+                                    kv_transfer_timeout_ms=timeout_ms)
+
+
+async def idle(stub):
+    for _ in range(50):
+        load = await stub.GetLoad(common_pb2.GetLoadRequest())
+        if load.num_used_blocks == 0 and load.num_tracked_requests == 0:
+            return load
+        await asyncio.sleep(0.05)
+    return load
+
+
+def test_reserve_refuse_and_cancel(engine):
+    async def scenario(stub, core):
+        big = stub.Decode(decode_req("big", 1000))
+        assert (await big.read()).reserved.num_blocks == 63
+        assert (await stub.GetLoad(common_pb2.GetLoadRequest())).num_used_blocks == 63
+        small = stub.Decode(decode_req("small", 1000))
+        with pytest.raises(grpc.aio.AioRpcError) as ei:
+            await small.read()
+        assert ei.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        big.cancel()
+        return await idle(stub)
+
+    assert run(engine, scenario).num_used_blocks == 0
+
+
+def test_deadline_frees_a_stalled_partial_transfer(engine):
+    async def scenario(stub, core):
+        call = stub.Decode(decode_req("r", 40, timeout_ms=500))
+        assert (await call.read()).reserved.num_blocks == 3
+        layout = layout_of(engine.kv_cache)
+        q: asyncio.Queue = asyncio.Queue()
+
+        async def messages():
+            while (m := await q.get()) is not None:
+                yield m
+
+        transfer = stub.TransferKv(messages())
+        q.put_nowait(kv.KvTransferMessage(open=kv.KvTransferOpen(request_id="r", layout=layout, num_prompt_tokens=40,
+                                                                  num_blocks=3)))
+        q.put_nowait(kv.KvTransferMessage(blocks=kv.KvBlocks(first_block_index=0, num_blocks=1,
+                                                             data=bytes(layout.block_bytes))))
+        with pytest.raises(grpc.aio.AioRpcError) as ei:  # then nothing: the transfer stalls
+            await call.read()
+        assert ei.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED and "reservation was freed" in ei.value.details()
+        q.put_nowait(kv.KvTransferMessage(blocks=kv.KvBlocks(first_block_index=1, num_blocks=1,
+                                                             data=bytes(layout.block_bytes))))
+        with pytest.raises(grpc.aio.AioRpcError) as ei:  # a late block is refused, never written
+            await transfer
+        assert ei.value.code() in (grpc.StatusCode.ABORTED, grpc.StatusCode.DEADLINE_EXCEEDED)
+        return await idle(stub)
+
+    assert run(engine, scenario).num_used_blocks == 0
+
+
+@pytest.mark.parametrize("field,change", [
+    ("layout.dtype", dict(dtype="bfloat16")), ("layout.block_size", dict(block_size=32)),
+    ("layout.num_layers", dict(num_layers=3)), ("layout.num_kv_heads", dict(num_kv_heads=4)),
+    ("layout.head_dim", dict(head_dim=64)), ("open.num_blocks", None)])
+def test_layout_mismatch_is_refused_naming_the_field(engine, field, change):
+    async def scenario(stub, core):
+        call = stub.Decode(decode_req("r", 40))
+        await call.read()
+        layout = layout_of(engine.kv_cache)
+        for k, v in (change or {}).items():
+            setattr(layout, k, v)
+        op = kv.KvTransferOpen(request_id="r", layout=layout, num_prompt_tokens=40, num_blocks=3 if change else 4)
+
+        async def messages():
+            yield kv.KvTransferMessage(open=op)
+
+        with pytest.raises(grpc.aio.AioRpcError) as ei:
+            await stub.TransferKv(messages())
+        assert ei.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert ei.value.details().startswith(field), ei.value.details()
+        with pytest.raises(grpc.aio.AioRpcError):  # the request fails on the router's side too
+            await call.read()
+        return await idle(stub)
+
+    assert run(engine, scenario).num_used_blocks == 0
+
+
+def test_transfer_without_reservation_and_bad_first_message(engine):
+    async def scenario(stub, core):
+        async def only(msg):
+            yield msg
+
+        with pytest.raises(grpc.aio.AioRpcError) as ei:
+            await stub.TransferKv(only(kv.KvTransferMessage(open=kv.KvTransferOpen(request_id="ghost"))))
+        assert ei.value.code() == grpc.StatusCode.NOT_FOUND
+        with pytest.raises(grpc.aio.AioRpcError) as ei:
+            await stub.TransferKv(only(kv.KvTransferMessage(commit=kv.KvTransferCommit(first_token_id=1))))
+        assert ei.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        with pytest.raises(grpc.aio.AioRpcError) as ei:
+            await stub.Decode(decode_req("x", 10, temperature=-1.0)).read()
+        assert ei.value.code() == grpc.StatusCode.INVALID_ARGUMENT and ei.value.details().startswith("temperature")
+        return await idle(stub)
+
+    assert run(engine, scenario).num_used_blocks == 0
+
+
+def test_full_transfer_commits_and_generates(engine):
+    """KV of zeros is a valid (if meaningless) prompt cache: the request joins the batch and finishes."""
+    async def scenario(stub, core):
+        call = stub.Decode(decode_req("r", 20, ignore_eos=True))
+        await call.read()
+        layout = layout_of(engine.kv_cache)
+
+        async def messages():
+            yield kv.KvTransferMessage(open=kv.KvTransferOpen(request_id="r", layout=layout, num_prompt_tokens=20,
+                                                              num_blocks=2))
+            yield kv.KvTransferMessage(blocks=kv.KvBlocks(first_block_index=0, num_blocks=2,
+                                                          data=bytes(2 * layout.block_bytes)))
+            yield kv.KvTransferMessage(commit=kv.KvTransferCommit(first_token_id=65))
+
+        ack = await stub.TransferKv(messages())
+        assert ack.num_blocks == 2 and ack.received_bytes == 2 * layout.block_bytes
+        toks, reason = [], 0
+        while (r := await call.read()) is not grpc.aio.EOF:
+            toks += r.delta.token_ids
+            reason = r.delta.finish_reason or reason
+        assert len(toks) == 7 and reason == common_pb2.FINISH_REASON_LENGTH  # 8 minus the first, from prefill
+        return await idle(stub)
+
+    assert run(engine, scenario).num_used_blocks == 0
