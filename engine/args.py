@@ -18,6 +18,7 @@ class EngineArgs:
     dtype: str = "auto"
     max_model_len: int | None = None
     seed: int = 0
+    enforce_eager: bool = False
     block_size: int = 16
     kv_cache_memory: float | None = None
     gpu_memory_utilization: float = 0.9

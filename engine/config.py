@@ -29,6 +29,8 @@ class ModelConfig:
     """Context length (prompt + output); default: the model's max_position_embeddings."""
     seed: int = 0
     """Seed for random weights and for unseeded sampling."""
+    enforce_eager: bool = False
+    """Never replay decode steps as CUDA graphs (vLLM's flag)."""
 
     def __post_init__(self) -> None:
         if self.max_model_len is not None and self.max_model_len < 1:

@@ -78,6 +78,8 @@ class LLMEngine:
                 f"than max_model_len={max_model_len}: raise --kv-cache-memory / --gpu-memory-utilization or lower "
                 f"--max-model-len")
         self.scheduler = Scheduler(config.scheduler, self.kv)
+        if self.runner.device.type == "cuda" and config.model.enforce_eager is False:
+            self.runner.enable_cuda_graphs(max_model_len)
         self.requests: dict[str, Request] = {}  # engine request id -> request (children of n > 1 included)
         self.children: dict[str, list[str]] = {}  # user request id -> engine request ids
         self.held: dict[str, Request] = {}  # finished kv_hold requests whose blocks are still allocated

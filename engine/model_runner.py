@@ -67,6 +67,7 @@ class ModelRunner:
                                     self.head_dim, dtype=self.kv_dtype, device=self.device)
         self.k_scales = [1.0] * self.num_layers
         self.v_scales = [1.0] * self.num_layers
+        self.graphs = None  # DecodeGraphs, captured by enable_cuda_graphs() once the engine knows max_model_len
         self.kv_layers = [LayerKV(self.kv_cache[:, l, 0], self.kv_cache[:, l, 1], self.k_scales[l], self.v_scales[l])
                           for l in range(self.num_layers)]
 
@@ -164,10 +165,22 @@ class ModelRunner:
         return ModelInputs(t(input_ids, torch.int64), t(positions, torch.int64), meta,
                            t(logits_indices, torch.int64), sampled)
 
+    def enable_cuda_graphs(self, max_model_len: int) -> None:
+        from engine.cuda_graphs import DecodeGraphs
+
+        self.graphs = DecodeGraphs(self, self.config.scheduler.max_num_seqs, max_model_len)
+
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput, block_tables: list[list[int]]) -> tuple[list[Request], SamplerOutput]:
         inputs = self.prepare_inputs(sched, block_tables)
-        hidden = self.model(inputs.input_ids, inputs.positions, self.kv_layers, inputs.meta)
+        m = inputs.meta
+        num_seqs = len(sched.scheduled)
+        if (self.graphs is not None and m.max_query_len == 1 and len(inputs.sampled_requests) == num_seqs
+                and self.graphs.can_run(num_seqs)):
+            logits = self.graphs.run(inputs.input_ids, inputs.positions, m.slot_mapping, m.block_tables,
+                                     m.seq_lens).float()
+            return inputs.sampled_requests, self.sampler(logits, inputs.sampled_requests)
+        hidden = self.model(inputs.input_ids, inputs.positions, self.kv_layers, m)
         if not inputs.sampled_requests:
             return [], SamplerOutput(token_ids=[], logprobs=[])
         logits = self.model.compute_logits(hidden[inputs.logits_indices]).float()
