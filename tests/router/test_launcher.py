@@ -1,0 +1,115 @@
+"""`tandem up`: the command lines it starts, and (with real processes) that a child's death stops all the others."""
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from router.launcher import build_parser, launch_commands
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def commands(*argv: str) -> dict[str, list[str]]:
+    return launch_commands(build_parser().parse_args(list(argv)))
+
+
+def test_defaults_are_smollm2_on_cpu_one_prefill_one_decode():
+    assert commands() == {
+        "prefill-0": ["tandem", "prefill", "--host", "127.0.0.1", "--port", "50060", "--metrics-port", "9100",
+                      "--model", "smollm2", "--device", "cpu"],
+        "decode-0": ["tandem", "decode", "--host", "127.0.0.1", "--port", "50061", "--metrics-port", "9101",
+                     "--model", "smollm2", "--device", "cpu"],
+        "router": ["tandem", "router", "--host", "127.0.0.1", "--grpc-port", "50051", "--http-port", "8000",
+                   "--prefill", "127.0.0.1:50060", "--decode", "127.0.0.1:50061", "--policy", "round_robin",
+                   "--model", "smollm2"],
+    }
+
+
+def test_counts_ports_and_engine_flags_carry_over():
+    cmds = commands("--prefill", "2", "--decode", "3", "--model", "random:tiny", "--grpc-port", "7000",
+                    "--http-port", "7001", "--worker-port", "7100", "--metrics-port", "7200", "--device", "cuda",
+                    "--served-model-name", "tiny", "--max-model-len", "512", "--block-size", "32",
+                    "--no-enable-prefix-caching", "--kv-cache-dtype", "fp8", "--policy", "least_loaded")
+    assert list(cmds) == ["prefill-0", "prefill-1", "decode-0", "decode-1", "decode-2", "router"]
+    engine = ["--model", "random:tiny", "--served-model-name", "tiny", "--max-model-len", "512", "--block-size",
+              "32", "--kv-cache-dtype", "fp8", "--no-enable-prefix-caching", "--device", "cuda"]
+    for k, name in enumerate(list(cmds)[:-1]):
+        assert cmds[name][:2] == ["tandem", name.split("-")[0]]
+        assert cmds[name][2:8] == ["--host", "127.0.0.1", "--port", str(7100 + k), "--metrics-port", str(7200 + k)]
+        assert cmds[name][8:] == engine
+    assert cmds["router"] == ["tandem", "router", "--host", "127.0.0.1", "--grpc-port", "7000", "--http-port", "7001",
+                              "--prefill", "127.0.0.1:7100,127.0.0.1:7101",
+                              "--decode", "127.0.0.1:7102,127.0.0.1:7103,127.0.0.1:7104", "--policy", "least_loaded",
+                              "--model", "random:tiny", "--served-model-name", "tiny", "--max-model-len", "512"]
+
+
+def test_binding_every_interface_still_dials_loopback():
+    cmds = commands("--host", "0.0.0.0")
+    assert cmds["prefill-0"][2:4] == ["--host", "0.0.0.0"]
+    assert "127.0.0.1:50060" in cmds["router"]
+
+
+def test_each_command_parses_with_its_roles_own_parser():
+    from decode_svc.server import build_parser as decode_parser
+    from prefill_svc.server import build_parser as prefill_parser
+    from router.server import build_parser as router_parser
+
+    parsers = {"prefill": prefill_parser(), "decode": decode_parser(), "router": router_parser()}
+    for cmd in commands("--decode", "2", "--max-model-len", "512", "--no-enable-prefix-caching").values():
+        ns = parsers[cmd[1]].parse_args(cmd[2:])
+        assert ns.model == "smollm2" and ns.max_model_len == 512
+
+
+def _free_base(n: int) -> int:
+    while True:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            base = s.getsockname()[1]
+        try:
+            for p in range(base, base + n):
+                with socket.socket() as s:
+                    s.bind(("127.0.0.1", p))
+            return base
+        except OSError:
+            continue
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def test_a_dead_child_stops_the_others_and_tandem_up_fails():
+    base = _free_base(6)
+    proc = subprocess.Popen([sys.executable, "-m", "engine.cli", "up", "--model", "random:tiny", "--http-port",
+                             str(base), "--grpc-port", str(base + 1), "--worker-port", str(base + 2),
+                             "--metrics-port", str(base + 4)],
+                            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    lines, pids = [], {}
+    try:
+        deadline = time.monotonic() + 240
+        for line in proc.stdout:
+            lines.append(line)
+            if m := re.match(r"tandem up: started (\S+) \(pid (\d+)\)", line):
+                pids[m.group(1)] = int(m.group(2))
+            if "tandem up: ready." in line or time.monotonic() > deadline:
+                break
+        assert "tandem up: ready." in lines[-1], "".join(lines[-40:])
+        assert sorted(pids) == ["decode-0", "prefill-0", "router"]
+        os.kill(pids["decode-0"], signal.SIGKILL)
+        rest = proc.communicate(timeout=60)[0]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 1
+    assert "decode-0 exited with status -9; stopping the rest" in rest
+    assert [name for name, pid in pids.items() if _alive(pid)] == []
