@@ -153,22 +153,28 @@ def _sweep(label, name, specs, configs, deadline, kv_fp8=False, bound="bw"):
     del args
 
 
-def sweep_attention(budget_s: float):
+def sweep_attention(budget_s: float, full: bool):
     """Times config variants at the target shapes (docs/kernels.md keeps the tables); stops after budget_s."""
     deadline = time.time() + budget_s
     prefill = [dict(block_m=128, tile_n=t, num_warps=8, num_stages=st) for t in (64, 128) for st in (2, 3, 4)]
     prefill += [dict(block_m=64, tile_n=64, num_warps=w, num_stages=st) for w, st in ((4, 2), (4, 3), (8, 2))]
-    _sweep("sweep_prefill", "chunk=4096", [(4096, 4096)], prefill, deadline, bound="flops")
-    _sweep("sweep_prefill", "chunk=4096 prefix=4096", [(4096, 8192)], prefill[:6], deadline, bound="flops")
-    mixed = [dict(block_m=m, tile_n=64, num_warps=w, num_stages=2) for m, w in ((128, 8), (64, 4), (32, 4))]
-    _sweep("sweep_mixed", "2048-chunk + 63 decodes@4k", [(2048, 6144)] + [(1, 4096)] * 63, mixed, deadline,
-           bound="flops")
-    decode = [dict(tile_n=t, num_segments=sg, num_warps=4, num_stages=st) for t in (64, 128) for sg in (1, 2)
-              for st in (2, 3)]
-    _sweep("sweep_decode_fp8", "batch=64 ctx=4096", [(1, 4096)] * 64, decode, deadline, kv_fp8=True)
+    if full:
+        _sweep("sweep_prefill", "chunk=4096", [(4096, 4096)], prefill, deadline, bound="flops")
+        _sweep("sweep_prefill", "chunk=4096 prefix=4096", [(4096, 8192)], prefill[:6], deadline, bound="flops")
+        mixed = [dict(block_m=m, tile_n=64, num_warps=w, num_stages=2) for m, w in ((128, 8), (64, 4), (32, 4))]
+        _sweep("sweep_mixed", "2048-chunk + 63 decodes@4k", [(2048, 6144)] + [(1, 4096)] * 63, mixed, deadline,
+               bound="flops")
+    else:
+        big = [dict(block_m=256, tile_n=64, num_warps=16, num_stages=2), dict(block_m=256, tile_n=32, num_warps=8,
+               num_stages=2), dict(block_m=128, tile_n=64, num_warps=8, num_stages=2)]
+        _sweep("sweep_prefill", "chunk=4096", [(4096, 4096)], big, deadline, bound="flops")
+    fp8 = [dict(tile_n=t, num_segments=sg, num_warps=w, num_stages=st, fp8_via_fp16=f)
+           for f in (0, 1) for t in (128, 256) for sg in (1, 2) for w, st in ((4, 3), (8, 3))]
+    _sweep("sweep_decode_fp8", "batch=64 ctx=4096", [(1, 4096)] * 64, fp8, deadline, kv_fp8=True)
+    decode = [dict(tile_n=t, num_segments=1, num_warps=w, num_stages=3) for t in (128, 256) for w in (4, 8)]
     _sweep("sweep_decode", "batch=64 ctx=4096", [(1, 4096)] * 64, decode, deadline)
-    long = [dict(tile_n=t, num_segments=sg, num_warps=4, num_stages=3) for t in (64, 128) for sg in (32, 64, 128)]
-    _sweep("sweep_decode", "batch=1 ctx=32768", [(1, 32768)], long, deadline)
+    small = [dict(tile_n=128, num_segments=sg, num_warps=4, num_stages=3) for sg in (1, 2, 4, 8, 16)]
+    _sweep("sweep_decode", "batch=8 ctx=4096", [(1, 4096)] * 8, small, deadline)
 
 
 def bench_pointwise(quick: bool):
@@ -214,6 +220,7 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="fewer shapes")
     ap.add_argument("--sweep", action="store_true", help="also time attention config variants")
     ap.add_argument("--sweep-budget", type=float, default=150.0, help="seconds the sweep may take")
+    ap.add_argument("--full-sweep", action="store_true", help="the whole prefill/mixed sweep of docs/kernels.md")
     ap.add_argument("--only", choices=["attention", "pointwise", "sweep"], help="one group only")
     a = ap.parse_args()
     if not torch.cuda.is_available():
@@ -228,7 +235,7 @@ def main() -> None:
     if a.only in (None, "pointwise"):
         bench_pointwise(a.quick)
     if a.sweep or a.only == "sweep":
-        sweep_attention(a.sweep_budget)
+        sweep_attention(a.sweep_budget, a.full_sweep)
     print(f"done in {time.time() - t0:.0f} s")
     if a.json:
         try:

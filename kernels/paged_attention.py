@@ -219,6 +219,7 @@ def _paged_attention_kernel(
     TILE_N: tl.constexpr,  # keys per inner iteration
     NUM_SEGMENTS: tl.constexpr,
     DOT_FP32: tl.constexpr,  # upcast dot operands (float32 inputs; the interpreter, which multiplies bf16 wrongly)
+    FP8_VIA_FP16: tl.constexpr,
     PRECISION: tl.constexpr,
 ):
     # Last query blocks first: under the causal mask they see the most keys, so the cheap ones fill the tail.
@@ -244,6 +245,10 @@ def _paged_attention_kernel(
                 mask=row_ok[:, None] & (d[None, :] < HEAD_DIM), other=0.0)
     if DOT_FP32:
         q = q.to(tl.float32)
+    elif FP8_VIA_FP16:
+        # fp8 -> fp16 is one instruction per pair on Hopper (-> bf16 goes through fp32): with an fp8 cache and bf16
+        # queries the dots run in fp16 (float32 accumulation; |q| clamped to fp16's range).
+        q = tl.clamp(q.to(tl.float32), -65504.0, 65504.0).to(tl.float16)
     q_pos = context_len + q_local
 
     # Keys this tile needs: up to its last query's position. Tiles below full_tiles hold keys every row sees.
@@ -338,7 +343,8 @@ def default_config(
         while (num_seqs * num_kv_heads * num_segments < num_sms and num_segments < 128
                and max_seq_len >= 2 * num_segments * 2 * tile_n):
             num_segments *= 2
-        return dict(block_m=min_m, tile_n=tile_n, num_segments=num_segments, num_warps=4, num_stages=3)
+        return dict(block_m=min_m, tile_n=tile_n, num_segments=num_segments, num_warps=4, num_stages=3,
+                    fp8_via_fp16=1)
     # Prefill chunks, maybe with decodes: each sequence costs ~(its queries * queries_per_kv + BLOCK_M of padding
     # in its last tile) rows; large tiles run the tensor cores better (relative rates measured on the H200).
     efficiency = {16: 0.35, 32: 0.6, 64: 0.92, 128: 1.0}
@@ -346,7 +352,7 @@ def default_config(
     candidates = [m for m in (16, 32, 64, 128) if min_m <= m <= cap] or [min_m]
     block_m = min(candidates, key=lambda m: (num_tokens * queries_per_kv + num_seqs * m) / efficiency.get(m, 1.0))
     return dict(block_m=block_m, tile_n=64 if head_dim <= 128 else 32, num_segments=1,
-                num_warps=8 if block_m >= 128 else 4, num_stages=2 if block_m >= 64 else 3)
+                num_warps=8 if block_m >= 128 else 4, num_stages=2 if block_m >= 64 else 3, fp8_via_fp16=1)
 
 
 def paged_attention_triton(
@@ -433,6 +439,7 @@ def paged_attention_triton(
         QUERIES_PER_KV=queries_per_kv, HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad, BLOCK_SIZE=block_size,
         BLOCK_M=block_m, BLOCK_Q=block_q, TILE_N=cfg["tile_n"], NUM_SEGMENTS=num_segments,
         DOT_FP32=dot_fp32, PRECISION="ieee" if dot_fp32 else "tf32",
+        FP8_VIA_FP16=bool(cfg["fp8_via_fp16"]) and k_cache.dtype == FP8_DTYPE and q.dtype == torch.bfloat16,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
     if num_segments > 1:

@@ -114,6 +114,12 @@ def test_split_context_decode(num_segments, kv_fp8):
     check(args, config=dict(num_segments=num_segments, tile_n=16))
 
 
+@pytest.mark.parametrize("fp8_via_fp16", [0, 1])
+def test_fp8_cache_bf16_queries_both_dot_paths(fp8_via_fp16):
+    args = make_batch([(6, 50), (1, 33), (1, 200)], 8, 2, 128, 16, torch.bfloat16, True, seed=21)
+    check(args, config=dict(fp8_via_fp16=fp8_via_fp16))
+
+
 def test_split_context_mixed_batch():
     # The split path is general: prefill chunks in a split launch must agree too.
     args = make_batch([(9, 60), (1, 40), (20, 20)], 4, 2, 64, 16, torch.float32, seed=11)
@@ -148,7 +154,7 @@ def test_default_config_splits_only_small_long_decodes():
     assert default_config(8, 8, 4, 7, 128, 1, 4096, 132)["num_segments"] > 1
     assert default_config(64, 64, 4, 7, 128, 1, 4096, 132)["num_segments"] == 1
     assert default_config(4096, 1, 4, 7, 128, 4096, 4096, 132) == dict(
-        block_m=128, tile_n=64, num_segments=1, num_warps=8, num_stages=2)
+        block_m=128, tile_n=64, num_segments=1, num_warps=8, num_stages=2, fp8_via_fp16=1)
     assert default_config(1, 1, 4, 7, 128, 1, 64, 132)["num_segments"] == 1
     # many decodes beside one chunk: smaller row tiles waste less on the decodes
     assert default_config(2048 + 255, 256, 4, 7, 128, 2048, 6144, 132)["block_m"] == 64
