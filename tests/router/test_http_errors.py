@@ -1,6 +1,6 @@
 """The HTTP front's answers that need no worker: request validation, errors in OpenAI's JSON, /health, /metrics,
 /v1/models. The app runs over a real RouterCore (random:tiny's tokenizer) whose prefill and decode addresses have
-nobody listening, so it is up but not ready. Generation is tested end to end in tests/e2e/test_http.py."""
+nobody listening, so it is up but not ready. Generation is tested end to end in tests/e2e/test_http_e2e.py."""
 import socket
 
 import httpx
