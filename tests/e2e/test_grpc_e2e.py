@@ -185,7 +185,10 @@ def test_greedy_matches_offline_engine(stack):
     got = asyncio.run(run())
     for p, exp, (toks, text, reason, resps) in zip(PROMPTS, expected, got):
         assert toks == exp.token_ids, p
-        assert text == exp.text, p
+        # The random model emits stray bytes: streamed text holds back incomplete UTF-8 (as vLLM's incremental
+        # detokenizer does) where the offline text has U+FFFD, so text is compared only where it is whole.
+        if "\ufffd" not in exp.text:
+            assert text == exp.text, p
         assert reason == common_pb2.FINISH_REASON_LENGTH
         assert resps[-1].usage.completion_tokens == MAX_TOKENS
         assert resps[0].usage.prompt_tokens > 0
