@@ -8,6 +8,7 @@ stream and so cancels the request on the prefill and decode services.
 """
 from __future__ import annotations
 
+import asyncio
 import uuid
 
 import grpc
@@ -66,6 +67,17 @@ async def start_grpc_server(core: RouterCore, address: str) -> grpc.aio.Server:
     if server.add_insecure_port(address) == 0:
         raise OSError(f"cannot bind the gRPC API to {address}")
     await server.start()
-    # SERVING once the router is up; readiness of the instances behind it is the core's ready() (HTTP /health).
-    await set_serving(hs, [SERVICE_NAME], True)
+    await set_serving(hs, [SERVICE_NAME], core.ready())
+    server._tandem_health_task = asyncio.create_task(_follow_readiness(core, hs))  # ends with the event loop
     return server
+
+
+async def _follow_readiness(core: RouterCore, hs) -> None:
+    """grpc.health.v1 answers SERVING only while a prefill and a decode instance are healthy (as HTTP /health)."""
+    ready = None
+    while True:
+        now = core.ready()
+        if now != ready:
+            await set_serving(hs, [SERVICE_NAME], now)
+            ready = now
+        await asyncio.sleep(0.5)
