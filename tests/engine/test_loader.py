@@ -434,3 +434,12 @@ def test_synthetic_tokenizer_of_a_7b_vocab_builds_quickly():
     tok = synthetic_tokenizer(152064)
     assert len(tok) == 152064 and tok.decode([152063]) == "<f152063>"
     assert time.perf_counter() - t0 < 5.0
+
+
+def test_resolve_a_gguf_path_uses_the_converted_dir(fake_gguf, monkeypatch, tiny_llama_dir):
+    src, calls = fake_gguf
+    monkeypatch.setattr(loader, "_convert_gguf_into", lambda gguf, out: (calls.append(gguf), shutil.copytree(
+        tiny_llama_dir, out, dirs_exist_ok=True)))
+    r = resolve_model(str(src))
+    assert r.name == "m" and r.weights_dir == r.tokenizer_dir == loader.gguf_cache_dir(src, "m")
+    assert r.config.architectures == ["LlamaForCausalLM"] and r.random_seed is None and calls == [src]
