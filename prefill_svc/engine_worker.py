@@ -72,10 +72,17 @@ class EngineWorker:
 
     def _run(self) -> None:
         engine = self.engine
+        idle = False  # the last step scheduled nothing (e.g. waiting requests that do not fit yet)
         while True:
-            # Block for a command only when there is nothing to step.
+            # Block for a command when there is nothing to step; after an empty step wait a little for one, so that
+            # a stalled scheduler does not spin a core.
             try:
-                item = self._q.get(block=not engine.has_unfinished_requests(), timeout=None)
+                if not engine.has_unfinished_requests():
+                    item = self._q.get()
+                elif idle:
+                    item = self._q.get(timeout=0.002)
+                else:
+                    item = self._q.get_nowait()
             except queue.Empty:
                 item = None
             while item is not None:
@@ -94,5 +101,7 @@ class EngineWorker:
                 log.exception("engine step failed")
                 continue
             self.num_steps += 1
+            stats = getattr(engine, "last_stats", None)
+            idle = not outs and (stats is None or stats.num_batched_tokens == 0)
             if outs or extra:
                 self.loop.call_soon_threadsafe(self.on_step, outs, extra)
