@@ -34,13 +34,30 @@ def run_tandem(args, prompts) -> tuple[float, int]:
     llm.generate(prompt_token_ids=prompts[: min(8, len(prompts))], sampling_params=SamplingParams(
         temperature=0.0, max_tokens=4, ignore_eos=True))  # warm-up: kernels compiled, graphs captured
     sync()
+    llm.engine.step_log = []
     t0 = time.perf_counter()
     outs = llm.generate(prompt_token_ids=prompts, sampling_params=params)
     sync()
     elapsed = time.perf_counter() - t0
+    print_step_breakdown(llm.engine.step_log, elapsed)
     n_out = sum(len(o.outputs[0].token_ids) for o in outs)
     del llm
     return elapsed, n_out
+
+
+def print_step_breakdown(steps, elapsed: float) -> None:
+    """Where the time went: steps that carried prefill tokens vs pure decode steps (each step ends in a host sync
+    for the sampled ids, so step wall time is real GPU + host time)."""
+    pre = [s for s in steps if s.num_batched_tokens > s.num_seqs]
+    dec = [s for s in steps if s.num_batched_tokens == s.num_seqs]
+    for name, group in (("prefill/mixed", pre), ("decode", dec)):
+        if not group:
+            continue
+        t = sum(s.step_seconds for s in group)
+        toks = sum(s.num_batched_tokens for s in group)
+        print(f"  {name:14s} {len(group):5d} steps {t:7.2f} s  {1e3 * t / len(group):7.2f} ms/step  "
+              f"{toks / t:10.0f} tok/s  mean batch {sum(s.num_seqs for s in group) / len(group):6.1f}")
+    print(f"  outside steps  {elapsed - sum(s.step_seconds for s in steps):7.2f} s")
 
 
 def run_hf(args, prompts) -> tuple[float, int]:

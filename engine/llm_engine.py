@@ -49,6 +49,7 @@ class StepStats:
     num_batched_tokens: int
     num_preempted: int
     step_seconds: float
+    num_seqs: int
 
 
 class LLMEngine:
@@ -87,6 +88,7 @@ class LLMEngine:
         self.stream_text = True  # text deltas every step; the offline LLM turns this off (text once, at the end)
         self._pending: list[StepOutput] = []  # outputs produced outside step() (aborts), returned by the next step
         self.last_stats: StepStats | None = None
+        self.step_log: list[StepStats] | None = None  # set to [] to keep every step's stats (benchmarks)
         log.info("engine ready: model=%s dtype=%s device=%s blocks=%d x %d tokens, max_model_len=%d",
                  self.model_name, self.runner.dtype, self.runner.device, self.runner.num_blocks, bs, max_model_len)
 
@@ -257,7 +259,10 @@ class LLMEngine:
 
     def _record_stats(self, sched, t0: float) -> None:
         self.last_stats = StepStats(len(self.scheduler.running), len(self.scheduler.waiting), self.kv.usage(),
-                                    sched.num_batched_tokens, len(sched.preempted), time.perf_counter() - t0)
+                                    sched.num_batched_tokens, len(sched.preempted), time.perf_counter() - t0,
+                                    len(sched.scheduled))
+        if self.step_log is not None:
+            self.step_log.append(self.last_stats)
 
     def _append_token(self, req: Request, token: int, logprobs: dict[int, float] | None) -> StepOutput:
         req.output_token_ids.append(token)

@@ -1,0 +1,71 @@
+"""Single-request latency: TTFT for one prompt and batch-1 decode speed, next to the bandwidth roofline.
+
+  python bench/latency.py --model random:qwen2.5-7b --dtype bfloat16 --input-len 512 --output-len 256
+
+The roofline is weight bytes / measured copy bandwidth (4.26 TB/s on the H200): a batch-1 decode step must read
+every weight once.
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from bench.common import git_commit, write_json  # noqa: E402
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="smollm2")
+    p.add_argument("--dtype", default="auto")
+    p.add_argument("--input-len", type=int, default=512)
+    p.add_argument("--output-len", type=int, default=256)
+    p.add_argument("--num-iters", type=int, default=5)
+    p.add_argument("--bandwidth", type=float, default=4.26e12, help="bytes/s for the roofline")
+    p.add_argument("--enforce-eager", action="store_true")
+    p.add_argument("--json", default=None)
+    args = p.parse_args(argv)
+
+    from engine import LLM, SamplingParams
+
+    llm = LLM(args.model, dtype=args.dtype, max_model_len=args.input_len + args.output_len + 16,
+              enable_prefix_caching=False, enforce_eager=args.enforce_eager)
+    vocab = llm.engine.runner.hf_config.vocab_size
+    g = torch.Generator().manual_seed(0)
+    prompt = torch.randint(10, vocab - 10, (args.input_len,), generator=g).tolist()
+    sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
+
+    def timed(max_tokens: int) -> float:
+        sync()
+        t0 = time.perf_counter()
+        llm.generate(prompt_token_ids=[prompt],
+                     sampling_params=SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True))
+        sync()
+        return time.perf_counter() - t0
+
+    timed(1), timed(8)  # warm-up
+    ttft = statistics.median(timed(1) for _ in range(args.num_iters))
+    full = statistics.median(timed(args.output_len + 1) for _ in range(max(2, args.num_iters // 2)))
+    decode_tps = args.output_len / (full - ttft)
+    weight_bytes = sum(t.numel() * t.element_size() for t in llm.engine.runner.model.parameters())
+    roofline = args.bandwidth / weight_bytes
+    print(f"model {args.model} dtype {llm.engine.runner.dtype} device {llm.engine.runner.device}")
+    print(f"TTFT ({args.input_len}-token prompt)  {ttft * 1e3:8.2f} ms")
+    print(f"batch-1 decode              {decode_tps:8.1f} tok/s   ({1e3 / decode_tps:.2f} ms/token)")
+    print(f"roofline (weights {weight_bytes / 1e9:.2f} GB / {args.bandwidth / 1e12:.2f} TB/s) "
+          f"{roofline:8.1f} tok/s   -> {decode_tps / roofline:.0%}")
+    if args.json:
+        write_json(args.json, dict(model=args.model, input_len=args.input_len, output_len=args.output_len,
+                                   ttft_ms=ttft * 1e3, decode_tokens_per_s=decode_tps, roofline_tokens_per_s=roofline,
+                                   commit=git_commit()["sha"], date=time.strftime("%Y-%m-%d")))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
