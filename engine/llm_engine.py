@@ -56,6 +56,8 @@ class LLMEngine:
     def __init__(self, config: EngineConfig):
         self.config = config
         resolved = resolve_model(config.model.model)
+        if resolved.random_seed is not None:
+            resolved.random_seed = config.model.seed
         self.resolved = resolved
         self.model_name = config.model.served_model_name or resolved.name
         self.tokenizer = load_tokenizer(resolved)
