@@ -13,10 +13,18 @@ from collections.abc import Iterable
 from typing import Any
 
 import grpc
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
 
+from protos import health as health_codec
 from protos.tandem.v1 import common_pb2
+
+try:  # optional: the GPU image has grpcio only (see protos/health.py)
+    from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+except ImportError:  # pragma: no cover - depends on the machine
+    health = None
+try:
+    from grpc_reflection.v1alpha import reflection
+except ImportError:  # pragma: no cover
+    reflection = None
 
 log = logging.getLogger("tandem.rpc")
 
@@ -103,17 +111,28 @@ def new_server() -> grpc.aio.Server:
     return grpc.aio.server(options=GRPC_OPTIONS)
 
 
-def add_health_and_reflection(server: grpc.aio.Server, service_names: Iterable[str]) -> health.aio.HealthServicer:
-    """Registers grpc.health.v1 (each service SERVING, and "" for the whole server) and server reflection."""
+def add_health_and_reflection(server: grpc.aio.Server, service_names: Iterable[str]):
+    """Registers grpc.health.v1 (set each service and "" with `set_serving`) and server reflection. Without
+    grpcio-health-checking a Check-only fallback serves health; without grpcio-reflection there is no reflection."""
     names = list(service_names)
-    hs = health.aio.HealthServicer()
-    health_pb2_grpc.add_HealthServicer_to_server(hs, server)
-    reflection.enable_server_reflection(names + [health.SERVICE_NAME, reflection.SERVICE_NAME], server)
+    if health is not None:
+        hs = health.aio.HealthServicer()
+        health_pb2_grpc.add_HealthServicer_to_server(hs, server)
+    else:
+        hs = health_codec.HealthFallback()
+        server.add_generic_rpc_handlers((hs.handler(),))
+        log.warning("grpcio-health-checking is not installed: serving grpc.health.v1 Check only (no Watch)")
+    if reflection is not None:
+        reflection.enable_server_reflection(names + [health_codec.SERVICE, reflection.SERVICE_NAME], server)
+    else:
+        log.warning("grpcio-reflection is not installed: no server reflection")
     return hs
 
 
-async def set_serving(hs: health.aio.HealthServicer, service_names: Iterable[str], serving: bool) -> None:
-    status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
+async def set_serving(hs, service_names: Iterable[str], serving: bool) -> None:
+    status = health_codec.SERVING if serving else health_codec.NOT_SERVING
+    if health is not None and not isinstance(hs, health_codec.HealthFallback):
+        status = health_pb2.HealthCheckResponse.ServingStatus.Value("SERVING" if serving else "NOT_SERVING")
     for name in ["", *service_names]:
         await hs.set(name, status)
 

@@ -18,8 +18,8 @@ import logging
 from dataclasses import dataclass, field
 
 import grpc
-from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from protos import health as health_codec
 from protos.runtime import channel
 from protos.tandem.v1 import common_pb2, decode_pb2, decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc
 
@@ -37,7 +37,7 @@ class Instance:
     address: str
     channel: grpc.aio.Channel
     stub: object
-    health: health_pb2_grpc.HealthStub
+    health: object  # grpc.health.v1 Check, as a callable (protos/health.py)
     healthy: bool = False
     load: common_pb2.InstanceLoad | None = None
     inflight: int = 0  # this router's requests there
@@ -70,7 +70,7 @@ class InstancePool:
         self.instances = []
         for a in self.addresses:
             ch = channel(a)
-            self.instances.append(Instance(self.role, a, ch, _STUBS[self.role](ch), health_pb2_grpc.HealthStub(ch)))
+            self.instances.append(Instance(self.role, a, ch, _STUBS[self.role](ch), health_codec.check_callable(ch)))
         self._rr = itertools.count()
         self._task: asyncio.Task | None = None
 
@@ -98,10 +98,9 @@ class InstancePool:
 
     async def _poll(self, inst: Instance) -> None:
         try:
-            resp = await inst.health.Check(health_pb2.HealthCheckRequest(service=_SERVICES[self.role]),
-                                           timeout=self.poll_timeout_s)
-            if resp.status != health_pb2.HealthCheckResponse.SERVING:
-                raise RuntimeError(f"health status {health_pb2.HealthCheckResponse.ServingStatus.Name(resp.status)}")
+            status = await inst.health(_SERVICES[self.role], timeout=self.poll_timeout_s)
+            if status != health_codec.SERVING:
+                raise RuntimeError(f"health status {status} (1 = SERVING)")
             inst.load = await inst.stub.GetLoad(common_pb2.GetLoadRequest(), timeout=self.poll_timeout_s)
         except Exception as e:  # noqa: BLE001
             msg = e.code().name if isinstance(e, grpc.aio.AioRpcError) else str(e)
