@@ -105,7 +105,7 @@ def test_prefill_to_decode_streams_all_blocks_and_matches_offline(engines):
     resps, toks, loads = run(engines, scenario)
     assert resps[0].first_token.delta.finish_reason == common_pb2.FINISH_REASON_UNSPECIFIED
     done = resps[1].transfer_done
-    assert done.num_blocks == 7 and done.transfer_bytes == 7 * engines[0].kv_cache[0].numel() * 4
+    assert done.num_blocks == 7 and done.transfer_bytes == 7 * engines[0].kv_cache[0].numel() * engines[0].kv_cache.element_size()
     assert toks == expected[0].outputs[0].token_ids
     assert all(x.num_used_blocks == 0 for x in loads)
 
