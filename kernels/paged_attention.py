@@ -347,12 +347,14 @@ def default_config(
                     fp8_via_fp16=1)
     # Prefill chunks, maybe with decodes: each sequence costs ~(its queries * queries_per_kv + BLOCK_M of padding
     # in its last tile) rows; large tiles run the tensor cores better (relative rates measured on the H200).
-    efficiency = {16: 0.35, 32: 0.6, 64: 0.92, 128: 1.0}
-    cap = max(min_m, min(128, triton.next_power_of_2(max_query_len * queries_per_kv)))
-    candidates = [m for m in (16, 32, 64, 128) if min_m <= m <= cap] or [min_m]
+    efficiency = {16: 0.35, 32: 0.6, 64: 0.92, 128: 1.0, 256: 1.22}
+    largest = 256 if head_dim <= 128 else 128  # 256 x 128 fp32 accumulators need 16 warps' registers
+    cap = max(min_m, min(largest, triton.next_power_of_2(max_query_len * queries_per_kv)))
+    candidates = [m for m in (16, 32, 64, 128, 256) if min_m <= m <= cap] or [min_m]
     block_m = min(candidates, key=lambda m: (num_tokens * queries_per_kv + num_seqs * m) / efficiency.get(m, 1.0))
-    return dict(block_m=block_m, tile_n=64 if head_dim <= 128 else 32, num_segments=1,
-                num_warps=8 if block_m >= 128 else 4, num_stages=2 if block_m >= 64 else 3, fp8_via_fp16=1)
+    num_warps = {256: 16, 128: 8}.get(block_m, 4)
+    return dict(block_m=block_m, tile_n=64 if head_dim <= 128 else 32, num_segments=1, num_warps=num_warps,
+                num_stages=2 if block_m >= 64 else 3, fp8_via_fp16=1)
 
 
 def paged_attention_triton(

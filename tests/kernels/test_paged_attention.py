@@ -126,7 +126,7 @@ def test_split_context_mixed_batch():
     check(args, config=dict(num_segments=4, tile_n=16))
 
 
-@pytest.mark.parametrize("tile_n,block_m", [(16, 16), (32, 64), (64, 32)])
+@pytest.mark.parametrize("tile_n,block_m", [(16, 16), (32, 64), (64, 32), (32, 256)])
 def test_tile_sizes_independent_of_block_size(tile_n, block_m):
     # tile_n below, at and above the cache block size (32), several query tiles per sequence.
     args = make_batch([(40, 100), (1, 65), (33, 33)], 8, 2, 64, 32, torch.float16, seed=tile_n + block_m)
@@ -154,7 +154,8 @@ def test_default_config_splits_only_small_long_decodes():
     assert default_config(8, 8, 4, 7, 128, 1, 4096, 132)["num_segments"] > 1
     assert default_config(64, 64, 4, 7, 128, 1, 4096, 132)["num_segments"] == 1
     assert default_config(4096, 1, 4, 7, 128, 4096, 4096, 132) == dict(
-        block_m=128, tile_n=64, num_segments=1, num_warps=8, num_stages=2, fp8_via_fp16=1)
+        block_m=256, tile_n=64, num_segments=1, num_warps=16, num_stages=2, fp8_via_fp16=1)
+    assert default_config(4096, 1, 4, 7, 256, 4096, 4096, 132)["block_m"] == 128
     assert default_config(1, 1, 4, 7, 128, 1, 64, 132)["num_segments"] == 1
     # many decodes beside one chunk: smaller row tiles waste less on the decodes
     assert default_config(2048 + 255, 256, 4, 7, 128, 2048, 6144, 132)["block_m"] == 64
