@@ -103,7 +103,7 @@ def test_deadline_frees_a_stalled_partial_transfer(engine):
 
 
 @pytest.mark.parametrize("field,change", [
-    ("layout.dtype", dict(dtype="bfloat16")), ("layout.block_size", dict(block_size=32)),
+    ("layout.dtype", dict(dtype="float16")), ("layout.block_size", dict(block_size=32)),
     ("layout.num_layers", dict(num_layers=3)), ("layout.num_kv_heads", dict(num_kv_heads=4)),
     ("layout.head_dim", dict(head_dim=64)), ("open.num_blocks", None)])
 def test_layout_mismatch_is_refused_naming_the_field(engine, field, change):
