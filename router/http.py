@@ -253,8 +253,11 @@ def create_app(core: RouterCore) -> FastAPI:
     app.add_middleware(_CountRequests)
     tokenizer = core.tokenizer
 
-    def token_text(token_id: int) -> str:
-        return tokenizer.decode([token_id])
+    def namer(body):
+        """How logprobs name a token: its text, or "token_id:<id>" (vLLM's return_tokens_as_token_ids)."""
+        if body.return_tokens_as_token_ids:
+            return lambda token_id: f"token_id:{token_id}"
+        return lambda token_id: tokenizer.decode([token_id])
 
     @app.exception_handler(APIError)
     async def on_api_error(_: Request, e: APIError) -> JSONResponse:
@@ -339,7 +342,7 @@ def create_app(core: RouterCore) -> FastAPI:
         def logprobs_of(choice_prefix_len: int, token_ids: list[int], lps: list[dict[int, float]]):
             if body.logprobs is None:
                 return None
-            out, offset = CompletionLogProbs(), choice_prefix_len
+            out, offset, token_text = CompletionLogProbs(), choice_prefix_len, namer(body)
             for tid, lp in zip(token_ids, lps):
                 text = token_text(tid)
                 out.tokens.append(text)
@@ -395,8 +398,8 @@ def create_app(core: RouterCore) -> FastAPI:
             text += "assistant:" if body.add_generation_prompt else ""
         return tokenizer(text, add_special_tokens=False)["input_ids"]
 
-    def chat_logprobs(top_n: int, token_ids: list[int], lps: list[dict[int, float]]) -> ChatLogProbs:
-        content = []
+    def chat_logprobs(body, token_ids: list[int], lps: list[dict[int, float]]) -> ChatLogProbs:
+        content, top_n, token_text = [], body.top_logprobs or 0, namer(body)
         for tid, lp in zip(token_ids, lps):
             text = token_text(tid)
             top = sorted(lp.items(), key=lambda kv: -kv[1])[:top_n]
@@ -438,7 +441,7 @@ def create_app(core: RouterCore) -> FastAPI:
                     usage.add(p, d)
                     if not (d.text or d.finish_reason or d.token_ids):
                         continue
-                    lp = chat_logprobs(top_n, d.token_ids, d.logprobs or []) if body.logprobs else None
+                    lp = chat_logprobs(body, d.token_ids, d.logprobs or []) if body.logprobs else None
                     yield _sse(ChatCompletionChunk(id=rid, created=created, model=model, choices=[
                         ChatStreamChoice(index=d.index, delta=DeltaMessage(content=d.text), logprobs=lp,
                                          finish_reason=d.finish_reason)]))
@@ -457,7 +460,7 @@ def create_app(core: RouterCore) -> FastAPI:
 
         await _unless_disconnected(request, gather())
         out = [ChatChoice(index=i, message=AssistantMessage(content="".join(c.text)),
-                          logprobs=chat_logprobs(top_n, c.token_ids, c.logprobs) if body.logprobs else None,
+                          logprobs=chat_logprobs(body, c.token_ids, c.logprobs) if body.logprobs else None,
                           finish_reason=c.finish_reason)
                for i, c in sorted(choices.items())]
         return JSONResponse(ChatCompletionResponse(id=rid, created=created, model=model, choices=out,

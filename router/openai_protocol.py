@@ -72,6 +72,8 @@ class SamplingRequest(_Body):
     skip_special_tokens: bool | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
+    return_tokens_as_token_ids: bool = False
+    """vLLM's extension: logprobs name tokens "token_id:<id>" (exact ids, whatever the detokenizer makes of them)."""
 
     def sampling_params(self, *, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
         """Raises ValueError naming the field when a value is out of range."""
