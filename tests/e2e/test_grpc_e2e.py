@@ -205,6 +205,11 @@ def test_max_tokens_one_and_n_greater_than_one(stack):
     for r in resps:
         by_index.setdefault(r.index, []).extend(r.delta.token_ids)
     assert sorted(by_index) == [0, 1, 2] and all(len(v) == 5 for v in by_index.values())
+    # logprobs: one position per token (first from prefill, the rest from decode), the sampled token first
+    toks, _, _, resps = asyncio.run(generate(stack.address, "Hello", temperature=0.0, max_tokens=4, logprobs=2))
+    positions = [p for r in resps for p in r.delta.logprobs]
+    assert len(positions) == 4 and [p.candidates[0].token_id for p in positions] == toks
+    assert all(2 <= len(p.candidates) <= 3 and p.candidates[0].logprob <= 0 for p in positions)
 
 
 def test_32_concurrent_streams_complete(stack):
