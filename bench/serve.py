@@ -8,8 +8,8 @@ so the same command measures a vLLM server. Prompts are random English words (ab
 prompt and output lengths come back in each stream's usage chunk and are what the throughput counts. `ignore_eos`
 (a vLLM extension Tandem shares) makes every request produce --output-len tokens.
 
-Reported: TTFT, inter-token latency (the gaps between streamed chunks), time per output token and end-to-end latency
-(mean, p50, p99), request and token throughput; a table on stdout and JSON (with machine, commit and date) in
+Reported: TTFT, inter-token latency (the gaps between streamed chunks; the first gap, where a disaggregated server
+hands the request from prefill to decode, also apart), time per output token and end-to-end latency (mean, p50, p99), request and token throughput; a table on stdout and JSON (with machine, commit and date) in
 --result-file. When the server (or --metrics-url: Tandem's workers export their metrics on their own ports) exposes
 `tandem:kv_transfer_seconds`, it also reports the mean KV transfer time (open to acknowledgement, as the prefill
 worker measures it) and its ratio to the mean TTFT. The transfer overlaps the prefill compute and the first token does
@@ -179,6 +179,9 @@ def summarize(results: list[Result], duration: float, kv: dict | None, args) -> 
         "total_token_throughput_per_s": (in_tokens + out_tokens) / duration,
         "ttft_ms": ms([r.ttft for r in ok]), "tpot_ms": ms(tpot),
         "itl_ms": ms([x for r in ok for x in r.itl]), "e2e_latency_ms": ms([r.latency for r in ok]),
+        # The gap between the first and second streamed chunk: in a disaggregated server, the hand-off from the
+        # prefill to the decode instance (what of the KV transfer the first token did not wait for) lands here.
+        "first_itl_ms": ms([r.itl[0] for r in ok if r.itl]),
     }
     if kv and kv.get("tandem:kv_transfer_seconds_count"):
         per_transfer = kv["tandem:kv_transfer_seconds_sum"] / kv["tandem:kv_transfer_seconds_count"]
@@ -201,7 +204,8 @@ def print_table(s: dict, args) -> None:
             ("Request throughput (req/s)", f"{s['request_throughput_per_s']:.3f}"),
             ("Output token throughput (tok/s)", f"{s['output_token_throughput_per_s']:.2f}"),
             ("Total token throughput (tok/s)", f"{s['total_token_throughput_per_s']:.2f}")]
-    for key, label in (("ttft_ms", "TTFT"), ("tpot_ms", "TPOT"), ("itl_ms", "ITL"), ("e2e_latency_ms", "E2E latency")):
+    for key, label in (("ttft_ms", "TTFT"), ("tpot_ms", "TPOT"), ("itl_ms", "ITL"), ("first_itl_ms", "1st->2nd token"),
+                       ("e2e_latency_ms", "E2E latency")):
         rows.append((f"{label} mean / p50 / p99 (ms)",
                      " / ".join(f"{s[key][q]:.1f}" for q in ("mean", "p50", "p99"))))
     if "kv_transfer" in s:
