@@ -9,7 +9,8 @@ prompt and output lengths come back in each stream's usage chunk and are what th
 (a vLLM extension Tandem shares) makes every request produce --output-len tokens.
 
 Reported: TTFT, inter-token latency (the gaps between streamed chunks; the first gap, where a disaggregated server
-hands the request from prefill to decode, also apart), time per output token and end-to-end latency (mean, p50, p99), request and token throughput; a table on stdout and JSON (with machine, commit and date) in
+hands the request from prefill to decode, also apart), time per output token and end-to-end latency (mean, p50,
+p99), request and token throughput; a Markdown table on stdout and JSON (with machine, commit and date) in
 --result-file. When the server (or --metrics-url: Tandem's workers export their metrics on their own ports) exposes
 `tandem:kv_transfer_seconds`, it also reports the mean KV transfer time (open to acknowledgement, as the prefill
 worker measures it) and its ratio to the mean TTFT. The transfer overlaps the prefill compute and the first token does
@@ -20,18 +21,19 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
-import platform
 import random
 import re
-import subprocess
 import sys
 import time
 from dataclasses import asdict, dataclass, field
-from datetime import datetime, timezone
 from pathlib import Path
 
+if __package__ in (None, ""):  # run as a script: make `bench` importable from the repo root
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
 import httpx
+
+from bench.common import format_table, write_json
 
 WORDS = ("the of and to in is was for on that with as by at from his her they this had not are but which one all "
          "were when there can been has more what will would who their about out many then them these some so time "
@@ -192,39 +194,24 @@ def summarize(results: list[Result], duration: float, kv: dict | None, args) -> 
 
 
 def print_table(s: dict, args) -> None:
-    line = "=" * 62
-    print(line)
-    print(f"{'Serving benchmark':^62}")
-    print(line)
-    rows = [("Base URL / model", f"{args.base_url} / {args.model}"),
-            ("Request rate (req/s)", args.request_rate), ("Max concurrency", args.max_concurrency or "-"),
-            ("Successful / failed requests", f"{s['completed']} / {s['failed']}"),
-            ("Benchmark duration (s)", f"{s['duration_s']:.2f}"),
-            ("Mean prompt / output tokens", f"{s['mean_prompt_tokens']:.1f} / {s['mean_output_tokens']:.1f}"),
-            ("Request throughput (req/s)", f"{s['request_throughput_per_s']:.3f}"),
-            ("Output token throughput (tok/s)", f"{s['output_token_throughput_per_s']:.2f}"),
-            ("Total token throughput (tok/s)", f"{s['total_token_throughput_per_s']:.2f}")]
+    rows = [["base URL / model", f"{args.base_url} / {args.model}"],
+            ["request rate (req/s) / max concurrency", f"{args.request_rate} / {args.max_concurrency or '-'}"],
+            ["successful / failed requests", f"{s['completed']} / {s['failed']}"],
+            ["duration (s)", f"{s['duration_s']:.2f}"],
+            ["mean prompt / output tokens", f"{s['mean_prompt_tokens']:.1f} / {s['mean_output_tokens']:.1f}"],
+            ["request throughput (req/s)", f"{s['request_throughput_per_s']:.3f}"],
+            ["output token throughput (tok/s)", f"{s['output_token_throughput_per_s']:.2f}"],
+            ["total token throughput (tok/s)", f"{s['total_token_throughput_per_s']:.2f}"]]
     for key, label in (("ttft_ms", "TTFT"), ("tpot_ms", "TPOT"), ("itl_ms", "ITL"), ("first_itl_ms", "1st->2nd token"),
                        ("e2e_latency_ms", "E2E latency")):
-        rows.append((f"{label} mean / p50 / p99 (ms)",
-                     " / ".join(f"{s[key][q]:.1f}" for q in ("mean", "p50", "p99"))))
+        rows.append([f"{label} mean / p50 / p99 (ms)", " / ".join(f"{s[key][q]:.1f}" for q in ("mean", "p50", "p99"))])
     if "kv_transfer" in s:
         kv = s["kv_transfer"]
-        rows.append(("KV transfers / mean open-to-ack (ms)", f"{kv['transfers']:.0f} / {kv['mean_ms']:.1f}"))
-        rows.append(("KV open-to-ack / mean TTFT", f"{100 * kv['share_of_mean_ttft']:.1f}%"))
-    for k, v in rows:
-        print(f"{k:<38}{v!s:>24}")
-    print(line)
+        rows.append(["KV transfers / mean open-to-ack (ms)", f"{kv['transfers']:.0f} / {kv['mean_ms']:.1f}"])
+        rows.append(["KV open-to-ack / mean TTFT", f"{100 * kv['share_of_mean_ttft']:.1f}%"])
+    print(format_table(["metric", "value"], rows))
     for e in s["errors"]:
         print("error:", e)
-
-
-def _commit() -> str:
-    try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                              cwd=Path(__file__).parent, timeout=5).stdout.strip()
-    except (OSError, subprocess.SubprocessError):
-        return ""
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -244,7 +231,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--ignore-eos", action=argparse.BooleanOptionalAction, default=True)
     p.add_argument("--metrics-url", action="append", default=None,
                    help="Prometheus pages to read tandem:kv_transfer_seconds from (default: BASE_URL/metrics)")
-    p.add_argument("--result-file", default=None, help="where to write the JSON (default: none)")
+    p.add_argument("--result-file", "--json", default=None, help="where to write the JSON (default: none)")
     args = p.parse_args(argv)
     if args.num_prompts < 1 or args.input_len < 1 or args.output_len < 1 or args.request_rate <= 0:
         p.error("--num-prompts, --input-len, --output-len and --request-rate must be > 0")
@@ -262,12 +249,8 @@ def main(argv: list[str] | None = None) -> int:
     summary = summarize(results, duration, kv, args)
     print_table(summary, args)
     if args.result_file:
-        out = {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "commit": _commit(),
-               "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "python": platform.python_version()},
-               "args": {k: (str(v) if v == float("inf") else v) for k, v in vars(args).items()},
-               "results": summary, "requests": [asdict(r) for r in results]}
-        Path(args.result_file).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.result_file).write_text(json.dumps(out, indent=2))
+        write_json(args.result_file, {"args": {k: (str(v) if v == float("inf") else v) for k, v in vars(args).items()},
+                                      "results": summary, "requests": [asdict(r) for r in results]})
         print(f"wrote {args.result_file}")
     return 0 if summary["completed"] else 1
 

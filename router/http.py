@@ -16,7 +16,6 @@ The life of a request in here:
 from __future__ import annotations
 
 import asyncio
-import inspect
 import json
 import logging
 import re
@@ -87,8 +86,8 @@ async def _parse(request: Request, model: type[BaseModel]):
     except ValidationError as e:
         err = e.errors()[0]
         where = ".".join(str(part) for part in err["loc"])
-        raise APIError(400, f"{where}: {err['msg']} (got {err.get('input')!r})", str(err["loc"][0]) if err["loc"] else None,
-                       "invalid_type") from None
+        param = str(err["loc"][0]) if err["loc"] else None
+        raise APIError(400, f"{where}: {err['msg']} (got {err.get('input')!r})", param, "invalid_type") from None
 
 
 def _sampling_params(body, *, max_tokens: int | None, logprobs: int | None):
@@ -100,22 +99,15 @@ def _sampling_params(body, *, max_tokens: int | None, logprobs: int | None):
 
 
 # ---------------------------------------------------------------------------------------------------- streams
-async def _iterate(core: RouterCore, req: GenerateRequest) -> AsyncIterator[GenerateDelta]:
-    it = core.generate(req)
-    return await it if inspect.isawaitable(it) else it
-
-
 async def _close(iterators: list) -> None:
     # Shielded: this runs while the consuming task is being cancelled (a client gone), and closing is what
     # cancels the request on the services.
     with anyio.CancelScope(shield=True):
         for it in iterators:
-            aclose = getattr(it, "aclose", None)
-            if aclose is not None:
-                try:
-                    await aclose()
-                except Exception:  # a stream that failed has already said so; closing must go on
-                    log.exception("closing a core stream")
+            try:
+                await it.aclose()
+            except Exception:  # a stream that failed has already said so; closing must go on
+                log.exception("closing a core stream")
 
 
 @dataclass
@@ -126,10 +118,8 @@ class _Streams:
 
     @classmethod
     async def open(cls, core: RouterCore, reqs: list[GenerateRequest]) -> "_Streams":
-        iterators: list = []
+        iterators = [core.generate(req) for req in reqs]
         try:
-            for req in reqs:
-                iterators.append(await _iterate(core, req))
             async with asyncio.TaskGroup() as tg:
                 tasks = [tg.create_task(_first(it)) for it in iterators]
             return cls(iterators, [t.result() for t in tasks])
@@ -219,7 +209,6 @@ class _Choice:
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[dict[int, float]] = field(default_factory=list)
     finish_reason: str | None = None
-    completion_tokens: int = 0
 
     def add(self, delta: GenerateDelta) -> None:
         self.text.append(delta.text)
@@ -227,7 +216,6 @@ class _Choice:
         if delta.logprobs:
             self.logprobs.extend(delta.logprobs)
         self.finish_reason = delta.finish_reason
-        self.completion_tokens = delta.completion_tokens
 
 
 class _Usage:
@@ -297,7 +285,7 @@ def create_app(core: RouterCore) -> FastAPI:
         try:
             async for event in events:
                 yield event
-        except (RequestError, APIError, Exception) as e:
+        except Exception as e:
             err = APIError.from_request_error(e) if isinstance(e, RequestError) else (
                 e if isinstance(e, APIError) else APIError(500, f"internal error: {type(e).__name__}: {e}"))
             if err.status >= 500:

@@ -2,8 +2,8 @@
 
 Requests are validated in two layers: pydantic checks types and shapes here, and `SamplingParams` checks ranges
 (its `ValueError` names the field). Unknown request fields are ignored, as OpenAI's API does for fields it does
-not use. Responses follow OpenAI's field names. `finish_reason: null` and `logprobs: null` are sent as OpenAI sends them;
-a stream chunk's `usage` and a delta's unset `role`/`content` are left out when None.
+not use. Responses follow OpenAI's field names. `finish_reason: null` and `logprobs: null` are sent as OpenAI
+sends them; a stream chunk's `usage` and a delta's unset `role`/`content` are left out when None.
 """
 from __future__ import annotations
 
