@@ -345,3 +345,40 @@ def test_refusing_decode_makes_the_router_pick_the_other(stack):
     assert all(len(toks) == 8 for toks, *_ in outs)
     assert len({tuple(toks) for toks, *_ in outs}) == 1
     assert all(x.num_used_blocks == 0 for x in loads), loads
+
+
+# ------------------------------------------------------------------ last: a decode instance dies (ends this stack)
+def test_a_dead_decode_fails_its_requests_only_and_leaves_rotation(stack):
+    async def stream(i):
+        async with grpc.aio.insecure_channel(stack.address) as ch:
+            call = generate_pb2_grpc.GenerateStub(ch).Generate(generate_pb2.GenerateRequest(
+                prompt=f"victim {i}", params=common_pb2.SamplingParams(temperature=0.0, max_tokens=600,
+                                                                        ignore_eos=True)))
+            n = 0
+            try:
+                async for r in call:
+                    n += len(r.delta.token_ids)
+                    if n == 3:
+                        started.release()
+                return "ok", n
+            except grpc.aio.AioRpcError as e:
+                return e.code(), n
+
+    async def run():
+        streams = [asyncio.create_task(stream(i)) for i in range(2)]  # round robin: one on each decode
+        for _ in range(2):
+            await started.acquire()
+        stack.procs["decode1"].kill()
+        results = await asyncio.gather(*streams)
+        await asyncio.sleep(2.5)  # a health poll takes decode1 out of rotation
+        after = await asyncio.gather(*(generate(stack.address, f"after {i}", temperature=0.0, max_tokens=5)
+                                       for i in range(3)))
+        p = await load(stack.prefill_addr, "prefill")
+        d0 = await load(stack.decode_addrs[0], "decode")
+        return results, after, p, d0
+
+    started = asyncio.Semaphore(0)
+    results, after, p, d0 = asyncio.run(run())
+    assert sorted(str(code) for code, _ in results) == ["StatusCode.UNAVAILABLE", "ok"], results
+    assert all(len(toks) == 5 for toks, *_ in after)
+    assert p.num_used_blocks == 0 and d0.num_used_blocks == 0 and d0.num_tracked_requests == 0
