@@ -113,3 +113,18 @@ def test_a_dead_child_stops_the_others_and_tandem_up_fails():
     assert proc.returncode == 1
     assert "decode-0 exited with status -9; stopping the rest" in rest
     assert [name for name, pid in pids.items() if _alive(pid)] == []
+
+
+def test_router_takes_instances_from_flags_or_environment(monkeypatch):
+    import pytest
+
+    from router.server import ENV_DECODE, ENV_PREFILL, parse_addresses
+
+    monkeypatch.setenv(ENV_DECODE, "decode-0:50061, decode-1:50062")
+    assert parse_addresses(None, ENV_DECODE) == ["decode-0:50061", "decode-1:50062"]
+    assert parse_addresses("10.0.0.5:7000", ENV_DECODE) == ["10.0.0.5:7000"]  # the flag wins
+    monkeypatch.delenv(ENV_PREFILL, raising=False)
+    with pytest.raises(ValueError, match="--prefill: no instances given"):
+        parse_addresses(None, ENV_PREFILL)
+    with pytest.raises(ValueError, match=r"--decode='decode-0': must be host:port"):
+        parse_addresses("decode-0", ENV_DECODE)
