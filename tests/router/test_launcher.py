@@ -8,6 +8,8 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
 from router.launcher import build_parser, launch_commands
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -116,8 +118,6 @@ def test_a_dead_child_stops_the_others_and_tandem_up_fails():
 
 
 def test_router_takes_instances_from_flags_or_environment(monkeypatch):
-    import pytest
-
     from router.server import ENV_DECODE, ENV_PREFILL, parse_addresses
 
     monkeypatch.setenv(ENV_DECODE, "decode-0:50061, decode-1:50062")
