@@ -143,7 +143,8 @@ def channel(address: str) -> grpc.aio.Channel:
 
 # ---- conversions --------------------------------------------------------------------------------------------------
 _OPTIONAL_FIELDS = ("n", "temperature", "top_p", "top_k", "min_p", "seed", "max_tokens", "min_tokens", "ignore_eos",
-                    "logprobs", "presence_penalty", "frequency_penalty", "repetition_penalty", "skip_special_tokens")
+                    "logprobs", "presence_penalty", "frequency_penalty", "repetition_penalty", "skip_special_tokens",
+                    "include_stop_str_in_output")
 _FINISH = {None: common_pb2.FINISH_REASON_UNSPECIFIED, "stop": common_pb2.FINISH_REASON_STOP,
            "length": common_pb2.FINISH_REASON_LENGTH, "abort": common_pb2.FINISH_REASON_ABORT}
 _FINISH_NAME = {v: k for k, v in _FINISH.items()}
@@ -159,8 +160,6 @@ def sampling_from_proto(msg: common_pb2.SamplingParams, **overrides: Any):
         kw["stop"] = list(msg.stop)
     if msg.stop_token_ids:
         kw["stop_token_ids"] = list(msg.stop_token_ids)
-    if "temperature" in kw:  # float32 on the wire: keep 0.7, not 0.699999988
-        kw["temperature"] = round(kw["temperature"], 6)
     kw.update(overrides)
     return SamplingParams(**kw)
 

@@ -296,6 +296,8 @@ class RouterCore:
 
     async def _serve_one(self, rid: str, index: int, prompt: list[int], params: SamplingParams,
                          queue: asyncio.Queue) -> None:
+        if params.max_tokens is None:  # "up to the context": resolved here, the wire has no None
+            params = replace(params, max_tokens=self.max_model_len - len(prompt))
         params_msg = sampling_to_proto(params)
         timeout_ms = int(self.cfg.kv_transfer_timeout_s * 1000)
         needs_decode = params.max_tokens != 1 and len(prompt) + 1 < self.max_model_len
