@@ -21,7 +21,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import grpc
 
@@ -55,7 +55,6 @@ class _Req:
     tx: asyncio.Queue | None = None
     sent_bytes: int = 0
     sent_blocks: int = 0
-    extra: dict = field(default_factory=dict)
 
 
 class PrefillCore:
