@@ -59,10 +59,24 @@ def random_prompts(num: int, length: int, vocab_size: int, special_ids: set[int]
     return allowed[torch.randint(len(allowed), (num, length), generator=gen)].tolist()
 
 
-def result(name: str, elapsed: float, prompts: list[list[int]], outputs: list[list[int]]) -> dict:
+class Timer:
+    """Wall time and the process's CPU time (all threads): on a shared machine CPU time is the steadier number,
+    exact with --threads 1, while other processes' load stretches wall time."""
+
+    def __enter__(self):
+        self.wall, self.cpu = time.perf_counter(), time.process_time()
+        return self
+
+    def __exit__(self, *exc):
+        self.wall, self.cpu = time.perf_counter() - self.wall, time.process_time() - self.cpu
+
+
+def result(name: str, timer: Timer, prompts: list[list[int]], outputs: list[list[int]]) -> dict:
     n_in = sum(map(len, prompts))
     n_out = sum(map(len, outputs))
-    return {"backend": name, "elapsed_s": elapsed, "num_prompts": len(prompts), "input_tokens": n_in,
+    elapsed = timer.wall
+    return {"backend": name, "elapsed_s": elapsed, "cpu_s": timer.cpu,
+            "output_tokens_per_cpu_s": n_out / timer.cpu, "num_prompts": len(prompts), "input_tokens": n_in,
             "output_tokens": n_out, "output_tokens_per_s": n_out / elapsed,
             "total_tokens_per_s": (n_in + n_out) / elapsed, "requests_per_s": len(prompts) / elapsed}
 
@@ -72,11 +86,10 @@ def run_tandem(args, prompts, warmup) -> tuple[dict, list[list[int]]]:
     llm.generate(prompt_token_ids=warmup,
                  sampling_params=SamplingParams(max_tokens=WARMUP_OUTPUT_LEN, ignore_eos=True, temperature=0))
     params = SamplingParams(max_tokens=args.output_len, ignore_eos=True, temperature=0)
-    start = time.perf_counter()
-    outs = llm.generate(prompt_token_ids=prompts, sampling_params=params)
-    elapsed = time.perf_counter() - start
+    with Timer() as timer:
+        outs = llm.generate(prompt_token_ids=prompts, sampling_params=params)
     tokens = [list(o.outputs[0].token_ids) for o in outs]
-    return result("tandem", elapsed, prompts, tokens), tokens
+    return result("tandem", timer, prompts, tokens), tokens
 
 
 def run_hf(args, prompts, warmup, weights_dir: Path, dtype: torch.dtype, pad_id: int) -> tuple[dict, list[list[int]]]:
@@ -101,14 +114,13 @@ def run_hf(args, prompts, warmup, weights_dir: Path, dtype: torch.dtype, pad_id:
         return out[:, width:].tolist()
 
     generate(warmup, WARMUP_OUTPUT_LEN)
-    start = time.perf_counter()
     tokens: list[list[int]] = []
-    for i in range(0, len(prompts), batch):
-        tokens += generate(prompts[i:i + batch], args.output_len)
-    if device == "cuda":
-        torch.cuda.synchronize()
-    elapsed = time.perf_counter() - start
-    return result("hf", elapsed, prompts, tokens), tokens
+    with Timer() as timer:
+        for i in range(0, len(prompts), batch):
+            tokens += generate(prompts[i:i + batch], args.output_len)
+        if device == "cuda":
+            torch.cuda.synchronize()
+    return result("hf", timer, prompts, tokens), tokens
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -136,19 +148,22 @@ def main(argv: list[str] | None = None) -> dict:
 
     summary: dict = {"config": vars(args), "results": list(results.values())}
     rows = [[r["backend"], r["num_prompts"], r["input_tokens"], r["output_tokens"], r["elapsed_s"],
-             r["output_tokens_per_s"], r["total_tokens_per_s"]] for r in results.values()]
+             r["output_tokens_per_s"], r["total_tokens_per_s"], r["cpu_s"], r["output_tokens_per_cpu_s"]]
+            for r in results.values()]
     print(f"model={args.model} num_prompts={args.num_prompts} input_len={args.input_len} "
           f"output_len={args.output_len} dtype={args.dtype} threads={torch.get_num_threads()} "
           f"load_average_1m={os.getloadavg()[0]:.1f}")
-    print(format_table(["backend", "prompts", "in tok", "out tok", "elapsed s", "out tok/s", "total tok/s"], rows))
+    print(format_table(["backend", "prompts", "in tok", "out tok", "elapsed s", "out tok/s", "total tok/s",
+                        "cpu s", "out tok/cpu s"], rows))
     if len(results) == 2:
         ratio = results["tandem"]["output_tokens_per_s"] / results["hf"]["output_tokens_per_s"]
+        cpu_ratio = results["hf"]["cpu_s"] / results["tandem"]["cpu_s"]
         same = sum(a == b for a, b in zip(tokens["tandem"], tokens["hf"]))
         first_diff = [next((j for j, (x, y) in enumerate(zip(a, b)) if x != y), None)
                       for a, b in zip(tokens["tandem"], tokens["hf"])]
-        summary.update(ratio_tandem_over_hf=ratio, identical_greedy_prompts=same,
+        summary.update(ratio_tandem_over_hf=ratio, cpu_time_ratio_hf_over_tandem=cpu_ratio, identical_greedy_prompts=same,
                        first_divergence=first_diff)
-        print(f"throughput ratio tandem/hf: {ratio:.2f}x")
+        print(f"throughput ratio tandem/hf: {ratio:.2f}x (wall time), {cpu_ratio:.2f}x (CPU time)")
         print(f"identical greedy tokens: {same}/{len(prompts)} prompts"
               + ("" if same == len(prompts) else
                  f" (first divergent position per prompt: {first_diff})"))
