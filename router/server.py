@@ -86,9 +86,13 @@ async def serve(ns: argparse.Namespace, prefill: list[str], decode: list[str]) -
     from router.http import create_app
 
     http_sock = _bind(ns.host, ns.http_port)
-    core = await RouterCore.create(RouterConfig(
-        prefill_addrs=prefill, decode_addrs=decode, policy=ns.policy, model=ns.model,
-        served_model_name=ns.served_model_name, max_model_len=ns.max_model_len))
+    try:
+        core = await RouterCore.create(RouterConfig(
+            prefill_addrs=prefill, decode_addrs=decode, policy=ns.policy, model=ns.model,
+            served_model_name=ns.served_model_name, max_model_len=ns.max_model_len))
+    except BaseException:
+        http_sock.close()
+        raise
     try:
         grpc_server = await start_grpc_server(core, f"{ns.host}:{ns.grpc_port}")
         http = _Uvicorn(uvicorn.Config(create_app(core), lifespan="off", log_level=ns.log_level,
@@ -122,7 +126,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(str(e))
     try:
         uvloop.run(serve(ns, prefill, decode))
-    except OSError as e:  # the HTTP or gRPC port is taken, or the host is not ours
+    except (OSError, ValueError) as e:  # a port taken, a host not ours, a config the model rejects
         print(f"tandem router: {e}", file=sys.stderr)
         return 1
     return 0
