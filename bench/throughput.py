@@ -31,8 +31,10 @@ def run_tandem(args, prompts) -> tuple[float, int]:
               max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
               kv_cache_dtype=args.kv_cache_dtype, enable_prefix_caching=False, seed=args.seed)
     params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
-    llm.generate(prompt_token_ids=prompts[: min(8, len(prompts))], sampling_params=SamplingParams(
-        temperature=0.0, max_tokens=4, ignore_eos=True))  # warm-up: kernels compiled, graphs captured
+    # Warm-up with full-size prefill steps: Triton compiles one kernel per launch configuration.
+    warm = max(1, min(len(prompts), args.max_num_batched_tokens // args.input_len + 1))
+    llm.generate(prompt_token_ids=prompts[:warm], sampling_params=SamplingParams(
+        temperature=0.0, max_tokens=4, ignore_eos=True))
     sync()
     llm.engine.step_log = []
     t0 = time.perf_counter()
@@ -58,6 +60,8 @@ def print_step_breakdown(steps, elapsed: float) -> None:
         print(f"  {name:14s} {len(group):5d} steps {t:7.2f} s  {1e3 * t / len(group):7.2f} ms/step  "
               f"{toks / t:10.0f} tok/s  mean batch {sum(s.num_seqs for s in group) / len(group):6.1f}")
     print(f"  outside steps  {elapsed - sum(s.step_seconds for s in steps):7.2f} s")
+    print("  first prefill steps (tokens, seqs, ms):",
+          ", ".join(f"({s.num_batched_tokens}, {s.num_seqs}, {1e3 * s.step_seconds:.0f})" for s in pre[:8]))
 
 
 def run_hf(args, prompts) -> tuple[float, int]:

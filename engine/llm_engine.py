@@ -25,7 +25,7 @@ from engine.scheduler import Scheduler
 log = logging.getLogger(__name__)
 
 
-@dataclass
+@dataclass(slots=True)
 class StepOutput:
     request_id: str  # the id given to add_request
     index: int  # which of the n completions

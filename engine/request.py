@@ -26,8 +26,11 @@ class RequestStatus(enum.Enum):
 
     @property
     def finish_reason(self) -> str | None:
-        return {RequestStatus.FINISHED_STOPPED: "stop", RequestStatus.FINISHED_LENGTH: "length",
-                RequestStatus.FINISHED_ABORTED: "abort"}.get(self)
+        return _FINISH_REASONS.get(self)
+
+
+_FINISH_REASONS = {RequestStatus.FINISHED_STOPPED: "stop", RequestStatus.FINISHED_LENGTH: "length",
+                   RequestStatus.FINISHED_ABORTED: "abort"}
 
 
 class Request:
