@@ -67,7 +67,11 @@ def parse_addresses(value: str | None, env: str) -> list[str]:
 def _bind(host: str, port: int) -> socket.socket:
     sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind((host, port))
+    try:
+        sock.bind((host, port))
+    except OSError as e:
+        sock.close()
+        raise OSError(f"cannot bind the HTTP API to {host}:{port}: {e.strerror} (see --host, --http-port)") from None
     sock.set_inheritable(True)
     return sock
 
