@@ -161,3 +161,44 @@ def test_fp8_kv_greedy_agrees_with_bf16(smollm2_shape_dir):
     # Positions agree until the first divergence; after it the sequences are different contexts.
     same = sum(a == b for x, y in zip(runs["auto"], runs["fp8"]) for a, b in zip(x, y))
     assert same / total >= 0.95, f"fp8 KV agrees on {same}/{total} positions"
+
+
+@pytest.mark.parametrize("kv_dtype", [torch.bfloat16, torch.float8_e4m3fn])
+def test_kernels_on_the_engine_cache_layout(kv_dtype):
+    """write_kv and paged_attention on strided views of one [blocks, layers, 2, block, kv_heads, dim] tensor,
+    a prefill chunk and decodes in one batch, against the references on the same views."""
+    import kernels
+    from kernels import paged_attention_ref, write_kv_ref
+
+    torch.manual_seed(0)
+    nb, L, bs, hkv, d, h = 64, 3, 16, 4, 128, 28
+    cache = torch.randn(nb, L, 2, bs, hkv, d, device="cuda").to(kv_dtype)
+    ref_cache = cache.clone()
+    layer = 1
+    seq_lens = torch.tensor([100, 37, 250], dtype=torch.int32, device="cuda")
+    q_lens = [100, 1, 1]
+    qsl = torch.tensor([0, 100, 101, 102], dtype=torch.int32, device="cuda")
+    perm = torch.randperm(nb, device="cuda")
+    tables = torch.zeros(3, 16, dtype=torch.int32, device="cuda")
+    tables[0, :7], tables[1, :3], tables[2, :16] = perm[:7], perm[7:10], perm[10:26]
+    slots = []
+    for i, (sl, ql) in enumerate(zip(seq_lens.tolist(), q_lens)):
+        for p in range(sl - ql, sl):
+            slots.append(int(tables[i, p // bs]) * bs + p % bs)
+    slots = torch.tensor(slots, dtype=torch.int64, device="cuda")
+    T = len(slots)
+    k = torch.randn(T, hkv, d, device="cuda", dtype=torch.bfloat16)
+    v = torch.randn(T, hkv, d, device="cuda", dtype=torch.bfloat16)
+    q = torch.randn(T, h, d, device="cuda", dtype=torch.bfloat16)
+    ks, vs = 0.5, 0.25
+    kernels.write_kv(k, v, cache[:, layer, 0], cache[:, layer, 1], slots, ks, vs)
+    write_kv_ref(k, v, ref_cache[:, layer, 0], ref_cache[:, layer, 1], slots, ks, vs)
+    same = (cache.view(torch.uint8) == ref_cache.view(torch.uint8)).float().mean().item()
+    assert same > 0.999, f"only {same:.4%} of the cache bytes equal the reference write"
+    assert torch.equal(cache[:, 0].view(torch.uint8), ref_cache[:, 0].view(torch.uint8)), "another layer was touched"
+    out = kernels.paged_attention(q, cache[:, layer, 0], cache[:, layer, 1], tables, seq_lens, qsl, 100, 250,
+                                  d ** -0.5, ks, vs)
+    ref = paged_attention_ref(q, ref_cache[:, layer, 0], ref_cache[:, layer, 1], tables, seq_lens, qsl, 100, 250,
+                              d ** -0.5, ks, vs)
+    rel = ((out.float() - ref.float()).norm() / ref.float().norm()).item()
+    assert rel < 2e-2, f"relative error {rel:.3e}"
