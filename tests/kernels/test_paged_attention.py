@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from kernels import paged_attention
-from kernels.paged_attention import default_config, paged_attention_ref, paged_attention_triton
+from kernels.paged_attention import (PREFILL_MAX_BLOCK_M, default_config, paged_attention_ref,
+                                     paged_attention_triton)
 
 ON_CUDA = torch.cuda.is_available()
 DEVICE = "cuda" if ON_CUDA else "cpu"
@@ -154,8 +155,10 @@ def test_default_config_splits_only_small_long_decodes():
     assert default_config(8, 8, 4, 7, 128, 1, 4096, 132)["num_segments"] > 1
     assert default_config(64, 64, 4, 7, 128, 1, 4096, 132)["num_segments"] == 1
     assert default_config(4096, 1, 4, 7, 128, 4096, 4096, 132) == dict(
-        block_m=256, tile_n=64, num_segments=1, num_warps=16, num_stages=2, fp8_via_fp16=1)
+        block_m=PREFILL_MAX_BLOCK_M, tile_n=64, num_segments=1, num_warps=16 if PREFILL_MAX_BLOCK_M == 256 else 8,
+        num_stages=2, fp8_via_fp16=1)
     assert default_config(4096, 1, 4, 7, 256, 4096, 4096, 132)["block_m"] == 128
+    assert default_config(4096, 1, 4, 7, 128, 4096, 4096, 132, q_bytes=4)["block_m"] == 128
     assert default_config(1, 1, 4, 7, 128, 1, 64, 132)["num_segments"] == 1
     # many decodes beside one chunk: smaller row tiles waste less on the decodes
     assert default_config(2048 + 255, 256, 4, 7, 128, 2048, 6144, 132)["block_m"] == 64
@@ -187,6 +190,15 @@ def test_qwen_shapes_full(dtype, kv_fp8, max_q):
     specs = [(1, 8192), (1, 3000), (1, 1)] + ([(max_q, 4096), (max_q, max_q), (17, 5000)] if max_q > 1 else
                                               [(1, n) for n in (100, 4096, 513)])
     check(make_batch(specs, 28, 4, 128, 16, dtype, kv_fp8, seed=max_q))
+
+
+@cuda_only
+@pytest.mark.parametrize("dtype,kv_fp8", [(torch.bfloat16, False), (torch.float16, False), (torch.bfloat16, True)])
+def test_256_row_prefill_tiles(dtype, kv_fp8):
+    # The faster prefill tiles that PREFILL_MAX_BLOCK_M = 256 would make the default.
+    specs = [(1024, 4096), (300, 300), (1, 2000), (77, 900)]
+    check(make_batch(specs, 28, 4, 128, 16, dtype, kv_fp8, seed=256),
+          config=dict(block_m=256, tile_n=64, num_warps=16, num_stages=2))
 
 
 @cuda_only
