@@ -280,7 +280,9 @@ def _paged_attention_kernel(
 
     d_ok = d[None, :] < HEAD_DIM
     if NUM_SEGMENTS == 1:
-        out = acc * (v_scale / l_i)[:, None]
+        # l_i == 0 only for a row that sees no key: a padded sequence (seq_len 0, as CUDA-graph padding makes);
+        # its acc is 0, so it gets 0 like the reference instead of 0/0.
+        out = acc * (v_scale / tl.where(l_i > 0.0, l_i, 1.0))[:, None]
         o_ptrs = out_ptr + tok[:, None] * stride_o_t + heads[:, None] * stride_o_h + d[None, :]
         tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok)
     else:
@@ -308,10 +310,12 @@ def _reduce_segments_kernel(
     d = tl.arange(0, HEAD_DIM_PAD)
     part = (tok * num_heads + head) * NUM_SEGMENTS + seg  # [NUM_SEGMENTS]
     seg_max = tl.load(seg_max_ptr + part)
-    w = tl.math.exp2(seg_max - tl.max(seg_max, axis=0))  # an empty segment (max -inf) weighs 0
+    top = tl.max(seg_max, axis=0)
+    top = tl.where(top == float("-inf"), 0.0, top)  # every segment empty: a padded sequence
+    w = tl.math.exp2(seg_max - top)  # an empty segment (max -inf) weighs 0
     total = tl.sum(tl.load(seg_sum_ptr + part) * w, axis=0)
     acc = tl.load(seg_out_ptr + part[:, None] * HEAD_DIM_PAD + d[None, :])  # [NUM_SEGMENTS, HEAD_DIM_PAD]
-    out = tl.sum(acc * w[:, None], axis=0) / total
+    out = tl.sum(acc * w[:, None], axis=0) / tl.where(total > 0.0, total, 1.0)
     tl.store(out_ptr + tok * stride_o_t + head * stride_o_h + d, out.to(out_ptr.dtype.element_ty), mask=d < HEAD_DIM)
 
 

@@ -121,6 +121,17 @@ def test_fp8_cache_bf16_queries_both_dot_paths(fp8_via_fp16):
     check(args, config=dict(fp8_via_fp16=fp8_via_fp16))
 
 
+@pytest.mark.parametrize("num_segments", [1, 4])
+def test_padded_sequences_give_zeros(num_segments):
+    # CUDA-graph padding: extra decode slots with seq_len 0 see no key; the reference returns 0 there.
+    args = make_batch([(1, 30), (1, 5), (1, 1)], 4, 2, 64, 16, torch.float32, seed=9)
+    args["seq_lens"] = torch.tensor([30, 0, 0], dtype=torch.int32, device=DEVICE)
+    out = paged_attention_triton(**args, config=dict(num_segments=num_segments, tile_n=16))
+    ref = paged_attention_ref(**args)
+    assert (ref[1:] == 0).all() and (out[1:] == 0).all()
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+
+
 def test_split_context_mixed_batch():
     # The split path is general: prefill chunks in a split launch must agree too.
     args = make_batch([(9, 60), (1, 40), (20, 20)], 4, 2, 64, 16, torch.float32, seed=11)
