@@ -74,6 +74,7 @@ _SSE_DONE = "data: [DONE]\n\n"
 
 
 async def _parse(request: Request, model: type[BaseModel]):
+    """The body as `model`; 400 for malformed JSON, a wrong type or an OpenAI feature this server lacks."""
     raw = await request.body()
     try:
         data = json.loads(raw)
@@ -82,12 +83,16 @@ async def _parse(request: Request, model: type[BaseModel]):
     if not isinstance(data, dict):
         raise APIError(400, "the request body must be a JSON object", None, "invalid_json")
     try:
-        return model.model_validate(data)
+        body = model.model_validate(data)
     except ValidationError as e:
         err = e.errors()[0]
         where = ".".join(str(part) for part in err["loc"])
         param = str(err["loc"][0]) if err["loc"] else None
         raise APIError(400, f"{where}: {err['msg']} (got {err.get('input')!r})", param, "invalid_type") from None
+    if (name := body.unsupported_field()) is not None:
+        raise APIError(400, f"{name}={getattr(body, name)!r}: not supported by this server; leave it out",
+                       name, "unsupported")
+    return body
 
 
 def _sampling_params(body, *, max_tokens: int | None, logprobs: int | None):

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import time
 import uuid
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_serializer
 
@@ -25,6 +25,13 @@ def random_id(prefix: str) -> str:
 
 class _Body(BaseModel):
     model_config = ConfigDict(extra="ignore")
+
+    # OpenAI fields this server does not implement, each with the values that mean "not used". A request that uses
+    # one is refused (400 naming it) rather than answered as if it had not asked.
+    _unsupported: dict[str, tuple] = {}
+
+    def unsupported_field(self) -> str | None:
+        return next((name for name, unused in self._unsupported.items() if getattr(self, name) not in unused), None)
 
 
 # ---------------------------------------------------------------------------------------------------- errors
@@ -92,6 +99,9 @@ class CompletionRequest(SamplingRequest):
     """Top log-probabilities per token (0 = only the sampled token's)."""
     echo: bool = False
     """Put the prompt in front of each choice's text."""
+    suffix: str | None = None
+    best_of: int | None = None
+    _unsupported = {"suffix": (None, ""), "best_of": (None, 1)}
 
 
 class ContentPart(_Body):
@@ -116,6 +126,12 @@ class ChatCompletionRequest(SamplingRequest):
     logprobs: bool = False
     top_logprobs: int | None = None
     add_generation_prompt: bool = True
+    tools: list[Any] | None = None
+    tool_choice: Any = None
+    functions: list[Any] | None = None
+    response_format: dict[str, Any] | None = None
+    _unsupported = {"tools": (None, []), "tool_choice": (None, "none", "auto"), "functions": (None, []),
+                    "response_format": (None, {"type": "text"})}
 
 
 class SimpleGenerateRequest(SamplingRequest):
