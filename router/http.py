@@ -65,6 +65,14 @@ class APIError(Exception):
                                              code=self.code)).model_dump()
 
 
+def _as_api_error(e: Exception) -> APIError:
+    if isinstance(e, APIError):
+        return e
+    if isinstance(e, RequestError):
+        return APIError.from_request_error(e)
+    return APIError(500, f"internal error: {type(e).__name__}: {e}", None, "internal")
+
+
 def _sse(payload: BaseModel | dict) -> str:
     text = payload.model_dump_json() if isinstance(payload, BaseModel) else json.dumps(payload)
     return f"data: {text}\n\n"
@@ -253,12 +261,10 @@ def create_app(core: RouterCore) -> FastAPI:
         return lambda token_id: tokenizer.decode([token_id])
 
     @app.exception_handler(APIError)
-    async def on_api_error(_: Request, e: APIError) -> JSONResponse:
-        return JSONResponse(e.body(), status_code=e.status)
-
     @app.exception_handler(RequestError)
-    async def on_request_error(_: Request, e: RequestError) -> JSONResponse:
-        return await on_api_error(_, APIError.from_request_error(e))
+    async def on_api_error(_: Request, e: APIError | RequestError) -> JSONResponse:
+        err = _as_api_error(e)
+        return JSONResponse(err.body(), status_code=err.status)
 
     @app.exception_handler(ClientGone)
     async def on_client_gone(_: Request, e: ClientGone) -> Response:
@@ -267,8 +273,7 @@ def create_app(core: RouterCore) -> FastAPI:
     @app.exception_handler(Exception)
     async def on_unexpected(_: Request, e: Exception) -> JSONResponse:
         log.exception("unexpected error")
-        return JSONResponse(APIError(500, f"internal error: {type(e).__name__}: {e}", None, "internal").body(),
-                            status_code=500)
+        return JSONResponse(_as_api_error(e).body(), status_code=500)
 
     def check_model(name: str | None) -> str:
         served = core.models()
@@ -280,10 +285,7 @@ def create_app(core: RouterCore) -> FastAPI:
         return name
 
     async def open_streams(request: Request, reqs: list[GenerateRequest]) -> _Streams:
-        try:
-            return await _unless_disconnected(request, _Streams.open(core, reqs))
-        except RequestError as e:
-            raise APIError.from_request_error(e) from None
+        return await _unless_disconnected(request, _Streams.open(core, reqs))
 
     async def stream_body(events: AsyncIterator[str]) -> AsyncIterator[str]:
         """SSE body: a failure after the first byte is sent as an error event, then [DONE]."""
@@ -291,8 +293,7 @@ def create_app(core: RouterCore) -> FastAPI:
             async for event in events:
                 yield event
         except Exception as e:
-            err = APIError.from_request_error(e) if isinstance(e, RequestError) else (
-                e if isinstance(e, APIError) else APIError(500, f"internal error: {type(e).__name__}: {e}"))
+            err = _as_api_error(e)
             if err.status >= 500:
                 log.error("stream failed: %s", err.message)
             yield _sse(err.body())
