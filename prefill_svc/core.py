@@ -38,6 +38,17 @@ def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
+def handoff_text(first_text: str, stop: list[str]) -> str:
+    """The first token's text as an unfinished request shows it. Prefill's engine request ends at the first token
+    (max_tokens=1), so it releases all of its text; decode's `commit_prefilled` sees the same token in a running
+    request and, as every running request with stop strings does, holds back the last len(longest stop) - 1
+    characters (they could start a stop string) and releases them with a later delta. Prefill must hold back the
+    same characters, or they would reach the client twice."""
+    if not stop:
+        return first_text
+    return first_text[:max(0, len(first_text) - (max(map(len, stop)) - 1))]
+
+
 @dataclass
 class _Tx:
     """Engine-thread state of one outgoing transfer."""
@@ -201,6 +212,7 @@ class PrefillCore:
             delta = delta_to_proto(out)
             if not done:  # the request goes on in decode: the first token is not the last
                 delta.finish_reason = common_pb2.FINISH_REASON_UNSPECIFIED
+                delta.text = handoff_text(out.new_text, params.stop)
             yield prefill_pb2.PrefillResponse(first_token=prefill_pb2.FirstToken(
                 delta=delta, num_prompt_tokens=len(prompt), num_cached_tokens=out.num_cached_tokens))
             if sender is None or done:

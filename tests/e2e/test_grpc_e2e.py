@@ -212,6 +212,19 @@ def test_max_tokens_one_and_n_greater_than_one(stack):
     assert all(2 <= len(p.candidates) <= 3 and p.candidates[0].logprob <= 0 for p in positions)
 
 
+@pytest.mark.parametrize("stop", ["413", "f41", "3>", "<f413>", "0><f4"])
+def test_stop_string_matches_offline_engine(stack, stop):
+    """Stop strings around the prefill -> decode hand-off: this prompt's greedy output starts "<f490><f413>", so
+    the first token (from prefill) is 6 characters, of which decode holds back len(stop) - 1; they must reach the
+    client exactly once."""
+    prompt = "hello world" * 5
+    full = offline_greedy("random:tiny", [prompt], 24)[0].text
+    assert full.startswith("<f490><f413>"), full  # the premise of the test
+    _, text, reason, _ = asyncio.run(generate(stack.address, prompt, temperature=0.0, max_tokens=24,
+                                              ignore_eos=True, stop=[stop]))
+    assert reason == common_pb2.FINISH_REASON_STOP and text == full[:full.index(stop)], (stop, text, full)
+
+
 def test_32_concurrent_streams_complete(stack):
     async def run():
         return await asyncio.gather(*(generate(stack.address, f"stream {i} " + "x" * (i % 7) * 10, temperature=0.7,
