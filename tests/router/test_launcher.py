@@ -81,14 +81,16 @@ def _free_base(n: int) -> int:
 
 
 def _alive(pid: int) -> bool:
+    """Running (a zombie waiting for a parent to reap it counts as gone)."""
     try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (FileNotFoundError, ProcessLookupError):
         return False
-    return True
+    return state != "Z"
 
 
-def test_a_dead_child_stops_the_others_and_tandem_up_fails():
+def _tandem_up() -> tuple[subprocess.Popen, dict[str, int]]:
+    """`tandem up` with random:tiny on free ports, once it says it is ready; and its children's pids by name."""
     base = _free_base(6)
     proc = subprocess.Popen([sys.executable, "-m", "engine.cli", "up", "--model", "random:tiny", "--http-port",
                              str(base), "--grpc-port", str(base + 1), "--worker-port", str(base + 2),
@@ -96,16 +98,24 @@ def test_a_dead_child_stops_the_others_and_tandem_up_fails():
                             cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             env={**os.environ, "PYTHONUNBUFFERED": "1"})
     lines, pids = [], {}
+    deadline = time.monotonic() + 240
+    for line in proc.stdout:
+        lines.append(line)
+        if m := re.match(r"tandem up: started (\S+) \(pid (\d+)\)", line):
+            pids[m.group(1)] = int(m.group(2))
+        if "tandem up: ready." in line or time.monotonic() > deadline:
+            break
+    if "tandem up: ready." not in lines[-1]:
+        proc.kill()
+        proc.wait()
+        raise AssertionError("tandem up did not get ready:\n" + "".join(lines[-40:]))
+    assert sorted(pids) == ["decode-0", "prefill-0", "router"]
+    return proc, pids
+
+
+def test_a_dead_child_stops_the_others_and_tandem_up_fails():
+    proc, pids = _tandem_up()
     try:
-        deadline = time.monotonic() + 240
-        for line in proc.stdout:
-            lines.append(line)
-            if m := re.match(r"tandem up: started (\S+) \(pid (\d+)\)", line):
-                pids[m.group(1)] = int(m.group(2))
-            if "tandem up: ready." in line or time.monotonic() > deadline:
-                break
-        assert "tandem up: ready." in lines[-1], "".join(lines[-40:])
-        assert sorted(pids) == ["decode-0", "prefill-0", "router"]
         os.kill(pids["decode-0"], signal.SIGKILL)
         rest = proc.communicate(timeout=60)[0]
     finally:
@@ -115,6 +125,20 @@ def test_a_dead_child_stops_the_others_and_tandem_up_fails():
     assert proc.returncode == 1
     assert "decode-0 exited with status -9; stopping the rest" in rest
     assert [name for name, pid in pids.items() if _alive(pid)] == []
+
+
+def test_children_die_with_a_killed_launcher():
+    proc, pids = _tandem_up()
+    proc.kill()  # SIGKILL: no clean-up runs in the launcher; PR_SET_PDEATHSIG must stop its children
+    proc.wait()
+    deadline = time.monotonic() + 30
+    while any(_alive(pid) for pid in pids.values()) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    orphans = [name for name, pid in pids.items() if _alive(pid)]
+    for name in orphans:  # do not leave them behind when the test fails
+        os.kill(pids[name], signal.SIGKILL)
+    proc.stdout.close()
+    assert orphans == []
 
 
 def test_router_takes_instances_from_flags_or_environment(monkeypatch):
