@@ -32,23 +32,25 @@ DEFAULT_METRICS_PORT = 9100
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="tandem up", description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--prefill", type=int, default=1, help="number of prefill workers")
-    p.add_argument("--decode", type=int, default=1, help="number of decode workers")
-    p.add_argument("--host", default="127.0.0.1", help="address every process binds to")
-    p.add_argument("--grpc-port", type=int, default=50051, help="router: public gRPC API port")
-    p.add_argument("--http-port", type=int, default=8000, help="router: OpenAI HTTP API port")
+    p = argparse.ArgumentParser(prog="tandem up", description=__doc__.split("\n\n")[0])
+    p.add_argument("--prefill", type=int, default=1, help="number of prefill workers (default: 1)")
+    p.add_argument("--decode", type=int, default=1, help="number of decode workers (default: 1)")
+    p.add_argument("--host", default="127.0.0.1", help="address every process binds to (default: 127.0.0.1)")
+    p.add_argument("--grpc-port", type=int, default=50051, help="router: public gRPC API port (default: 50051)")
+    p.add_argument("--http-port", type=int, default=8000, help="router: OpenAI HTTP API port (default: 8000)")
     p.add_argument("--worker-port", type=int, default=DEFAULT_WORKER_PORT,
-                   help="first worker gRPC port (prefill workers first, then decode)")
+                   help=f"first worker gRPC port, prefill workers first, then decode (default: {DEFAULT_WORKER_PORT})")
     p.add_argument("--metrics-port", type=int, default=DEFAULT_METRICS_PORT,
-                   help="first worker Prometheus port (same order as --worker-port)")
+                   help=f"first worker Prometheus port, same order (default: {DEFAULT_METRICS_PORT})")
     p.add_argument("--policy", choices=("round_robin", "least_loaded"), default="round_robin",
-                   help="router: how to pick instances")
-    p.add_argument("--ready-timeout", type=float, default=900.0, help="seconds to wait for the stack to be ready")
-    p.add_argument("--stop-timeout", type=float, default=15.0, help="seconds a child gets to exit before SIGKILL")
+                   help="router: how to pick instances (default: round_robin)")
+    p.add_argument("--ready-timeout", type=float, default=900.0,
+                   help="seconds to wait for the stack to be ready (default: 900)")
+    p.add_argument("--stop-timeout", type=float, default=15.0,
+                   help="seconds a child gets to exit before SIGKILL (default: 15)")
     add_engine_args(p)
-    p.set_defaults(device="cpu")
+    device = next(a for a in p._actions if a.dest == "device")
+    device.default, device.help = "cpu", "cpu, cuda or auto (default: cpu, unlike the workers' own auto)"
     return p
 
 
@@ -56,7 +58,7 @@ def _engine_flags(ns: argparse.Namespace, names: tuple[str, ...] | None = None) 
     """The engine flags to pass on: --model and --device always, the others where they differ from the default."""
     out = []
     for f in fields(EngineArgs):
-        if names is not None and f.name not in names:
+        if (names is not None and f.name not in names) or not hasattr(ns, f.name):
             continue
         value, flag = getattr(ns, f.name), "--" + f.name.replace("_", "-")
         if f.name not in ("model", "device") and value == f.default:
