@@ -44,6 +44,10 @@ kv_transfer_bytes = Counter("tandem:kv_transfer_bytes", "KV payload bytes sent (
                             LABELS)
 kv_transfer_seconds = Histogram("tandem:kv_transfer_seconds", "KV transfer time, open to ack, seconds.", LABELS,
                                 buckets=_TRANSFER_BUCKETS)
+kv_transfer_tail_seconds = Histogram(
+    "tandem:kv_transfer_tail_seconds",
+    "Prefill: from the first token to decode's ack, seconds: the part of a transfer not hidden behind prefill compute "
+    "(it delays the second token, never the first).", LABELS, buckets=_TRANSFER_BUCKETS)
 kv_transfer_failures = Counter("tandem:kv_transfer_failures",
                                "KV transfers that failed (deadline, layout mismatch, peer gone, cancelled).", LABELS)
 
@@ -70,6 +74,7 @@ class Metrics:
         self.prefix_cache_hits = prefix_cache_hits.labels(**lv)
         self.kv_transfer_bytes = kv_transfer_bytes.labels(**lv)
         self.kv_transfer_seconds = kv_transfer_seconds.labels(**lv)
+        self.kv_transfer_tail_seconds = kv_transfer_tail_seconds.labels(**lv)
         self.kv_transfer_failures = kv_transfer_failures.labels(**lv)
 
     def finished(self, reason: str | None) -> None:

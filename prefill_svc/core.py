@@ -220,9 +220,10 @@ class PrefillCore:
             r.tx.put_nowait(kv_transfer_pb2.KvTransferMessage(commit=kv_transfer_pb2.KvTransferCommit(
                 first_token_id=out.new_token_ids[0], num_cached_tokens=out.num_cached_tokens)))
             seconds = await sender
+            tail = time.monotonic() - t_first
+            self.metrics.kv_transfer_tail_seconds.observe(tail)
             yield prefill_pb2.PrefillResponse(transfer_done=prefill_pb2.TransferDone(
-                transfer_bytes=r.sent_bytes, num_blocks=r.sent_blocks, transfer_seconds=seconds,
-                tail_seconds=time.monotonic() - t_first))
+                transfer_bytes=r.sent_bytes, num_blocks=r.sent_blocks, transfer_seconds=seconds, tail_seconds=tail))
         finally:
             self._reqs.pop(request_id, None)
             if sender is not None and not sender.done():

@@ -107,9 +107,10 @@ class GrpcStack:
                 p.terminate()
         for p in self.procs.values():
             try:
-                p.wait(20)
+                p.wait(5)
             except subprocess.TimeoutExpired:
                 p.kill()
+                p.wait()
 
 
 async def load(address: str, role: str) -> common_pb2.InstanceLoad:
@@ -322,6 +323,7 @@ def test_tokenize_list_models_health_reflection_metrics(stack):
     sent = sum(float(v) for v in re.findall(r'^tandem:kv_transfer_bytes_total\{[^}]*role="prefill"[^}]*\} (\S+)$',
                                             text, re.M))
     assert sent > 0 and "tandem:time_to_first_token_seconds_bucket" in text
+    assert "tandem:kv_transfer_tail_seconds_count" in text
     received = 0.0
     for port in stack.metrics_ports[1:]:
         text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=5).text
