@@ -229,9 +229,9 @@ def test_temperature_sampling_matches_softmax_frequencies(seeded):
     n = 20000
     torch.manual_seed(0)
     if seeded:
-        # A seeded request steps its own generator, one draw per step.
-        state = State(SamplingParams(temperature=temperature, seed=42))
-        tokens = [sampler(logits.unsqueeze(0), [state]).token_ids[0] for _ in range(n)]
+        # 400 seeded requests, each stepping its own generator for 50 steps.
+        states = [State(SamplingParams(temperature=temperature, seed=seed)) for seed in range(400)]
+        tokens = [t for _ in range(n // 400) for t in sampler(logits.repeat(400, 1), states).token_ids]
     else:
         # Unseeded rows share one draw per call: a batch of n identical rows.
         states = [State(SamplingParams(temperature=temperature)) for _ in range(n)]
