@@ -17,7 +17,7 @@ from engine.args import EngineArgs
 from engine.config import EngineConfig
 from engine.kv_cache_manager import KVCacheManager
 from engine.loader import load_tokenizer, resolve_model
-from engine.model_runner import ModelRunner
+from engine.model_runner import ModelRunner, warm_up_attention
 from engine.request import Request, RequestStatus
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
@@ -81,8 +81,10 @@ class LLMEngine:
                 f"than max_model_len={max_model_len}: raise --kv-cache-memory / --gpu-memory-utilization or lower "
                 f"--max-model-len")
         self.scheduler = Scheduler(config.scheduler, self.kv)
-        if self.runner.device.type == "cuda" and config.model.enforce_eager is False:
-            self.runner.enable_cuda_graphs(max_model_len)
+        if self.runner.device.type == "cuda":
+            warm_up_attention(self.runner)
+            if not config.model.enforce_eager:
+                self.runner.enable_cuda_graphs(max_model_len)
         self.requests: dict[str, Request] = {}  # engine request id -> request (children of n > 1 included)
         self.children: dict[str, list[str]] = {}  # user request id -> engine request ids
         self.held: dict[str, Request] = {}  # finished kv_hold requests whose blocks are still allocated

@@ -48,7 +48,7 @@ def _round_to_e4m3_grid(x):
     return tl.where(x < 0, -r, r)  # keeps the sign of values that round to zero
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_tokens"])  # varies every step: no recompiles on 1 / multiples of 16
 def _write_kv_kernel(
     k_ptr,  # [num_tokens, num_kv_heads, head_dim]
     v_ptr,  # [num_tokens, num_kv_heads, head_dim]

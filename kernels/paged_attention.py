@@ -189,7 +189,9 @@ def _attend_tiles(
     return acc, l_i, m_i
 
 
-@triton.jit
+# Per-step integers are not specialized: Triton would otherwise compile a new variant whenever num_seqs or the
+# block-table width changes between 1, multiples of 16 and the rest (a 1-1.5 s stall in the middle of serving).
+@triton.jit(do_not_specialize=["num_seqs", "stride_bt"])
 def _paged_attention_kernel(
     out_ptr,  # [num_tokens, num_heads, head_dim]            (NUM_SEGMENTS == 1)
     seg_out_ptr,  # [num_tokens, num_heads, NUM_SEGMENTS, HEAD_DIM_PAD] f32 (NUM_SEGMENTS > 1)
