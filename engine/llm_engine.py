@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import logging
 import time
+
+import torch
 from dataclasses import dataclass
 
 from engine.args import EngineArgs
@@ -222,6 +224,11 @@ class LLMEngine:
         self.requests[request_id] = req
         self.children[request_id] = [request_id]
         self.scheduler.add_running(req)
+        if req.generator is not None and not req.sampling_params.greedy:
+            # The prefill instance drew the first token from this seed: consume the same draw so that the
+            # following tokens equal a single-process run's.
+            torch.empty(self.runner.hf_config.vocab_size, device=req.generator.device).exponential_(
+                generator=req.generator)
         out = self._append_token(req, first_token_id, None)
         if out.finished:
             self._forget(req)
@@ -278,7 +285,9 @@ class LLMEngine:
         if self.stream_text or req.sampling_params.stop:
             self._detokenize(req)
         status = self._check_stop(req, token)
-        if status is not None and not (self.stream_text or req.sampling_params.stop):
+        if status is not None and not isinstance(req.stop_reason, str):
+            # The final text is the whole decode (an incomplete trailing character shows as U+FFFD), unless a stop
+            # string cut it.
             skip = req.sampling_params.skip_special_tokens
             req.output_text = self.tokenizer.decode(req.output_token_ids, skip_special_tokens=skip)
         if status is not None:

@@ -1,0 +1,100 @@
+"""The step-level engine: the prefill -> decode hand-off hooks, abort, stop strings, n > 1."""
+from __future__ import annotations
+
+import pytest
+
+from engine import EngineArgs, LLMEngine, SamplingParams
+
+
+@pytest.fixture(scope="module")
+def engines():
+    args = dict(model="random:tiny", device="cpu", kv_cache_memory=0.05, max_model_len=512)
+    return LLMEngine.from_engine_args(EngineArgs(**args)), LLMEngine.from_engine_args(EngineArgs(**args))
+
+
+def run(engine, rid):
+    tokens, text, reason = [], "", None
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.request_id == rid:
+                tokens += out.new_token_ids
+                text += out.new_text
+                reason = out.finish_reason or reason
+    return tokens, text, reason
+
+
+@pytest.mark.parametrize("params", [
+    SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True),
+    SamplingParams(temperature=0.8, top_p=0.9, seed=1234, max_tokens=20, ignore_eos=True),
+])
+def test_handoff_equals_one_engine(engines, params):
+    """Prefill on one engine (kv_hold), KV blocks copied into another, decode there: same tokens as one engine."""
+    pre, dec = engines
+    prompt = [(i * 37) % 500 + 3 for i in range(70)]
+    pre.add_request("single", prompt, params)
+    expected, _, _ = run(pre, "single")
+
+    first_params = SamplingParams(**{**params.__dict__, "max_tokens": 1})
+    pre.add_request("p", prompt, first_params, kv_hold=True)
+    first, _, _ = run(pre, "p")
+    src = pre.get_block_ids("p")
+    dst = dec.reserve_prefilled("p", prompt, params)
+    assert dst is not None and len(dst) == len(src)
+    dec.kv_cache[dst] = pre.kv_cache[src]
+    pre.release_kv("p")
+    out = dec.commit_prefilled("p", first[0])
+    rest, _, reason = run(dec, "p")
+    assert first + rest == expected
+    assert reason == "length"
+    assert all(r == 0 for r in pre.kv.pool.ref_cnt) and all(r == 0 for r in dec.kv.pool.ref_cnt)
+    assert out.new_token_ids == first
+
+
+def test_reserve_refuses_when_full_and_abort_frees(engines):
+    _, dec = engines
+    prompt = list(range(3, 400))
+    held = []
+    limit = dec.kv.num_blocks // 25 + 2  # 397 tokens take 25 blocks of 16
+    for i in range(limit):
+        ids = dec.reserve_prefilled(f"r{i}", prompt, SamplingParams(max_tokens=4))
+        if ids is None:
+            break
+        held.append(f"r{i}")
+    assert held and len(held) == dec.kv.num_blocks // 25, "refused before the pool ran out, or never"
+    for rid in held:
+        dec.abort(rid)
+    assert all(r == 0 for r in dec.kv.pool.ref_cnt)
+
+
+def test_abort_running_request_reports_and_frees(engines):
+    eng, _ = engines
+    eng.add_request("a", [5, 6, 7], SamplingParams(max_tokens=50, ignore_eos=True))
+    eng.step()
+    eng.abort("a")
+    outs = eng.step()
+    assert [(o.request_id, o.finish_reason) for o in outs] == [("a", "abort")]
+    assert not eng.has_unfinished_requests()
+    assert all(r == 0 for r in eng.kv.pool.ref_cnt)
+
+
+def test_n_children_share_the_prompt_and_finish_separately(engines):
+    eng, _ = engines
+    eng.add_request("n", [5, 6, 7, 8], SamplingParams(n=3, temperature=1.0, seed=7, max_tokens=5, ignore_eos=True))
+    seen = {}
+    while eng.has_unfinished_requests():
+        for o in eng.step():
+            seen.setdefault(o.index, []).extend(o.new_token_ids)
+    assert sorted(seen) == [0, 1, 2] and all(len(v) == 5 for v in seen.values())
+    assert len({tuple(v) for v in seen.values()}) > 1, "children with their own seeds should differ"
+
+
+def test_validation_names_the_field(engines):
+    eng, _ = engines
+    with pytest.raises(ValueError, match="prompt: must not be empty"):
+        eng.add_request("e", [], SamplingParams())
+    with pytest.raises(ValueError, match="max_tokens=600"):
+        eng.add_request("e", [1, 2], SamplingParams(max_tokens=600))
+    with pytest.raises(ValueError, match="prompt_token_ids: token id"):
+        eng.add_request("e", [10**6], SamplingParams())
+    with pytest.raises(ValueError, match="max_model_len=512"):
+        eng.add_request("e", list(range(3, 600)), SamplingParams())
