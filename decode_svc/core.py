@@ -122,14 +122,7 @@ class DecodeCore:
             if d is not None:  # (the commit's future may resolve after this step's outputs arrive)
                 d.out.put_nowait(out)
         if stats is not None:
-            running, waiting, usage, (dq, dh, dp) = stats
-            m = self.metrics
-            m.num_requests_running.set(running)
-            m.num_requests_waiting.set(waiting)
-            m.kv_cache_usage_perc.set(usage)
-            m.prefix_cache_queries.inc(dq)
-            m.prefix_cache_hits.inc(dh)
-            m.num_preemptions.inc(dp)
+            self.metrics.observe_step(stats)
 
     async def load(self) -> common_pb2.InstanceLoad:
         load = await self.worker.call(self._load)

@@ -1,69 +1,33 @@
 """`tandem decode`: one decode instance (grpc.aio on uvloop) serving tandem.v1.Decode, grpc.health.v1 and
 reflection on --host:--port, and Prometheus metrics on --metrics-port (HTTP GET /metrics; 0 = off).
 
-The life of a request is told in decode_svc/core.py.
+The life of a request is told in decode_svc/core.py; the process around it in protos/worker.py.
 """
 from __future__ import annotations
 
 import argparse
-import asyncio
-import logging
-import signal
 
-import uvloop
-
-from engine.args import EngineArgs, add_engine_args
-from engine.metrics import Metrics, start_metrics_server
 from decode_svc.core import DecodeCore
 from decode_svc.servicer import DecodeServicer
-from protos.runtime import add_health_and_reflection, new_server, set_serving
+from protos import worker
 from protos.tandem.v1 import decode_pb2, decode_pb2_grpc
 
-SERVICE_NAME = decode_pb2.DESCRIPTOR.services_by_name["Decode"].full_name
-log = logging.getLogger("tandem.decode")
+ROLE = worker.WorkerRole(
+    name="decode",
+    service_name=decode_pb2.DESCRIPTOR.services_by_name["Decode"].full_name,
+    default_port=50071,
+    kv_timeout_help="seconds from a reservation to its KV commit when the router gives no deadline",
+    make_core=DecodeCore,
+    add_servicer=lambda core, server: decode_pb2_grpc.add_DecodeServicer_to_server(DecodeServicer(core), server),
+)
 
 
 def build_parser(prog: str = "tandem decode") -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog=prog, description="Run one decode instance.")
-    p.add_argument("--host", default="127.0.0.1", help="address to listen on")
-    p.add_argument("--port", type=int, default=50071, help="gRPC port")
-    p.add_argument("--metrics-port", type=int, default=0, help="Prometheus /metrics HTTP port (0: off)")
-    p.add_argument("--kv-transfer-timeout", type=float, default=30.0,
-                   help="seconds from a reservation to its KV commit when the router gives no deadline")
-    p.add_argument("--log-level", default="INFO")
-    add_engine_args(p)
-    return p
-
-
-async def serve(engine, host: str, port: int, kv_timeout_s: float, stop: asyncio.Event | None = None) -> None:
-    core = DecodeCore(engine, Metrics(engine.model_name, "decode"), kv_timeout_s)
-    await core.start()
-    server = new_server()
-    decode_pb2_grpc.add_DecodeServicer_to_server(DecodeServicer(core), server)
-    hs = add_health_and_reflection(server, [SERVICE_NAME])
-    server.add_insecure_port(f"{host}:{port}")
-    await server.start()
-    await set_serving(hs, [SERVICE_NAME], True)
-    log.info("decode serving %s on %s:%d", engine.model_name, host, port)
-    stop = stop or asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
-    await stop.wait()
-    await set_serving(hs, [SERVICE_NAME], False)
-    await server.stop(grace=2.0)
-    await core.close()
+    return worker.build_parser(ROLE, prog)
 
 
 def main(argv: list[str] | None = None) -> int:
-    ns = build_parser().parse_args(argv)
-    logging.basicConfig(level=ns.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    from engine import LLMEngine
-
-    engine = LLMEngine.from_engine_args(EngineArgs.from_cli_args(ns))
-    start_metrics_server(ns.metrics_port, ns.host)
-    uvloop.run(serve(engine, ns.host, ns.port, ns.kv_transfer_timeout))
-    return 0
+    return worker.main(ROLE, argv)
 
 
 if __name__ == "__main__":

@@ -77,6 +77,16 @@ class Metrics:
         self.kv_transfer_tail_seconds = kv_transfer_tail_seconds.labels(**lv)
         self.kv_transfer_failures = kv_transfer_failures.labels(**lv)
 
+    def observe_step(self, stats) -> None:
+        """One engine step's gauges and counters: (running, waiting, kv usage, (prefix queries, hits, preemptions))."""
+        running, waiting, usage, (queries, hits, preemptions) = stats
+        self.num_requests_running.set(running)
+        self.num_requests_waiting.set(waiting)
+        self.kv_cache_usage_perc.set(usage)
+        self.prefix_cache_queries.inc(queries)
+        self.prefix_cache_hits.inc(hits)
+        self.num_preemptions.inc(preemptions)
+
     def finished(self, reason: str | None) -> None:
         self.request_success[reason if reason in self.request_success else "abort"].inc()
 

@@ -156,14 +156,7 @@ class PrefillCore:
             if r is not None and (out.new_token_ids or out.finished) and not r.first.done():
                 r.first.set_result(out)
         if stats is not None:
-            running, waiting, usage, (dq, dh, dp) = stats
-            m = self.metrics
-            m.num_requests_running.set(running)
-            m.num_requests_waiting.set(waiting)
-            m.kv_cache_usage_perc.set(usage)
-            m.prefix_cache_queries.inc(dq)
-            m.prefix_cache_hits.inc(dh)
-            m.num_preemptions.inc(dp)
+            self.metrics.observe_step(stats)
 
     async def load(self) -> common_pb2.InstanceLoad:
         load = await self.worker.call(self._load)

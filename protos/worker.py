@@ -1,0 +1,72 @@
+"""The process around one worker role (prefill or decode): flags, engine, gRPC server, health, metrics, signals.
+
+Each role's server.py names its core, servicer and defaults; the life of a request is told in that role's core.py.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import signal
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import uvloop
+
+from engine.args import EngineArgs, add_engine_args
+from engine.metrics import Metrics, start_metrics_server
+from protos.runtime import add_health_and_reflection, new_server, set_serving
+
+
+@dataclass
+class WorkerRole:
+    name: str  # "prefill" | "decode"
+    service_name: str  # the tandem.v1 service's full name, for health checks
+    default_port: int
+    kv_timeout_help: str
+    make_core: Callable  # (engine, Metrics, kv_timeout_s) -> core with async start() / close()
+    add_servicer: Callable  # (core, grpc.aio.Server) -> None
+
+
+def build_parser(role: WorkerRole, prog: str | None = None) -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog=prog or f"tandem {role.name}", description=f"Run one {role.name} instance.")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    p.add_argument("--port", type=int, default=role.default_port, help="gRPC port")
+    p.add_argument("--metrics-port", type=int, default=0, help="Prometheus /metrics HTTP port (0: off)")
+    p.add_argument("--kv-transfer-timeout", type=float, default=30.0, help=role.kv_timeout_help)
+    p.add_argument("--log-level", default="INFO")
+    add_engine_args(p)
+    return p
+
+
+async def serve(role: WorkerRole, engine, host: str, port: int, kv_timeout_s: float,
+                stop: asyncio.Event | None = None) -> None:
+    log = logging.getLogger(f"tandem.{role.name}")
+    core = role.make_core(engine, Metrics(engine.model_name, role.name), kv_timeout_s)
+    await core.start()
+    server = new_server()
+    role.add_servicer(core, server)
+    hs = add_health_and_reflection(server, [role.service_name])
+    server.add_insecure_port(f"{host}:{port}")
+    await server.start()
+    await set_serving(hs, [role.service_name], True)
+    log.info("%s serving %s on %s:%d", role.name, engine.model_name, host, port)
+    stop = stop or asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+    await set_serving(hs, [role.service_name], False)
+    await server.stop(grace=2.0)
+    await core.close()
+
+
+def main(role: WorkerRole, argv: list[str] | None = None) -> int:
+    ns = build_parser(role).parse_args(argv)
+    logging.basicConfig(level=ns.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from engine import LLMEngine
+
+    engine = LLMEngine.from_engine_args(EngineArgs.from_cli_args(ns))
+    start_metrics_server(ns.metrics_port, ns.host)
+    uvloop.run(serve(role, engine, ns.host, ns.port, ns.kv_transfer_timeout))
+    return 0
