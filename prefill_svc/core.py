@@ -159,7 +159,10 @@ class PrefillCore:
             self.metrics.observe_step(stats)
 
     async def load(self) -> common_pb2.InstanceLoad:
-        load = await self.worker.call(self._load)
+        # Read here, not queued behind the engine thread: a long step must not time out the router's health poll
+        # (which would take a live instance out of rotation). These are counters and C-level copies, atomic
+        # under the GIL, at most one step stale.
+        load = self._load(self.engine)
         load.num_tracked_requests = len(self._reqs)
         return load
 
