@@ -244,8 +244,10 @@ def test_sse_chunks_arrive_before_the_end(client):
     t_done = events[-1][0]
     content = [(t, e) for t, e in events[:-1] if e["choices"][0]["text"]]
     assert events[-1][1] == "[DONE]" and len(content) >= 8
-    # The first token reaches the client well before the stream ends: the chunks are not buffered to the end.
-    assert content[0][0] - t0 < 0.75 * (t_done - t0), (content[0][0] - t0, t_done - t0)
+    # Chunks are not buffered to the end: they reach the client spread over the generation (a buffered response
+    # lands in one read), and the first one well before [DONE]. (Not a ratio against TTFT: under load the time to
+    # the first token can dominate the whole request.)
+    assert t_done - content[0][0] > 0.01, (content[0][0] - t0, t_done - t0)
     assert len({round(t, 4) for t, _ in content}) > len(content) // 4
 
 
