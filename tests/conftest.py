@@ -13,6 +13,15 @@ from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
+# Without CUDA the Triton kernels are tested under the interpreter, and TRITON_INTERPRET must be set before any
+# module imports triton: set it here, for the whole session (the engine on the CPU runs the torch references, so
+# the mode does not touch it). Reloading `kernels` later instead breaks nested @triton.jit helpers.
+if "TRITON_INTERPRET" not in os.environ:
+    import torch as _torch
+
+    if not _torch.cuda.is_available():
+        os.environ["TRITON_INTERPRET"] = "1"
+
 import pytest
 import torch
 
