@@ -10,13 +10,13 @@ import torch
 from kernels.activation import silu_and_mul_ref, silu_and_mul_triton
 from kernels.kv_write import write_kv_ref, write_kv_triton
 from kernels.norm import fused_add_rms_norm_ref, fused_add_rms_norm_triton, rms_norm_ref, rms_norm_triton
-from kernels.paged_attention import paged_attention_ref, paged_attention_triton
+from kernels.paged_attention import paged_attention_ref, paged_attention_torch, paged_attention_triton
 from kernels.rotary import rotary_embedding_ref, rotary_embedding_triton
 
 
 def paged_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, max_query_len, max_seq_len,
                     scale, k_scale=1.0, v_scale=1.0):
-    fn = paged_attention_triton if q.is_cuda else paged_attention_ref
+    fn = paged_attention_triton if q.is_cuda else paged_attention_torch
     return fn(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, max_query_len, max_seq_len, scale,
               k_scale, v_scale)
 

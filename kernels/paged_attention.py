@@ -20,6 +20,7 @@ from __future__ import annotations
 import math
 
 import torch
+import torch.nn.functional as F
 import triton
 import triton.language as tl
 
@@ -97,6 +98,47 @@ def paged_attention_ref(
     out = torch.matmul(probs, vh)  # [S, H, Q, D]
     out = out.permute(0, 2, 1, 3)[seq_idx, pos_in_q]  # [T, H, D]
     return out.to(q.dtype)
+
+
+def paged_attention_torch(
+    q: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+    k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,  # [num_seqs, max_blocks] int32
+    seq_lens: torch.Tensor,  # [num_seqs] int32
+    query_start_loc: torch.Tensor,  # [num_seqs + 1] int32
+    max_query_len: int,
+    max_seq_len: int,
+    scale: float,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
+) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
+    """The CPU engine's path: the reference's padding, with torch's SDPA doing grouped-query attention (no K/V
+    copy per query head, no float32 copy of 16-bit inputs). Unwritten slots past seq_len are masked; they must
+    hold finite values (the engine zeroes a CPU cache), except in fp8 caches, which are cleaned here."""
+    num_tokens, num_heads, head_dim = q.shape
+    num_seqs = seq_lens.shape[0]
+    device = q.device
+    k = gather_kv_ref(k_cache, block_tables, max_seq_len, k_scale, q.dtype).transpose(1, 2)  # [S, Hkv, L, D]
+    v = gather_kv_ref(v_cache, block_tables, max_seq_len, v_scale, q.dtype).transpose(1, 2)
+    k_pos = torch.arange(max_seq_len, device=device)
+    if k_cache.dtype == FP8_DTYPE:  # a stale fp8 byte can be NaN, and 0 * NaN is NaN
+        stale = (k_pos[None, :] >= seq_lens.long()[:, None])[:, None, :, None]  # [S, 1, L, 1]
+        k, v = k.masked_fill(stale, 0.0), v.masked_fill(stale, 0.0)
+    if max_query_len == 1 and num_tokens == num_seqs:  # decodes only: one query per sequence, nothing to pad
+        mask = (k_pos[None, :] < seq_lens.long()[:, None])[:, None, None, :]  # [S, 1, 1, L]
+        out = F.scaled_dot_product_attention(q[:, :, None, :], k, v, attn_mask=mask, scale=scale, enable_gqa=True)
+        return out[:, :, 0, :]
+    qsl = query_start_loc.long()
+    q_lens = qsl[1:] - qsl[:-1]
+    seq_idx = torch.repeat_interleave(torch.arange(num_seqs, device=device), q_lens)  # [T]
+    pos_in_q = torch.arange(num_tokens, device=device) - qsl[seq_idx]
+    qp = q.new_zeros((num_seqs, max_query_len, num_heads, head_dim))
+    qp[seq_idx, pos_in_q] = q
+    q_pos = (seq_lens.long() - q_lens)[:, None] + torch.arange(max_query_len, device=device)[None, :]  # [S, Q]
+    mask = (k_pos[None, None, :] <= q_pos[:, :, None])[:, None]  # [S, 1, Q, L]
+    out = F.scaled_dot_product_attention(qp.transpose(1, 2), k, v, attn_mask=mask, scale=scale, enable_gqa=True)
+    return out.transpose(1, 2)[seq_idx, pos_in_q]  # [T, H, D]
 
 
 def paged_decode_attention_ref(

@@ -5,6 +5,7 @@ runs, plus full Qwen2.5-7B shapes and a cache past 2**31 elements.
 """
 from __future__ import annotations
 
+import itertools
 import math
 
 import pytest
@@ -233,3 +234,27 @@ def test_cache_past_int32_offsets():
                 device="cuda"), query_start_loc=qsl, max_query_len=5, max_seq_len=700, scale=d ** -0.5)
     check(args)
     check(args, config=dict(num_segments=4))
+
+
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16, torch.float8_e4m3fn])
+@pytest.mark.parametrize("gqa", [1, 4])
+@pytest.mark.parametrize("decode_only", [False, True])
+def test_torch_cpu_path_matches_reference(kv_dtype, gqa, decode_only):
+    """The CPU engine's SDPA path (kernels.paged_attention_torch) against the reference, on the CPU."""
+    from kernels.paged_attention import paged_attention_torch
+
+    torch.manual_seed(3)
+    hkv, d, bs, nb = 2, 64, 16, 40
+    h = hkv * gqa
+    q_dtype = torch.bfloat16 if kv_dtype != torch.float32 else torch.float32
+    k_cache = torch.randn(nb, bs, hkv, d).to(kv_dtype)
+    v_cache = torch.randn(nb, bs, hkv, d).to(kv_dtype)
+    seq_lens = torch.tensor([1, 33, 70], dtype=torch.int32)
+    q_lens = [1, 1, 1] if decode_only else [1, 20, 70]
+    qsl = torch.tensor([0] + list(itertools.accumulate(q_lens)), dtype=torch.int32)
+    tables = torch.randperm(nb)[:15].view(3, 5).to(torch.int32)
+    q = torch.randn(sum(q_lens), h, d).to(q_dtype)
+    args = (q, k_cache, v_cache, tables, seq_lens, qsl, max(q_lens), 70, d ** -0.5, 0.5, 2.0)
+    got, ref = paged_attention_torch(*args), paged_attention_ref(*args)
+    tol = 1e-5 if q_dtype == torch.float32 else 2e-2
+    assert ((got.float() - ref.float()).norm() / ref.float().norm()).item() < tol
