@@ -61,10 +61,8 @@ class ModelRunner:
         self.sampler = Sampler(hf_config.vocab_size, eos_token_id)
         self.num_blocks = self._num_blocks()
         # [num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim]: one block's bytes for all layers together.
-        # Unwritten slots are never read as valid: attention masks everything past seq_lens. The CUDA kernel also
-        # never loads them; the CPU path multiplies masked weights by them, so there they must be finite (zeros).
-        alloc = torch.empty if self.device.type == "cuda" else torch.zeros
-        self.kv_cache = alloc(self.num_blocks, self.num_layers, 2, self.block_size, self.num_kv_heads,
+        # Unwritten slots are never read as valid: attention masks (and on the CPU clears) everything past seq_lens.
+        self.kv_cache = torch.empty(self.num_blocks, self.num_layers, 2, self.block_size, self.num_kv_heads,
                                     self.head_dim, dtype=self.kv_dtype, device=self.device)
         self.k_scales = [1.0] * self.num_layers
         self.v_scales = [1.0] * self.num_layers

@@ -114,17 +114,18 @@ def paged_attention_torch(
     v_scale: float = 1.0,
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
     """The CPU engine's path: the reference's padding, with torch's SDPA doing grouped-query attention (no K/V
-    copy per query head, no float32 copy of 16-bit inputs). Unwritten slots past seq_len are masked; they must
-    hold finite values (the engine zeroes a CPU cache), except in fp8 caches, which are cleaned here."""
+    copy per query head, no float32 copy of 16-bit inputs). Slots past seq_len are masked and cleared."""
     num_tokens, num_heads, head_dim = q.shape
     num_seqs = seq_lens.shape[0]
     device = q.device
     k = gather_kv_ref(k_cache, block_tables, max_seq_len, k_scale, q.dtype).transpose(1, 2)  # [S, Hkv, L, D]
     v = gather_kv_ref(v_cache, block_tables, max_seq_len, v_scale, q.dtype).transpose(1, 2)
     k_pos = torch.arange(max_seq_len, device=device)
-    if k_cache.dtype == FP8_DTYPE:  # a stale fp8 byte can be NaN, and 0 * NaN is NaN
-        stale = (k_pos[None, :] >= seq_lens.long()[:, None])[:, None, :, None]  # [S, 1, L, 1]
-        k, v = k.masked_fill(stale, 0.0), v.masked_fill(stale, 0.0)
+    # Slots past seq_len may hold anything (NaN too), and a masked weight of 0 times NaN is NaN: clear them in the
+    # gathered copies (advanced indexing copied them, so this never touches the cache).
+    stale = (k_pos[None, :] >= seq_lens.long()[:, None])[:, None, :, None]  # [S, 1, L, 1]
+    k.masked_fill_(stale, 0.0)
+    v.masked_fill_(stale, 0.0)
     if max_query_len == 1 and num_tokens == num_seqs:  # decodes only: one query per sequence, nothing to pad
         mask = (k_pos[None, :] < seq_lens.long()[:, None])[:, None, None, :]  # [S, 1, 1, L]
         out = F.scaled_dot_product_attention(q[:, :, None, :], k, v, attn_mask=mask, scale=scale, enable_gqa=True)
