@@ -100,19 +100,18 @@ class DecodeCore:
         engine.abort(rid)  # frees a reservation, or the running request's blocks; no-op when already finished
 
     def _after_step(self, engine, outs):
-        kv = engine.kv
-        counters = (kv.prefix_queries, kv.prefix_hits, engine.scheduler.num_preemptions)
+        st = engine.stats()
+        counters = (st.prefix_cache_queries, st.prefix_cache_hits, st.num_preemptions)
         deltas = [b - a for a, b in zip(self._counters, counters)]
         self._counters = counters
-        return engine.num_running, len(self._live), kv.usage(), deltas
+        return st.num_running, len(self._live), st.kv_cache_usage, deltas
 
     def _load(self, engine) -> common_pb2.InstanceLoad:
-        kv = engine.kv
-        used = kv.num_blocks - kv.pool.num_free_blocks
+        st = engine.stats()
         return common_pb2.InstanceLoad(
-            role="decode", model=self.model_name, num_requests_running=engine.num_running,
-            num_requests_waiting=len(self._live) + engine.num_waiting, num_used_blocks=used,
-            num_total_blocks=kv.num_blocks, kv_cache_usage=used / kv.num_blocks, block_size=self.block_size,
+            role="decode", model=self.model_name, num_requests_running=st.num_running,
+            num_requests_waiting=len(self._live) + st.num_waiting, num_used_blocks=st.num_used_blocks,
+            num_total_blocks=st.num_total_blocks, kv_cache_usage=st.kv_cache_usage, block_size=self.block_size,
             max_model_len=self.max_model_len)
 
     # ---- event loop -------------------------------------------------------------------------------------------

@@ -44,6 +44,24 @@ class StepOutput:
 
 
 @dataclass
+class EngineStats:
+    """What a service reports about its engine (load, metrics). Counters are totals since start."""
+    num_running: int
+    num_waiting: int
+    num_reserved: int  # decode side: blocks reserved for transfers not yet committed
+    num_used_blocks: int
+    num_total_blocks: int
+    num_queued_tokens: int  # tokens scheduled requests still have to compute
+    prefix_cache_queries: int  # tokens looked up
+    prefix_cache_hits: int  # tokens found
+    num_preemptions: int
+
+    @property
+    def kv_cache_usage(self) -> float:
+        return self.num_used_blocks / self.num_total_blocks
+
+
+@dataclass
 class StepStats:
     num_running: int
     num_waiting: int
@@ -189,6 +207,17 @@ class LLMEngine:
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished() or bool(self._pending)
+
+    def stats(self) -> EngineStats:
+        """A snapshot built from counters and C-level copies: safe to call from another thread (one step stale)."""
+        sched, kv = self.scheduler, self.kv
+        reqs = list(sched.waiting) + list(sched.running)
+        return EngineStats(
+            num_running=len(sched.running), num_waiting=len(sched.waiting), num_reserved=len(self.reserved),
+            num_used_blocks=kv.num_blocks - kv.pool.num_free_blocks, num_total_blocks=kv.num_blocks,
+            num_queued_tokens=sum(r.num_tokens - r.num_computed_tokens for r in reqs),
+            prefix_cache_queries=kv.prefix_queries, prefix_cache_hits=kv.prefix_hits,
+            num_preemptions=sched.num_preemptions)
 
     @property
     def num_running(self) -> int:

@@ -126,21 +126,19 @@ class PrefillCore:
                 tx.sent_blocks = upto
             if final:
                 del self._tx[out.request_id]
-        kv = engine.kv
-        counters = (kv.prefix_queries, kv.prefix_hits, engine.scheduler.num_preemptions)
+        st = engine.stats()
+        counters = (st.prefix_cache_queries, st.prefix_cache_hits, st.num_preemptions)
         deltas = [b - a for a, b in zip(self._counters, counters)]
         self._counters = counters
-        return payloads, (engine.num_running, engine.num_waiting, kv.usage(), deltas)
+        return payloads, (st.num_running, st.num_waiting, st.kv_cache_usage, deltas)
 
     def _load(self, engine) -> common_pb2.InstanceLoad:
-        sched, kv = engine.scheduler, engine.kv
-        queued = sum(r.num_tokens - r.num_computed_tokens for r in list(sched.waiting) + sched.running)
-        used = kv.num_blocks - kv.pool.num_free_blocks
+        st = engine.stats()
         return common_pb2.InstanceLoad(
-            role="prefill", model=self.model_name, num_requests_running=engine.num_running,
-            num_requests_waiting=engine.num_waiting, num_queued_tokens=queued, num_used_blocks=used,
-            num_total_blocks=kv.num_blocks, kv_cache_usage=used / kv.num_blocks, block_size=self.block_size,
-            max_model_len=self.max_model_len)
+            role="prefill", model=self.model_name, num_requests_running=st.num_running,
+            num_requests_waiting=st.num_waiting, num_queued_tokens=st.num_queued_tokens,
+            num_used_blocks=st.num_used_blocks, num_total_blocks=st.num_total_blocks,
+            kv_cache_usage=st.kv_cache_usage, block_size=self.block_size, max_model_len=self.max_model_len)
 
     # ---- event loop -------------------------------------------------------------------------------------------
     def _on_step(self, outs, extra) -> None:

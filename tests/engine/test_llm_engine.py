@@ -69,11 +69,19 @@ def test_reserve_refuses_when_full_and_abort_frees(engines):
 def test_abort_running_request_reports_and_frees(engines):
     eng, _ = engines
     eng.add_request("a", [5, 6, 7], SamplingParams(max_tokens=50, ignore_eos=True))
+    eng.add_request("b", list(range(3, 40)), SamplingParams(max_tokens=50, ignore_eos=True))
+    st = eng.stats()
+    assert (st.num_waiting, st.num_running, st.num_used_blocks, st.num_queued_tokens) == (2, 0, 0, 3 + 37)
+    eng.step()
+    st = eng.stats()
+    assert (st.num_waiting, st.num_running, st.num_used_blocks, st.num_queued_tokens) == (0, 2, 1 + 3, 2)
+    eng.abort("b")
     eng.step()
     eng.abort("a")
     outs = eng.step()
     assert [(o.request_id, o.finish_reason) for o in outs] == [("a", "abort")]
     assert not eng.has_unfinished_requests()
+    assert eng.stats().num_used_blocks == 0
     assert all(r == 0 for r in eng.kv.pool.ref_cnt)
 
 
