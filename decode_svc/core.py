@@ -64,7 +64,6 @@ class DecodeCore:
         self.layout = layout_of(engine.kv_cache)
         self._live: set[str] = set()  # engine thread: reservations that may still be written
         self._reqs: dict[str, _Dec] = {}  # event loop only
-        self._counters = (0, 0, 0)
         self.worker: EngineWorker | None = None
 
     async def start(self) -> None:
@@ -101,10 +100,8 @@ class DecodeCore:
 
     def _after_step(self, engine, outs):
         st = engine.stats()
-        counters = (st.prefix_cache_queries, st.prefix_cache_hits, st.num_preemptions)
-        deltas = [b - a for a, b in zip(self._counters, counters)]
-        self._counters = counters
-        return st.num_running, len(self._live), st.kv_cache_usage, deltas
+        st.num_waiting = len(self._live)  # decode's queue is its reservations awaiting KV
+        return st
 
     def _load(self, engine) -> common_pb2.InstanceLoad:
         st = engine.stats()

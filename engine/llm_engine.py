@@ -43,6 +43,11 @@ class StepOutput:
     num_computed_tokens: int
 
 
+def stop_holdback(params: SamplingParams) -> int:
+    """Characters an unfinished request holds back from its text: they could be the start of a stop string."""
+    return max(map(len, params.stop)) - 1 if params.stop else 0
+
+
 @dataclass
 class EngineStats:
     """What a service reports about its engine (load, metrics). Counters are totals since start."""
@@ -219,14 +224,6 @@ class LLMEngine:
             prefix_cache_queries=kv.prefix_queries, prefix_cache_hits=kv.prefix_hits,
             num_preemptions=sched.num_preemptions)
 
-    @property
-    def num_running(self) -> int:
-        return len(self.scheduler.running)
-
-    @property
-    def num_waiting(self) -> int:
-        return len(self.scheduler.waiting)
-
     # ---- decode side of a KV transfer ------------------------------------------------------------------------
     def reserve_prefilled(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> list[int] | None:
         """Reserves blocks for a prompt whose KV will arrive from a prefill instance. None: no room now."""
@@ -363,9 +360,8 @@ class LLMEngine:
     def _output(self, req: Request, new_tokens: list[int], logprobs: dict[int, float] | None) -> StepOutput:
         finished = req.is_finished
         text_end = len(req.output_text)
-        if not finished and req.sampling_params.stop:
-            # Hold back text that could be the start of a stop string.
-            text_end = max(req.sent_text_len, text_end - (max(map(len, req.sampling_params.stop)) - 1))
+        if not finished:
+            text_end = max(req.sent_text_len, text_end - stop_holdback(req.sampling_params))
         new_text = req.output_text[req.sent_text_len:text_end]
         req.sent_text_len = max(req.sent_text_len, text_end)
         return StepOutput(

@@ -60,6 +60,7 @@ class Metrics:
     def __init__(self, model: str, role: str):
         assert role in ("router", "prefill", "decode"), role
         lv = dict(model=model, role=role)
+        self._totals = (0, 0, 0)  # engine counters already counted: prefix queries, prefix hits, preemptions
         self.num_requests_running = num_requests_running.labels(**lv)
         self.num_requests_waiting = num_requests_waiting.labels(**lv)
         self.kv_cache_usage_perc = kv_cache_usage_perc.labels(**lv)
@@ -78,14 +79,15 @@ class Metrics:
         self.kv_transfer_failures = kv_transfer_failures.labels(**lv)
 
     def observe_step(self, stats) -> None:
-        """One engine step's gauges and counters: (running, waiting, kv usage, (prefix queries, hits, preemptions))."""
-        running, waiting, usage, (queries, hits, preemptions) = stats
-        self.num_requests_running.set(running)
-        self.num_requests_waiting.set(waiting)
-        self.kv_cache_usage_perc.set(usage)
-        self.prefix_cache_queries.inc(queries)
-        self.prefix_cache_hits.inc(hits)
-        self.num_preemptions.inc(preemptions)
+        """One engine step's gauges and counters from an `EngineStats` snapshot (its counters are totals)."""
+        self.num_requests_running.set(stats.num_running)
+        self.num_requests_waiting.set(stats.num_waiting)
+        self.kv_cache_usage_perc.set(stats.kv_cache_usage)
+        totals = (stats.prefix_cache_queries, stats.prefix_cache_hits, stats.num_preemptions)
+        for counter, now, before in zip((self.prefix_cache_queries, self.prefix_cache_hits, self.num_preemptions),
+                                        totals, self._totals):
+            counter.inc(now - before)
+        self._totals = totals
 
     def finished(self, reason: str | None) -> None:
         self.request_success[reason if reason in self.request_success else "abort"].inc()

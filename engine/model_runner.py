@@ -192,7 +192,7 @@ class ModelRunner:
 def warm_up_attention(runner: ModelRunner) -> None:
     """Compiles every row-tile variant the prefill attention may pick, so that no step of a running server stalls
     on Triton's compiler (one variant costs about a second)."""
-    from kernels.paged_attention import PREFILL_MAX_BLOCK_M, default_config, paged_attention_triton
+    from kernels.paged_attention import paged_attention_triton, prefill_configs
 
     kv = runner.kv_layers[0]
     h = runner.hf_config.num_attention_heads
@@ -201,16 +201,10 @@ def warm_up_attention(runner: ModelRunner) -> None:
     tables = torch.zeros(1, 4, dtype=torch.int32, device=dev)
     seq_lens = torch.tensor([32], dtype=torch.int32, device=dev)
     qsl = torch.tensor([0, 32], dtype=torch.int32, device=dev)
-    base = default_config(32, 1, runner.num_kv_heads, h // runner.num_kv_heads, runner.head_dim, 32, 32, 132,
-                          q.element_size())
-    min_m = max(16, 1 << (h // runner.num_kv_heads - 1).bit_length())
-    largest = 256 if runner.head_dim <= 128 and q.element_size() == 2 and PREFILL_MAX_BLOCK_M >= 256 else 128
-    for block_m in (m for m in (16, 32, 64, 128, 256) if min_m <= m <= largest):
-        cfg = dict(base, block_m=block_m, num_warps={256: 16, 128: 8}.get(block_m, 4),
-                   num_stages=2 if block_m >= 64 else 3)
+    for cfg in prefill_configs(h // runner.num_kv_heads, runner.head_dim, q.element_size()):
         try:
             paged_attention_triton(q, kv.k_cache, kv.v_cache, tables, seq_lens, qsl, 32, 32, 1.0, kv.k_scale,
                                    kv.v_scale, config=cfg)
         except Exception as e:  # a variant this head size cannot use (e.g. shared memory): never picked either
-            log.debug("attention warm-up: block_m=%d skipped (%s)", block_m, e)
+            log.debug("attention warm-up: block_m=%d skipped (%s)", cfg["block_m"], e)
     torch.cuda.synchronize()

@@ -48,6 +48,27 @@ def gather_kv_ref(
     return out
 
 
+def _pad_queries(
+    q: torch.Tensor, seq_lens: torch.Tensor, query_start_loc: torch.Tensor, max_query_len: int, max_seq_len: int,
+    dtype: torch.dtype,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Scatters the flat queries into a padded [S, max_query_len, H, D] grid. Returns (padded queries, seq_idx and
+    pos_in_q of each flat query, causal mask [S, Q, L]: key j is visible iff j <= the query's absolute position)."""
+    num_tokens, num_heads, head_dim = q.shape
+    num_seqs = seq_lens.shape[0]
+    device = q.device
+    qsl = query_start_loc.long()
+    q_lens = qsl[1:] - qsl[:-1]  # [S]
+    seq_idx = torch.repeat_interleave(torch.arange(num_seqs, device=device), q_lens)  # [T]
+    pos_in_q = torch.arange(num_tokens, device=device) - qsl[seq_idx]  # [T]
+    qp = q.new_zeros((num_seqs, max_query_len, num_heads, head_dim), dtype=dtype)
+    qp[seq_idx, pos_in_q] = q.to(dtype)
+    q_pos = (seq_lens.long() - q_lens)[:, None] + torch.arange(max_query_len, device=device)[None, :]  # [S, Q]
+    k_pos = torch.arange(max_seq_len, device=device)  # [L]
+    mask = k_pos[None, None, :] <= q_pos[:, :, None]  # [S, Q, L]
+    return qp, seq_idx, pos_in_q, mask
+
+
 def paged_attention_ref(
     q: torch.Tensor,  # [num_tokens, num_heads, head_dim]
     k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
@@ -62,10 +83,8 @@ def paged_attention_ref(
     v_scale: float = 1.0,
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
     """Plain-torch reference: pads the batch to [num_seqs, max_query_len] and masks, in float32."""
-    num_tokens, num_heads, head_dim = q.shape
-    num_seqs = seq_lens.shape[0]
-    num_kv_heads = k_cache.shape[2]
-    group = num_heads // num_kv_heads
+    num_heads = q.shape[1]
+    group = num_heads // k_cache.shape[2]
     device = q.device
 
     k = gather_kv_ref(k_cache, block_tables, max_seq_len, k_scale, torch.float32)  # [S, L, Hkv, D]
@@ -76,18 +95,8 @@ def paged_attention_ref(
     k = k.masked_fill(stale[:, :, None, None], 0.0)
     v = v.masked_fill(stale[:, :, None, None], 0.0)
 
-    qsl = query_start_loc.long()
-    q_lens = qsl[1:] - qsl[:-1]  # [S]
-    # Scatter the flat queries into a padded [S, max_query_len] grid.
-    seq_idx = torch.repeat_interleave(torch.arange(num_seqs, device=device), q_lens)  # [T]
-    pos_in_q = torch.arange(num_tokens, device=device) - qsl[seq_idx]  # [T]
-    qp = q.new_zeros((num_seqs, max_query_len, num_heads, head_dim), dtype=torch.float32)
-    qp[seq_idx, pos_in_q] = q.float()
-
-    # Absolute position of each padded query; key j is visible iff j <= query position (and j < seq_len).
-    q_pos = (seq_lens.long() - q_lens)[:, None] + torch.arange(max_query_len, device=device)[None, :]  # [S, Q]
-    k_pos = torch.arange(max_seq_len, device=device)  # [L]
-    mask = k_pos[None, None, :] <= q_pos[:, :, None]  # [S, Q, L]
+    qp, seq_idx, pos_in_q, mask = _pad_queries(q, seq_lens, query_start_loc, max_query_len, max_seq_len,
+                                               torch.float32)
 
     qh = qp.permute(0, 2, 1, 3)  # [S, H, Q, D]
     kh = k.permute(0, 2, 1, 3).repeat_interleave(group, dim=1)  # [S, H, L, D]
@@ -115,9 +124,7 @@ def paged_attention_torch(
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
     """The CPU engine's path: the reference's padding, with torch's SDPA doing grouped-query attention (no K/V
     copy per query head, no float32 copy of 16-bit inputs). Slots past seq_len are masked and cleared."""
-    num_tokens, num_heads, head_dim = q.shape
-    num_seqs = seq_lens.shape[0]
-    device = q.device
+    num_tokens, num_seqs, device = q.shape[0], seq_lens.shape[0], q.device
     k = gather_kv_ref(k_cache, block_tables, max_seq_len, k_scale, q.dtype).transpose(1, 2)  # [S, Hkv, L, D]
     v = gather_kv_ref(v_cache, block_tables, max_seq_len, v_scale, q.dtype).transpose(1, 2)
     k_pos = torch.arange(max_seq_len, device=device)
@@ -127,18 +134,12 @@ def paged_attention_torch(
     k.masked_fill_(stale, 0.0)
     v.masked_fill_(stale, 0.0)
     if max_query_len == 1 and num_tokens == num_seqs:  # decodes only: one query per sequence, nothing to pad
-        mask = (k_pos[None, :] < seq_lens.long()[:, None])[:, None, None, :]  # [S, 1, 1, L]
-        out = F.scaled_dot_product_attention(q[:, :, None, :], k, v, attn_mask=mask, scale=scale, enable_gqa=True)
+        out = F.scaled_dot_product_attention(q[:, :, None, :], k, v, attn_mask=~stale.transpose(2, 3), scale=scale,
+                                             enable_gqa=True)  # mask [S, 1, 1, L]
         return out[:, :, 0, :]
-    qsl = query_start_loc.long()
-    q_lens = qsl[1:] - qsl[:-1]
-    seq_idx = torch.repeat_interleave(torch.arange(num_seqs, device=device), q_lens)  # [T]
-    pos_in_q = torch.arange(num_tokens, device=device) - qsl[seq_idx]
-    qp = q.new_zeros((num_seqs, max_query_len, num_heads, head_dim))
-    qp[seq_idx, pos_in_q] = q
-    q_pos = (seq_lens.long() - q_lens)[:, None] + torch.arange(max_query_len, device=device)[None, :]  # [S, Q]
-    mask = (k_pos[None, None, :] <= q_pos[:, :, None])[:, None]  # [S, 1, Q, L]
-    out = F.scaled_dot_product_attention(qp.transpose(1, 2), k, v, attn_mask=mask, scale=scale, enable_gqa=True)
+    qp, seq_idx, pos_in_q, mask = _pad_queries(q, seq_lens, query_start_loc, max_query_len, max_seq_len, q.dtype)
+    out = F.scaled_dot_product_attention(qp.transpose(1, 2), k, v, attn_mask=mask[:, None], scale=scale,
+                                         enable_gqa=True)
     return out.transpose(1, 2)[seq_idx, pos_in_q]  # [T, H, D]
 
 
@@ -403,14 +404,28 @@ def default_config(
     # Prefill chunks, maybe with decodes: each sequence costs ~(its queries * queries_per_kv + BLOCK_M of padding
     # in its last tile) rows; large tiles run the tensor cores better (relative rates measured on the H200).
     efficiency = {16: 0.35, 32: 0.6, 64: 0.92, 128: 1.0, 256: 1.22}
+    candidates = _prefill_block_ms(queries_per_kv, head_dim, max_query_len, q_bytes)
+    block_m = min(candidates, key=lambda m: (num_tokens * queries_per_kv + num_seqs * m) / efficiency.get(m, 1.0))
+    return _prefill_config(block_m, head_dim)
+
+
+def _prefill_block_ms(queries_per_kv: int, head_dim: int, max_query_len: int, q_bytes: int) -> list[int]:
+    """The row-tile sizes a prefill launch may use."""
+    min_m = max(16, triton.next_power_of_2(queries_per_kv))
     # 256 rows only with 16-bit operands and head_dim <= 128: fp32 tiles of 256 rows overflow shared memory.
     largest = 256 if head_dim <= 128 and q_bytes == 2 and PREFILL_MAX_BLOCK_M >= 256 else 128
     cap = max(min_m, min(largest, triton.next_power_of_2(max_query_len * queries_per_kv)))
-    candidates = [m for m in (16, 32, 64, 128, 256) if min_m <= m <= cap] or [min_m]
-    block_m = min(candidates, key=lambda m: (num_tokens * queries_per_kv + num_seqs * m) / efficiency.get(m, 1.0))
-    num_warps = {256: 16, 128: 8}.get(block_m, 4)
-    return dict(block_m=block_m, tile_n=64 if head_dim <= 128 else 32, num_segments=1, num_warps=num_warps,
-                num_stages=2 if block_m >= 64 else 3, fp8_via_fp16=1)
+    return [m for m in (16, 32, 64, 128, 256) if min_m <= m <= cap] or [min_m]
+
+
+def _prefill_config(block_m: int, head_dim: int) -> dict[str, int]:
+    return dict(block_m=block_m, tile_n=64 if head_dim <= 128 else 32, num_segments=1,
+                num_warps={256: 16, 128: 8}.get(block_m, 4), num_stages=2 if block_m >= 64 else 3, fp8_via_fp16=1)
+
+
+def prefill_configs(queries_per_kv: int, head_dim: int, q_bytes: int) -> list[dict[str, int]]:
+    """Every launch configuration default_config can choose for a prefill chunk (for compiling them at start)."""
+    return [_prefill_config(m, head_dim) for m in _prefill_block_ms(queries_per_kv, head_dim, 1 << 20, q_bytes)]
 
 
 def paged_attention_triton(

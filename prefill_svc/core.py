@@ -25,6 +25,7 @@ from dataclasses import dataclass
 
 import grpc
 
+from engine.llm_engine import stop_holdback
 from engine.metrics import Metrics
 from prefill_svc.engine_worker import EngineWorker
 from prefill_svc.kv_layout import layout_of, read_blocks
@@ -38,15 +39,13 @@ def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-def handoff_text(first_text: str, stop: list[str]) -> str:
+def handoff_text(first_text: str, params) -> str:
     """The first token's text as an unfinished request shows it. Prefill's engine request ends at the first token
     (max_tokens=1), so it releases all of its text; decode's `commit_prefilled` sees the same token in a running
-    request and, as every running request with stop strings does, holds back the last len(longest stop) - 1
-    characters (they could start a stop string) and releases them with a later delta. Prefill must hold back the
-    same characters, or they would reach the client twice."""
-    if not stop:
-        return first_text
-    return first_text[:max(0, len(first_text) - (max(map(len, stop)) - 1))]
+    request and, as every running request with stop strings does, holds back `stop_holdback` characters (they could
+    start a stop string) and releases them with a later delta. Prefill must hold back the same characters, or they
+    would reach the client twice."""
+    return first_text[:max(0, len(first_text) - stop_holdback(params))]
 
 
 @dataclass
@@ -81,7 +80,6 @@ class PrefillCore:
         self._tx: dict[str, _Tx] = {}  # engine thread only
         self._reqs: dict[str, _Req] = {}  # event loop only
         self._channels: dict[str, grpc.aio.Channel] = {}
-        self._counters = (0, 0, 0)  # prefix queries, prefix hits, preemptions (engine thread)
         self.worker: EngineWorker | None = None
 
     async def start(self) -> None:
@@ -126,11 +124,7 @@ class PrefillCore:
                 tx.sent_blocks = upto
             if final:
                 del self._tx[out.request_id]
-        st = engine.stats()
-        counters = (st.prefix_cache_queries, st.prefix_cache_hits, st.num_preemptions)
-        deltas = [b - a for a, b in zip(self._counters, counters)]
-        self._counters = counters
-        return payloads, (st.num_running, st.num_waiting, st.kv_cache_usage, deltas)
+        return payloads, engine.stats()
 
     def _load(self, engine) -> common_pb2.InstanceLoad:
         st = engine.stats()
@@ -206,7 +200,7 @@ class PrefillCore:
             delta = delta_to_proto(out)
             if not done:  # the request goes on in decode: the first token is not the last
                 delta.finish_reason = common_pb2.FINISH_REASON_UNSPECIFIED
-                delta.text = handoff_text(out.new_text, params.stop)
+                delta.text = handoff_text(out.new_text, params)
             yield prefill_pb2.PrefillResponse(first_token=prefill_pb2.FirstToken(
                 delta=delta, num_prompt_tokens=len(prompt), num_cached_tokens=out.num_cached_tokens))
             if sender is None or done:
