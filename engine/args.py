@@ -27,6 +27,7 @@ class EngineArgs:
     num_gpu_blocks_override: int | None = None
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 2048
+    async_scheduling: bool | None = None
     device: str = "auto"
 
     def create_engine_config(self) -> EngineConfig:
@@ -61,7 +62,7 @@ def add_engine_args(parser: argparse.ArgumentParser, *, model_default: str = "sm
             flag = "--" + f.name.replace("_", "-")
             default = model_default if f.name == "model" else getattr(defaults, f.name)
             help_text = docs.get(f.name, "")
-            if f.type in ("bool", bool):
+            if f.type in ("bool", bool, "bool | None"):
                 group.add_argument(flag, action=argparse.BooleanOptionalAction, default=default, help=help_text)
                 continue
             kind = {"int": int, "float": float, "int | None": int, "float | None": float}.get(str(f.type), str)

@@ -73,6 +73,8 @@ class SchedulerConfig:
     """Most requests in one step's batch."""
     max_num_batched_tokens: int = 2048
     """Token budget of one step: prefill chunks and decodes together (chunked prefill splits longer prompts)."""
+    async_scheduling: bool | None = None
+    """Schedule and launch each step before reading the previous step's tokens, so host work overlaps the device's (default: on for CUDA)."""
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:

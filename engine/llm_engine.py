@@ -6,6 +6,12 @@ cache then shares too). Each `step` asks the scheduler for a batch, runs it thro
 sampled tokens, detokenizes incrementally, applies the stop conditions (stop token ids, EOS, stop strings,
 max_tokens, the context length) and returns what changed as `StepOutput`s. Finished requests give their blocks
 back, except those added with kv_hold (the prefill service holds them until the KV transfer is acknowledged).
+
+With async scheduling (the default on CUDA) a step schedules and launches the next batch before it reads the tokens
+of the batch launched by the previous call, so the host's scheduling, input preparation, detokenization and stop
+checks overlap the device's forward pass. A request that stops on a token still in flight has already been given one
+more step: that step's token for it is dropped (finished requests are skipped), and its blocks are freed as usual
+(the device runs the launched step before any later step that reuses them).
 """
 from __future__ import annotations
 
@@ -19,7 +25,7 @@ from engine.args import EngineArgs
 from engine.config import EngineConfig
 from engine.kv_cache_manager import KVCacheManager
 from engine.loader import load_tokenizer, resolve_model
-from engine.model_runner import ModelRunner, warm_up_attention
+from engine.model_runner import ModelRunner, StepHandle, warm_up_attention
 from engine.request import Request, RequestStatus
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
@@ -64,6 +70,12 @@ class EngineStats:
     @property
     def kv_cache_usage(self) -> float:
         return self.num_used_blocks / self.num_total_blocks
+
+
+@dataclass
+class _Launched:
+    sched: object  # SchedulerOutput
+    handle: StepHandle
 
 
 @dataclass
@@ -116,6 +128,9 @@ class LLMEngine:
         self.reserved: dict[str, Request] = {}  # decode side: blocks reserved for an incoming KV transfer
         self.stream_text = True  # text deltas every step; the offline LLM turns this off (text once, at the end)
         self._pending: list[StepOutput] = []  # outputs produced outside step() (aborts), returned by the next step
+        self._launched: _Launched | None = None  # async scheduling: the step on the device whose tokens are unread
+        a = config.scheduler.async_scheduling
+        self.async_scheduling = self.runner.device.type == "cuda" if a is None else a
         self.last_stats: StepStats | None = None
         self.step_log: list[StepStats] | None = None  # set to [] to keep every step's stats (benchmarks)
         log.info("engine ready: model=%s dtype=%s device=%s blocks=%d x %d tokens, max_model_len=%d",
@@ -211,7 +226,7 @@ class LLMEngine:
         return list(self.kv.get_block_ids(request_id))
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished() or bool(self._pending)
+        return self.scheduler.has_unfinished() or bool(self._pending) or self._launched is not None
 
     def stats(self) -> EngineStats:
         """A snapshot built from counters and C-level copies: safe to call from another thread (one step stale)."""
@@ -220,7 +235,7 @@ class LLMEngine:
         return EngineStats(
             num_running=len(sched.running), num_waiting=len(sched.waiting), num_reserved=len(self.reserved),
             num_used_blocks=kv.num_blocks - kv.pool.num_free_blocks, num_total_blocks=kv.num_blocks,
-            num_queued_tokens=sum(r.num_tokens - r.num_computed_tokens for r in reqs),
+            num_queued_tokens=sum(max(0, r.num_tokens - r.num_computed_tokens) for r in reqs),
             prefix_cache_queries=kv.prefix_queries, prefix_cache_hits=kv.prefix_hits,
             num_preemptions=sched.num_preemptions)
 
@@ -264,34 +279,61 @@ class LLMEngine:
     def step(self) -> list[StepOutput]:
         outputs, self._pending = self._pending, []
         t0 = time.perf_counter()
+        prev, self._launched = self._launched, None
+        if prev is not None and prev.handle.needs_sync:
+            outputs += self._read_step(prev)
+            prev = None
         sched = self.scheduler.schedule()
-        if sched.is_empty:
-            self._record_stats(sched, t0)
-            return outputs
-        tables = [self.kv.get_block_ids(req.request_id) for req, _ in sched.scheduled]
+        if not sched.is_empty:
+            tables = [self.kv.get_block_ids(req.request_id) for req, _ in sched.scheduled]
+            try:
+                handle = self.runner.execute(sched, tables, prev.handle if prev is not None else None)
+            except Exception:
+                log.exception("model step failed; aborting the %d requests of this batch", len(sched.scheduled))
+                outputs += self._abort_batch(sched)
+            else:
+                self._launched = _Launched(sched, handle)
+        if prev is not None:
+            outputs += self._read_step(prev)
+        if not self.async_scheduling and self._launched is not None:
+            launched, self._launched = self._launched, None
+            outputs += self._read_step(launched)
+        self._record_stats(sched, t0)
+        return outputs
+
+    def _abort_batch(self, sched) -> list[StepOutput]:
+        """One bad batch must not take the engine down: end the requests in it, free their blocks."""
+        outputs = []
+        for req, _ in sched.scheduled:
+            if req.is_finished:
+                continue
+            req.kv_hold = False
+            self.scheduler.finish(req, RequestStatus.FINISHED_ABORTED)
+            outputs.append(self._output(req, [], None))
+            self._forget(req)
+        return outputs
+
+    def _read_step(self, launched: _Launched) -> list[StepOutput]:
+        """Reads a launched step's tokens and applies them: append, detokenize, stop checks."""
+        sched, handle = launched.sched, launched.handle
         try:
-            sampled_reqs, sampled = self.runner.execute(sched, tables)
+            sampled = handle.result()
         except Exception:
-            # One bad batch must not take the engine down: end the requests in it, free their blocks.
             log.exception("model step failed; aborting the %d requests of this batch", len(sched.scheduled))
-            for req, _ in sched.scheduled:
-                req.kv_hold = False
-                self.scheduler.finish(req, RequestStatus.FINISHED_ABORTED)
-                outputs.append(self._output(req, [], None))
-                self._forget(req)
-            return outputs
+            return self._abort_batch(sched)
+        outputs = []
         self.scheduler.update_from_output(sched)
-        for req, token, lp in zip(sampled_reqs, sampled.token_ids, sampled.logprobs):
+        for req, token, lp in zip(handle.requests, sampled.token_ids, sampled.logprobs):
+            if req.is_finished:  # it stopped on the token before this one (or was aborted): drop this one
+                continue
             out = self._append_token(req, token, lp)
             if out.finished:
                 self._forget(req)
             outputs.append(out)
         # Prefill chunks that sampled nothing still report progress (the prefill service streams their blocks).
-        sampled_ids = {r.request_id for r in sampled_reqs}
-        for req, _ in sched.scheduled:
-            if req.request_id not in sampled_ids and req.kv_hold:
+        for (req, _), samples in zip(sched.scheduled, sched.samples):
+            if not samples and req.kv_hold and not req.is_finished:
                 outputs.append(self._output(req, [], None))
-        self._record_stats(sched, t0)
         return outputs
 
     def _record_stats(self, sched, t0: float) -> None:

@@ -49,6 +49,10 @@ class Request:
         self.kv_hold = kv_hold  # prefill side: keep the blocks after finishing, until released
         self.status = RequestStatus.WAITING
         self.num_computed_tokens = 0
+        # Tokens a launched step will sample that the host has not read yet (async scheduling: 0, 1 or 2). They
+        # count towards what the scheduler may schedule (their KV is written by the next step) but are not in
+        # output_token_ids until the engine reads them.
+        self.num_inflight_tokens = 0
         self.num_cached_tokens = 0  # prompt tokens served from the prefix cache at first scheduling
         self.num_preemptions = 0
         self.stop_reason: int | str | None = None

@@ -7,8 +7,9 @@ The order is vLLM's:
 4. frequency and presence penalties over output tokens;
 5. greedy rows take the argmax; the others go through temperature, top-k, top-p, min-p and a draw.
 
-Everything is vectorized over the batch: per-row parameters become tensors once per call, and the only
-device-to-host transfer is the final `.tolist()`. Rows with a seed draw from their own `torch.Generator`
+Everything is vectorized over the batch: per-row parameters become tensors once per call (copied without waiting
+for the device), and the only device-to-host transfer is one non-blocking copy of the results, read by
+`DeviceSample.result()` (the engine reads a step's tokens after it has launched the next step). Rows with a seed draw from their own `torch.Generator`
 (exponential race: argmax(probs / q), q ~ Exp(1)); the other rows share one draw from the global generator.
 """
 
@@ -52,6 +53,10 @@ class Sampler:
 
     def __call__(self, logits: torch.Tensor, states: Sequence[SamplingState]) -> SamplerOutput:
         """logits: [batch, vocab] float32, any device; one row per state."""
+        return self.sample(logits, states).result()
+
+    def sample(self, logits: torch.Tensor, states: Sequence[SamplingState]) -> "DeviceSample":
+        """Like __call__, but returns as soon as the work is queued on the device."""
         assert logits.dim() == 2 and logits.shape[0] == len(states), (logits.shape, len(states))
         assert logits.shape[1] == self.vocab_size, (logits.shape, self.vocab_size)
         params = [s.sampling_params for s in states]
@@ -75,10 +80,10 @@ class Sampler:
             sample_rows = [i for i, p in enumerate(params) if not p.greedy]
             if sample_rows:
                 sub = [states[i] for i in sample_rows]
-                rows = torch.tensor(sample_rows, device=logits.device)
+                rows = _tensor(sample_rows, torch.int64, logits.device)
                 token_ids[rows] = self._sample(logits[rows], sub)
 
-        return self._to_host(token_ids, raw_logprobs, params)
+        return DeviceSample(token_ids, raw_logprobs, params)
 
     # ---- logits processing -------------------------------------------------------------------------------
 
@@ -98,7 +103,7 @@ class Sampler:
                          rows: list[int]) -> None:
         """In place on logits[rows]."""
         sub = [states[i].sampling_params for i in rows]
-        row_idx = torch.tensor(rows, device=logits.device)
+        row_idx = _tensor(rows, torch.int64, logits.device)
         logits[row_idx] = apply_penalties(
             logits[row_idx], [states[i].prompt_token_ids for i in rows],
             [states[i].output_token_ids for i in rows], [p.repetition_penalty for p in sub],
@@ -108,7 +113,7 @@ class Sampler:
         """Draw one token per row of logits [R, V] (all rows non-greedy); returns [R] int64."""
         device = logits.device
         params = [s.sampling_params for s in states]
-        temperature = torch.tensor([p.temperature for p in params], dtype=torch.float32, device=device)
+        temperature = _tensor([p.temperature for p in params], torch.float32, device)
         logits = logits / temperature.unsqueeze(1)
 
         logits = apply_top_k_top_p(logits, [p.top_k for p in params], [p.top_p for p in params])
@@ -122,29 +127,52 @@ class Sampler:
             if s.generator.device == q.device:
                 q[i].exponential_(generator=s.generator)
             else:  # e.g. a CPU generator with CUDA logits: draw where the generator lives, then copy
-                q[i].copy_(torch.empty(q.shape[1], device=s.generator.device).exponential_(generator=s.generator))
+                draw = torch.empty(q.shape[1], device=s.generator.device).exponential_(generator=s.generator)
+                if q.is_cuda and draw.device.type == "cpu":
+                    draw = draw.pin_memory()
+                q[i].copy_(draw, non_blocking=True)
         # Exp(1) can round to 0 on some backends; 0 / 0 would be NaN and win the argmax.
         q.clamp_(min=torch.finfo(torch.float32).tiny)
         return (probs / q).argmax(dim=-1)
 
-    # ---- output ------------------------------------------------------------------------------------------
 
-    def _to_host(self, token_ids: torch.Tensor, raw_logprobs: torch.Tensor | None,
-                 params: list[SamplingParams]) -> SamplerOutput:
-        """One device-to-host transfer for the token ids and, when asked, the logprobs."""
+class DeviceSample:
+    """One step's sampled tokens (and logprobs) on the device, with a non-blocking copy to the host under way."""
+
+    def __init__(self, token_ids: torch.Tensor, raw_logprobs: torch.Tensor | None, params: list[SamplingParams]):
+        self.token_ids = token_ids  # [B] int64, on the logits' device: the next step's inputs read it there
+        self.params = params
+        self.num_top = 0
         if raw_logprobs is None:
-            return SamplerOutput(token_ids=token_ids.tolist(), logprobs=[None] * len(params))
-        num_top = max(p.logprobs for p in params if p.logprobs is not None)
-        sampled_lp = raw_logprobs.gather(1, token_ids.unsqueeze(1))  # [B, 1]
-        # Pack ids and logprobs into one float64 tensor: ids < 2**53 are exact, float32 logprobs are exact.
-        parts = [token_ids.unsqueeze(1).double(), sampled_lp.double()]
-        if num_top > 0:
-            top_lp, top_ids = raw_logprobs.topk(num_top, dim=-1)  # [B, n]
-            parts += [top_ids.double(), top_lp.double()]
-        rows = torch.cat(parts, dim=1).tolist()
+            packed = token_ids
+        else:
+            self.num_top = max(p.logprobs for p in params if p.logprobs is not None)
+            sampled_lp = raw_logprobs.gather(1, token_ids.unsqueeze(1))  # [B, 1]
+            # Pack ids and logprobs into one float64 tensor: ids < 2**53 are exact, float32 logprobs are exact.
+            parts = [token_ids.unsqueeze(1).double(), sampled_lp.double()]
+            if self.num_top > 0:
+                top_lp, top_ids = raw_logprobs.topk(self.num_top, dim=-1)  # [B, n]
+                parts += [top_ids.double(), top_lp.double()]
+            packed = torch.cat(parts, dim=1)
+        self._event = None
+        if packed.is_cuda:
+            self._host = torch.empty(packed.shape, dtype=packed.dtype, pin_memory=True)
+            self._host.copy_(packed, non_blocking=True)
+            self._event = torch.cuda.Event()
+            self._event.record()
+        else:
+            self._host = packed
 
+    def result(self) -> SamplerOutput:
+        """Waits for the copy (only for this step's work, not for work queued after it)."""
+        if self._event is not None:
+            self._event.synchronize()
+        rows = self._host.tolist()
+        if self._host.dim() == 1:
+            return SamplerOutput(token_ids=rows, logprobs=[None] * len(rows))
         out_ids, out_lps = [], []
-        for row, p in zip(rows, params):
+        num_top = self.num_top
+        for row, p in zip(rows, self.params):
             tok = int(row[0])
             out_ids.append(tok)
             if p.logprobs is None:
@@ -158,6 +186,14 @@ class Sampler:
         return SamplerOutput(token_ids=out_ids, logprobs=out_lps)
 
 
+def _tensor(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A small host list on the device, copied without waiting for the device's queued work."""
+    t = torch.tensor(values, dtype=dtype)
+    if torch.device(device).type != "cuda":
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)
+
+
 def apply_penalties(logits: torch.Tensor, prompt_token_ids: list[list[int]],
                     output_token_ids: list[list[int]], repetition_penalty: list[float],
                     frequency_penalty: list[float], presence_penalty: list[float]) -> torch.Tensor:
@@ -165,8 +201,8 @@ def apply_penalties(logits: torch.Tensor, prompt_token_ids: list[list[int]],
     negative logits of every token seen in the prompt or the output; then the frequency penalty times the
     token's output count and the presence penalty (once) are subtracted for tokens seen in the output."""
     device, vocab = logits.device, logits.shape[1]
-    rep, freq, pres = torch.tensor([repetition_penalty, frequency_penalty, presence_penalty],
-                                   dtype=torch.float32, device=device).unsqueeze(2)  # each [R, 1]
+    rep, freq, pres = _tensor([repetition_penalty, frequency_penalty, presence_penalty], torch.float32,
+                              device).unsqueeze(2)  # each [R, 1]
     output_counts = _bin_counts(output_token_ids, vocab, device)  # [R, V]
     output_seen = output_counts > 0
     seen = output_seen | (_bin_counts(prompt_token_ids, vocab, device) > 0)
@@ -187,18 +223,17 @@ def apply_top_k_top_p(logits: torch.Tensor, top_k: list[int], top_p: list[float]
     p_on = [p < 1.0 for p in top_p]
     if not any(k_on) and not any(p_on):
         return logits
-    k = torch.tensor([k if on else vocab for k, on in zip(top_k, k_on)], device=device)  # [R]
+    k = _tensor([k if on else vocab for k, on in zip(top_k, k_on)], torch.int64, device)  # [R]
     if not any(p_on):
         # Top-k only: a partial top-k of the largest k is cheaper than a full sort.
         max_k = max(k for k, on in zip(top_k, k_on) if on)
         top_vals = logits.topk(max_k, dim=-1).values  # [R, max_k]
         kth = top_vals.gather(1, (k.clamp(max=max_k) - 1).unsqueeze(1))  # [R, 1]
-        kth = torch.where(torch.tensor(k_on, device=device).unsqueeze(1), kth, float("-inf"))
+        kth = torch.where(_tensor(k_on, torch.bool, device).unsqueeze(1), kth, float("-inf"))
         return logits.masked_fill(logits < kth, float("-inf"))
 
     # top_p > 1 means off: a sum of probabilities may round to >= 1 before the tail ends.
-    p = torch.tensor([p if on else 2.0 for p, on in zip(top_p, p_on)], dtype=torch.float32,
-                     device=device)  # [R]
+    p = _tensor([p if on else 2.0 for p, on in zip(top_p, p_on)], torch.float32, device)  # [R]
     sorted_logits, sorted_idx = logits.sort(dim=-1, descending=True)  # [R, V]
     kth = sorted_logits.gather(1, (k - 1).unsqueeze(1))  # [R, 1]
     sorted_logits = sorted_logits.masked_fill(sorted_logits < kth, float("-inf"))
@@ -213,7 +248,7 @@ def apply_min_p(logits: torch.Tensor, min_p: list[float]) -> torch.Tensor:
     if not any(m > 0.0 for m in min_p):
         return logits
     # p_i < min_p * p_max  <=>  logit_i < logit_max + log(min_p)   (min_p = 0: log = -inf, no mask)
-    m = torch.tensor(min_p, dtype=torch.float32, device=logits.device)
+    m = _tensor(min_p, torch.float32, logits.device)
     threshold = logits.amax(dim=-1) + torch.log(m)  # [R]
     return logits.masked_fill(logits < threshold.unsqueeze(1), float("-inf"))
 
@@ -224,7 +259,7 @@ def _bin_counts(token_lists: list[list[int]], vocab: int, device: torch.device) 
     counts = torch.zeros(len(token_lists), vocab + 1, dtype=torch.float32, device=device)
     if width > 0:
         # Pad with the extra column `vocab`, dropped afterwards.
-        padded = torch.tensor([list(t) + [vocab] * (width - len(t)) for t in token_lists],
-                              dtype=torch.int64, device=device)  # [R, width]
+        padded = _tensor([list(t) + [vocab] * (width - len(t)) for t in token_lists], torch.int64,
+                         device)  # [R, width]
         counts.scatter_add_(1, padded, torch.ones_like(padded, dtype=torch.float32))
     return counts[:, :vocab]

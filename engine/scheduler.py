@@ -6,6 +6,11 @@ then waiting ones in arrival order, which first reuse their longest cached prefi
 request's next tokens, the most recently admitted request is preempted: its blocks are freed and it is recomputed
 later from its tokens. A single request always fits in an empty pool (checked when the engine starts), so the loop
 cannot deadlock.
+
+A scheduled step is accounted for at once (vLLM v1's rule): num_computed_tokens advances when the step is scheduled,
+and a request whose step reaches its last token owes one sampled token (num_inflight_tokens) until the engine reads
+it. So the next step can be scheduled while this one runs on the GPU (async scheduling): a decode's input is then the
+token still in flight, which the model runner takes from the previous step's sampled tokens on the device.
 """
 from __future__ import annotations
 
@@ -21,6 +26,7 @@ from engine.request import Request, RequestStatus
 class SchedulerOutput:
     scheduled: list[tuple[Request, int]] = field(default_factory=list)  # (request, num_new_tokens), in batch order
     preempted: list[Request] = field(default_factory=list)
+    samples: list[bool] = field(default_factory=list)  # per scheduled request: the step ends on its last token
 
     @property
     def num_batched_tokens(self) -> int:
@@ -58,8 +64,13 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
-            num_new = min(req.num_tokens - req.num_computed_tokens, budget)
-            assert num_new > 0, req
+            # An input may be the one token in flight (the model runner takes it from the last step's samples).
+            num_new = min(req.num_tokens + min(req.num_inflight_tokens, 1) - req.num_computed_tokens, budget)
+            if num_new <= 0 or req.num_output_tokens + req.num_inflight_tokens >= req.max_tokens:
+                # Async scheduling: the next input is not sampled yet, or the token in flight is its last
+                # (max_tokens): nothing to do until the engine reads it.
+                i += 1
+                continue
             while not self.kv.allocate_slots(req, num_new):
                 victim = self.running.pop()  # the most recently admitted
                 self._preempt(victim)
@@ -77,6 +88,7 @@ class Scheduler:
         while (not out.preempted and self.waiting and budget > 0
                and len(self.running) < self.config.max_num_seqs):
             req = self.waiting[0]
+            assert req.num_inflight_tokens == 0, req  # the step that preempted it admitted nobody
             hits, num_hit_tokens = self.kv.get_computed_blocks(req)
             num_new = min(req.num_tokens - num_hit_tokens, budget)
             if not self.kv.allocate_slots(req, num_new, hits):
@@ -89,21 +101,31 @@ class Scheduler:
             self.running.append(req)
             out.scheduled.append((req, num_new))
             budget -= num_new
+
+        for req, n in out.scheduled:
+            req.num_computed_tokens += n
+            samples = req.num_computed_tokens == req.num_tokens + req.num_inflight_tokens
+            req.num_inflight_tokens += samples
+            out.samples.append(samples)
         return out
 
     def _preempt(self, req: Request) -> None:
         self.kv.free(req)
         req.status = RequestStatus.PREEMPTED
-        req.num_computed_tokens = 0
+        req.num_computed_tokens = 0  # a token in flight still arrives, as the last of its tokens
         req.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(req)
 
     def update_from_output(self, out: SchedulerOutput) -> None:
-        """The step ran: the scheduled tokens now have KV, and newly full blocks enter the prefix cache."""
-        for req, n in out.scheduled:
-            req.num_computed_tokens += n
-            self.kv.cache_blocks(req, req.num_computed_tokens)
+        """The step's sampled tokens are read (the engine appends them next): they are no longer in flight, and
+        full blocks whose tokens are all known enter the prefix cache (KV a later step still writes is ordered
+        before any reader of the block on the device)."""
+        for (req, _), samples in zip(out.scheduled, out.samples):
+            if samples:
+                req.num_inflight_tokens -= 1
+            if not req.is_finished:
+                self.kv.cache_blocks(req, min(req.num_computed_tokens, req.num_tokens))
 
     def finish(self, req: Request, status: RequestStatus) -> None:
         """Ends a request; frees its blocks unless it holds them for a KV transfer (kv_hold)."""

@@ -102,7 +102,8 @@ def step_logits(llm, tokens: list[int]) -> torch.Tensor:
     req = Request("probe", tokens, SamplingParams(max_tokens=1), 1)
     assert eng.kv.allocate_slots(req, len(tokens))
     try:
-        sched = SchedulerOutput(scheduled=[(req, len(tokens))])
+        req.num_computed_tokens = len(tokens)  # as the scheduler leaves it: advanced past the step's tokens
+        sched = SchedulerOutput(scheduled=[(req, len(tokens))], samples=[True])
         inputs = eng.runner.prepare_inputs(sched, [eng.kv.get_block_ids("probe")])
         with torch.inference_mode():
             hidden = eng.runner.model(inputs.input_ids, inputs.positions, eng.runner.kv_layers, inputs.meta)

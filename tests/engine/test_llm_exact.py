@@ -46,6 +46,10 @@ REGIMES = {
     "no_prefix_cache": dict(enable_prefix_caching=False, max_num_batched_tokens=128),
     # 64 blocks of 16 = 1024 tokens for ~1000 prompt tokens + outputs: forces preemption.
     "preempt": dict(num_gpu_blocks_override=40, max_num_batched_tokens=256, max_model_len=512),
+    # Async scheduling (CUDA's default): each step launched before the previous one's tokens are read.
+    "async_chunked": dict(async_scheduling=True, max_num_batched_tokens=64),
+    "async_preempt": dict(async_scheduling=True, num_gpu_blocks_override=40, max_num_batched_tokens=256,
+                          max_model_len=512),
 }
 
 
@@ -66,9 +70,9 @@ def test_greedy_matches_transformers(model_case, regime):
     got = [o.outputs[0].token_ids for o in outs]
     for i, (g, e) in enumerate(zip(got, expected)):
         assert g == e, f"prompt {i} (len {len(prompts[i])}): {g} != {e}"
-    if regime == "preempt":
+    if regime.endswith("preempt"):
         assert llm.engine.scheduler.num_preemptions > 0, "the pool was meant to force preemption"
-    if llm.engine.kv.enable_caching and regime != "preempt":
+    if llm.engine.kv.enable_caching and not regime.endswith("preempt"):
         # The same prompt again: everything but the last block comes from the prefix cache, same tokens.
         again = llm.generate(prompt_token_ids=[prompts[-1]], sampling_params=params)[0]
         assert again.outputs[0].token_ids == expected[-1]

@@ -14,10 +14,10 @@ def req(rid, n, max_tokens=8):
     return Request(rid, list(range(100, 100 + n)), SamplingParams(max_tokens=max_tokens), max_tokens)
 
 
-def run_step(s, out, sample=True):
+def run_step(s, out):
     s.update_from_output(out)
-    for r, _ in out.scheduled:
-        if sample and r.num_computed_tokens == r.num_tokens:
+    for (r, _), samples in zip(out.scheduled, out.samples):
+        if samples:
             r.output_token_ids.append(7)
 
 
@@ -72,7 +72,7 @@ def test_preempts_most_recent_when_pool_is_full_and_recomputes():
     # b comes back with its prompt and its 2 outputs; 4 tokens (2 full blocks) were cached before preemption,
     # and a hit must leave the last token to compute.
     assert out.scheduled[0][0] is b
-    assert b.num_computed_tokens + out.scheduled[0][1] == b.num_tokens == 5
+    assert out.scheduled[0][1] == 1 and b.num_computed_tokens == b.num_tokens == 5
 
 
 def test_single_request_preempts_itself_rather_than_deadlock():
@@ -124,3 +124,24 @@ def test_finish_frees_blocks_unless_held():
     assert s.running == []
     kv.free(a)
     assert kv.get_block_ids("a") == []
+
+
+def test_async_scheduling_schedules_the_token_in_flight_and_stops_at_max_tokens():
+    # The next step is scheduled before the previous one's tokens are read: a decode's input is the token in
+    # flight; a request whose token in flight is its last (max_tokens) is not scheduled again.
+    s, kv = make(budget=100)
+    a, b = req("a", 5, max_tokens=2), req("b", 5, max_tokens=8)
+    s.add_request(a)
+    s.add_request(b)
+    first = s.schedule()
+    assert ids(first) == [("a", 5), ("b", 5)] and first.samples == [True, True]
+    assert a.num_inflight_tokens == b.num_inflight_tokens == 1 and a.num_computed_tokens == 5
+    second = s.schedule()  # first's tokens still unread
+    assert ids(second) == [("a", 1), ("b", 1)] and second.samples == [True, True]
+    assert a.num_inflight_tokens == 2 and a.num_computed_tokens == 6 and a.num_tokens == 5
+    assert ids(s.schedule()) == []  # a: both of its tokens are in flight; b: its input is not sampled yet
+    run_step(s, first)
+    assert a.num_output_tokens == 1 and a.num_inflight_tokens == 1
+    assert ids(s.schedule()) == [("b", 1)]  # a's last token is in flight
+    # Blocks enter the prefix cache only up to tokens the host knows.
+    assert kv.num_cached_blocks["a"] == 1  # 6 known tokens, block size 4
