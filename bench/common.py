@@ -17,7 +17,8 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 
 
 def git_commit() -> dict[str, Any]:
-    """The checked-out commit and whether tracked files differ from it ("unknown" outside a git checkout)."""
+    """The checked-out commit and whether tracked files differ from it. Outside a git checkout (the GPU machine gets a
+    copy of the tree without .git): $TANDEM_COMMIT when set, else "unknown"."""
     def git(*args: str) -> str:
         return subprocess.run(["git", *args], cwd=REPO_ROOT, capture_output=True, text=True,
                               check=True).stdout.strip()
@@ -25,7 +26,7 @@ def git_commit() -> dict[str, Any]:
         sha = git("rev-parse", "HEAD")
         dirty = bool(git("status", "--porcelain", "--untracked-files=no"))
     except (OSError, subprocess.CalledProcessError):
-        return {"sha": "unknown", "dirty": None}
+        return {"sha": os.environ.get("TANDEM_COMMIT", "unknown"), "dirty": None}
     return {"sha": sha, "dirty": dirty}
 
 

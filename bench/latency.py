@@ -29,13 +29,15 @@ def main(argv=None) -> int:
     p.add_argument("--num-iters", type=int, default=5)
     p.add_argument("--bandwidth", type=float, default=4.26e12, help="bytes/s for the roofline")
     p.add_argument("--enforce-eager", action="store_true")
+    p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
+                   help="the engine's async scheduling (default: the engine's, on for CUDA)")
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
 
     from engine import LLM, SamplingParams
 
     llm = LLM(args.model, dtype=args.dtype, max_model_len=args.input_len + args.output_len + 16,
-              enable_prefix_caching=False, enforce_eager=args.enforce_eager)
+              enable_prefix_caching=False, enforce_eager=args.enforce_eager, async_scheduling=args.async_scheduling)
     vocab = llm.engine.runner.hf_config.vocab_size
     g = torch.Generator().manual_seed(0)
     prompt = torch.randint(10, vocab - 10, (args.input_len,), generator=g).tolist()

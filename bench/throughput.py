@@ -29,7 +29,8 @@ def run_tandem(args, prompts) -> tuple[float, int]:
 
     llm = LLM(args.model, dtype=args.dtype, max_model_len=args.input_len + args.output_len + 16,
               max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-              kv_cache_dtype=args.kv_cache_dtype, enable_prefix_caching=False, seed=args.seed)
+              kv_cache_dtype=args.kv_cache_dtype, enable_prefix_caching=False, seed=args.seed,
+              async_scheduling=args.async_scheduling)
     params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
     # Warm-up with full-size prefill steps: Triton compiles one kernel per launch configuration.
     warm = max(1, min(len(prompts), args.max_num_batched_tokens // args.input_len + 1))
@@ -116,6 +117,8 @@ def main(argv=None) -> int:
     p.add_argument("--max-num-seqs", type=int, default=256)
     p.add_argument("--max-num-batched-tokens", type=int, default=8192)
     p.add_argument("--kv-cache-dtype", default="auto")
+    p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
+                   help="the engine's async scheduling (default: the engine's, on for CUDA)")
     p.add_argument("--hf-batch-size", type=int, default=256)
     p.add_argument("--out-dir", default=str(Path(__file__).resolve().parent / "results"))
     args = p.parse_args(argv)
