@@ -76,6 +76,7 @@ class EngineStats:
 class _Launched:
     sched: object  # SchedulerOutput
     handle: StepHandle
+    num_computed: list[int]  # per scheduled request: its tokens with KV once this step has run
 
 
 @dataclass
@@ -292,7 +293,7 @@ class LLMEngine:
                 log.exception("model step failed; aborting the %d requests of this batch", len(sched.scheduled))
                 outputs += self._abort_batch(sched)
             else:
-                self._launched = _Launched(sched, handle)
+                self._launched = _Launched(sched, handle, [r.num_computed_tokens for r, _ in sched.scheduled])
         if prev is not None:
             outputs += self._read_step(prev)
         if not self.async_scheduling and self._launched is not None:
@@ -330,10 +331,13 @@ class LLMEngine:
             if out.finished:
                 self._forget(req)
             outputs.append(out)
-        # Prefill chunks that sampled nothing still report progress (the prefill service streams their blocks).
-        for (req, _), samples in zip(sched.scheduled, sched.samples):
+        # Prefill chunks that sampled nothing still report progress (the prefill service streams their blocks), as
+        # of this step: a step launched after it may still be writing the next chunk's KV.
+        for (req, _), samples, done in zip(sched.scheduled, sched.samples, launched.num_computed):
             if not samples and req.kv_hold and not req.is_finished:
-                outputs.append(self._output(req, [], None))
+                out = self._output(req, [], None)
+                out.num_computed_tokens = done
+                outputs.append(out)
         return outputs
 
     def _record_stats(self, sched, t0: float) -> None:

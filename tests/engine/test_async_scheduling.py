@@ -97,3 +97,20 @@ def test_preemption_and_abort_in_flight_free_every_block():
     assert got[("p1", 0)][2] == "abort" and got[("p5", 0)][2] == "abort"
     assert {k: v for k, v in got.items() if k[0] not in ("p1", "p5")} == \
         {k: v for k, v in want.items() if k[0] not in ("p1", "p5")}
+
+
+def test_prefill_progress_reports_the_step_read_not_the_step_launched():
+    # The prefill service streams a held request's blocks as each chunk's progress arrives: with async scheduling
+    # the next chunk is already launched when a chunk is read, and must not be reported as computed yet.
+    def progress(engine):
+        engine.add_request("held", list(range(1, 90)), SamplingParams(temperature=0.0, max_tokens=1), kv_hold=True)
+        seen = []
+        while engine.has_unfinished_requests():
+            seen += [(o.num_computed_tokens, o.new_token_ids) for o in engine.step() if o.request_id == "held"]
+        engine.release_kv("held")
+        return seen
+
+    sync, asyn = (make_engine(a, max_num_batched_tokens=16) for a in (False, True))
+    want = progress(sync)
+    assert [n for n, _ in want] == [16, 32, 48, 64, 80, 89]
+    assert progress(asyn) == want
