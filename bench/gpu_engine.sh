@@ -1,18 +1,35 @@
 #!/usr/bin/env bash
-# One device call: engine checks on CUDA, then throughput and latency. Logs go to $OUT.
-#   bash bench/gpu_engine.sh [all|parity|perf|latency]
+# One device call: engine checks on CUDA, then latency, throughput and the decode-step profile. Logs go to $OUT.
+#   TANDEM_COMMIT=<sha> bash bench/gpu_engine.sh [stage ...]      stages: parity latency perf profile (default: all)
+# Env: NP/OL/IL (throughput prompts, output and input length), BACKENDS ("tandem hf"), MNS (max_num_seqs list,
+# e.g. "256 512"), MBT (max_num_batched_tokens).
 set -uo pipefail
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TANDEM_CACHE_DIR=/tmp/tandem-cache
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 python3 -c "import torch, triton, transformers, google.protobuf as pb, grpc; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__, 'protobuf', pb.__version__, 'grpc', grpc.__version__, torch.cuda.get_device_name())"
-stage=${1:-all}
-if [[ $stage == all || $stage == parity ]]; then
-  timeout 300 python3 -m pytest -q -s tests/engine/test_cuda_parity.py -p no:cacheprovider 2>&1 | tee "$OUT/parity.log" | grep -E "passed|failed|Error|bf16 vs|agree|^E " | tail -25
-fi
-if [[ $stage == all || $stage == latency ]]; then
-  timeout 200 python3 bench/latency.py --model random:qwen2.5-7b --dtype bfloat16 --json "$OUT/latency.json" 2>&1 | tee "$OUT/latency.log" | tail -5
-fi
-if [[ $stage == all || $stage == perf ]]; then
-  timeout 400 python3 bench/throughput.py --model random:qwen2.5-7b --dtype bfloat16 --num-prompts ${NP:-200} \
-      --input-len 512 --output-len ${OL:-128} --backend ${BACKENDS:-tandem} --out-dir "$OUT" 2>&1 | tee "$OUT/throughput.log" | tail -15
-fi
+stages=${*:-parity latency perf profile}
+M="--model random:qwen2.5-7b --dtype bfloat16"
+for stage in $stages; do
+  t0=$SECONDS
+  case $stage in
+    parity)
+      timeout 300 python3 -m pytest -q -s tests/engine/test_cuda_parity.py -p no:cacheprovider 2>&1 | tee "$OUT/parity.log" \
+        | grep -E "passed|failed|Error|bf16 vs|agree|^E " | tail -25 ;;
+    latency)
+      for a in async-scheduling no-async-scheduling; do
+        timeout 200 python3 bench/latency.py $M --$a --json "$OUT/latency-$a.json" 2>&1 | tee "$OUT/latency-$a.log" | tail -4
+      done ;;
+    perf)
+      first=1
+      for mns in ${MNS:-256}; do
+        b=${BACKENDS:-tandem}; [[ $first == 1 ]] || b=tandem; first=0
+        timeout 400 python3 bench/throughput.py $M --num-prompts ${NP:-500} --input-len ${IL:-512} \
+          --output-len ${OL:-256} --max-num-seqs $mns --max-num-batched-tokens ${MBT:-8192} --backend $b \
+          --out-dir "$OUT" 2>&1 | tee "$OUT/throughput-$mns.log" | tail -12
+      done ;;
+    profile)
+      timeout 300 python3 bench/profile_decode.py $M --batch ${BATCH:-256} --input-len 512 --steps 30 \
+        --json "$OUT/profile.json" 2>&1 | tee "$OUT/profile.log" | tail -45 ;;
+  esac
+  echo "== stage $stage: $((SECONDS - t0)) s"
+done
