@@ -184,7 +184,7 @@ class RouterCore:
     async def generate(self, req: GenerateRequest) -> AsyncIterator[GenerateDelta]:
         prompt = self._prompt_ids(req)
         n = req.params.n
-        if not self.prefill.healthy() or not self.decode.healthy():
+        if not self.ready():
             raise RequestError("unavailable", None, "no healthy prefill or decode instance")
         t0 = time.monotonic()
         queue: asyncio.Queue = asyncio.Queue()

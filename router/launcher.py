@@ -10,6 +10,10 @@
 4. Ctrl-C or SIGTERM: the router is stopped first (it finishes open responses), then the workers; a child that does
    not exit within --stop-timeout seconds is killed. Exit status 0.
    If any child exits on its own, the rest are stopped the same way and `tandem up` exits 1.
+
+`--colocated` starts the router alone, running one engine for both phases (`tandem router --colocated`): the
+non-disaggregated baseline, behind the same APIs and ports. Engines that share one GPU must each be given a fixed
+KV-cache size (--kv-cache-memory or --num-gpu-blocks-override): `main()` refuses to start them otherwise.
 """
 from __future__ import annotations
 
@@ -23,6 +27,8 @@ import urllib.error
 import urllib.request
 from dataclasses import fields
 
+import torch
+
 from engine.args import EngineArgs, add_engine_args
 
 # Ports of the workers, counted up from --worker-port: prefill 0..P-1, then decode 0..D-1.
@@ -33,8 +39,11 @@ DEFAULT_METRICS_PORT = 9100
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="tandem up", description=__doc__.split("\n\n")[0])
-    p.add_argument("--prefill", type=int, default=1, help="number of prefill workers (default: 1)")
-    p.add_argument("--decode", type=int, default=1, help="number of decode workers (default: 1)")
+    p.add_argument("--prefill", type=int, default=None, help="number of prefill workers (default: 1)")
+    p.add_argument("--decode", type=int, default=None, help="number of decode workers (default: 1)")
+    p.add_argument("--colocated", action="store_true",
+                   help="no workers: the router runs one engine for prefill and decode alike (the baseline the "
+                        "disaggregated stack is measured against)")
     p.add_argument("--host", default="127.0.0.1", help="address every process binds to (default: 127.0.0.1)")
     p.add_argument("--grpc-port", type=int, default=50051, help="router: public gRPC API port (default: 50051)")
     p.add_argument("--http-port", type=int, default=8000, help="router: OpenAI HTTP API port (default: 8000)")
@@ -74,6 +83,11 @@ def _local(host: str) -> str:
     return "127.0.0.1" if host in ("0.0.0.0", "", "::") else host
 
 
+def _count(n: int | None) -> int:
+    """A --prefill/--decode value: 1 when not given."""
+    return 1 if n is None else n
+
+
 def launch_commands(ns: argparse.Namespace, address=None) -> dict[str, list[str]]:
     """name -> the `tandem ...` command line of each process, in start order (workers, then the router).
 
@@ -82,9 +96,12 @@ def launch_commands(ns: argparse.Namespace, address=None) -> dict[str, list[str]
     """
     address = address or (lambda name: _local(ns.host))
     engine = _engine_flags(ns)
+    if ns.colocated:
+        return {"router": ["tandem", "router", "--colocated", "--host", ns.host, "--grpc-port", str(ns.grpc_port),
+                           "--http-port", str(ns.http_port), *engine]}
     cmds: dict[str, list[str]] = {}
     k = 0
-    for role, count in (("prefill", ns.prefill), ("decode", ns.decode)):
+    for role, count in (("prefill", _count(ns.prefill)), ("decode", _count(ns.decode))):
         for i in range(count):
             cmds[f"{role}-{i}"] = ["tandem", role, "--host", ns.host, "--port", str(ns.worker_port + k),
                                    "--metrics-port", str(ns.metrics_port + k), *engine]
@@ -143,11 +160,31 @@ def _stop_all(children: dict[str, subprocess.Popen], timeout: float) -> None:
                 proc.wait()
 
 
+def _check(ns: argparse.Namespace) -> str | None:
+    """What is wrong with the flags as a whole, or None."""
+    if ns.colocated:
+        given = [f"--{role}={n}" for role, n in (("prefill", ns.prefill), ("decode", ns.decode)) if n is not None]
+        if given:
+            return f"{' '.join(given)}: --colocated starts no workers (one engine runs in the router); leave them out"
+        return None
+    if _count(ns.prefill) < 1 or _count(ns.decode) < 1:
+        return f"--prefill={_count(ns.prefill)} --decode={_count(ns.decode)}: each must be >= 1"
+    engines = _count(ns.prefill) + _count(ns.decode)
+    on_cuda = ns.device.startswith("cuda") or (ns.device == "auto" and torch.cuda.is_available())
+    if on_cuda and ns.kv_cache_memory is None and ns.num_gpu_blocks_override is None:
+        # Each engine sizes its KV cache as gpu_memory_utilization x the whole GPU, minus what every process holds
+        # when it looks: engines started together on one GPU race for the same memory.
+        return (f"--device={ns.device} with {engines} engines on one GPU: give each a fixed KV cache with "
+                "--kv-cache-memory GiB (e.g. 24 for a 7B model's prefill and decode on one 141 GB H200) or "
+                "--num-gpu-blocks-override; --gpu-memory-utilization counts the other engines' memory as used")
+    return None
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     ns = parser.parse_args(argv)
-    if ns.prefill < 1 or ns.decode < 1:
-        parser.error(f"--prefill={ns.prefill} --decode={ns.decode}: each must be >= 1")
+    if (problem := _check(ns)) is not None:
+        parser.error(problem)
     cmds = launch_commands(ns)
     children: dict[str, subprocess.Popen] = {}
     health_url = f"http://{_local(ns.host)}:{ns.http_port}/health"
@@ -172,9 +209,11 @@ def main(argv: list[str] | None = None) -> int:
                 if _healthy(health_url):
                     ready = True
                     model = ns.served_model_name or ns.model
+                    workers = ("one colocated engine (prefill and decode in the router)" if ns.colocated
+                               else f"{_count(ns.prefill)} prefill, {_count(ns.decode)} decode")
                     print(f"tandem up: ready. OpenAI API: http://{_local(ns.host)}:{ns.http_port}/v1 "
                           f"(model {model!r}); gRPC: {_local(ns.host)}:{ns.grpc_port}; "
-                          f"{ns.prefill} prefill, {ns.decode} decode. Ctrl-C stops everything.", flush=True)
+                          f"{workers}. Ctrl-C stops everything.", flush=True)
                 elif time.monotonic() > deadline:
                     print(f"tandem up: not ready after {ns.ready_timeout:.0f}s ({health_url}); stopping",
                           file=sys.stderr, flush=True)

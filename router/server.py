@@ -8,6 +8,10 @@ single RouterCore.
 4. The gRPC server (router/grpc_server.py) and uvicorn (router/http.py's app) run side by side in this loop.
 5. SIGTERM or SIGINT: uvicorn stops accepting and finishes open responses (at most --shutdown-grace seconds), the
    gRPC server drains with the same grace, then the core closes its channels. Exit status 0.
+
+With --colocated there are no instances: the router runs one engine itself for both phases (router/colocated.py),
+taking every engine flag (--dtype, --device, --kv-cache-memory, ...); without it, only the model flags (--model,
+--served-model-name, --max-model-len) apply and any other engine flag is refused.
 """
 from __future__ import annotations
 
@@ -19,9 +23,12 @@ import os
 import signal
 import socket
 import sys
+from dataclasses import fields
 
 import uvicorn
 import uvloop
+
+from engine.args import EngineArgs, add_engine_args
 
 log = logging.getLogger("tandem.router")
 
@@ -40,14 +47,25 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"decode instances, host:port[,host:port...] (default: ${ENV_DECODE})")
     p.add_argument("--policy", choices=("round_robin", "least_loaded"), default="round_robin",
                    help="how to pick instances (default: round_robin)")
-    p.add_argument("--model", default="smollm2", help="the model the workers serve (for the tokenizer)")
-    p.add_argument("--served-model-name", default=None, help="name clients use (default: the model's own name)")
-    p.add_argument("--max-model-len", type=int, default=None,
-                   help="context length (default: the model's); must match the workers'")
+    p.add_argument("--colocated", action="store_true",
+                   help="no instances: run one engine in this process for prefill and decode alike (the "
+                        "non-disaggregated baseline); every engine flag below then applies")
     p.add_argument("--shutdown-grace", type=float, default=5.0,
                    help="seconds open requests get to finish on SIGTERM (default: 5)")
     p.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
+    # --model (for the tokenizer), --served-model-name and --max-model-len (must match the workers') always apply.
+    add_engine_args(p)
     return p
+
+
+# The engine flags a router without --colocated uses: it tokenizes and checks lengths, it runs no model.
+MODEL_FLAGS = ("model", "served_model_name", "max_model_len")
+
+
+def engine_only_flags(ns: argparse.Namespace) -> list[str]:
+    """The engine flags set to something else than their default, other than MODEL_FLAGS."""
+    return ["--" + f.name.replace("_", "-") for f in fields(EngineArgs)
+            if f.name not in MODEL_FLAGS and getattr(ns, f.name) != f.default]
 
 
 def parse_addresses(value: str | None, env: str) -> list[str]:
@@ -91,9 +109,14 @@ async def serve(ns: argparse.Namespace, prefill: list[str], decode: list[str]) -
 
     http_sock = _bind(ns.host, ns.http_port)
     try:
-        core = await RouterCore.create(RouterConfig(
-            prefill_addrs=prefill, decode_addrs=decode, policy=ns.policy, model=ns.model,
-            served_model_name=ns.served_model_name, max_model_len=ns.max_model_len))
+        if ns.colocated:
+            from router.colocated import ColocatedCore
+
+            core = await ColocatedCore.from_engine_args(EngineArgs.from_cli_args(ns))
+        else:
+            core = await RouterCore.create(RouterConfig(
+                prefill_addrs=prefill, decode_addrs=decode, policy=ns.policy, model=ns.model,
+                served_model_name=ns.served_model_name, max_model_len=ns.max_model_len))
     except BaseException:
         http_sock.close()
         raise
@@ -106,8 +129,10 @@ async def serve(ns: argparse.Namespace, prefill: list[str], decode: list[str]) -
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stop.set)
         http_task = asyncio.create_task(http.serve(sockets=[http_sock]))
-        log.info("router: OpenAI HTTP on http://%s:%d, gRPC on %s:%d; prefill %s; decode %s; policy %s",
-                 ns.host, ns.http_port, ns.host, ns.grpc_port, ",".join(prefill), ",".join(decode), ns.policy)
+        where = ("one colocated engine in this process" if ns.colocated else
+                 f"prefill {','.join(prefill)}; decode {','.join(decode)}; policy {ns.policy}")
+        log.info("router: OpenAI HTTP on http://%s:%d, gRPC on %s:%d; %s", ns.host, ns.http_port, ns.host,
+                 ns.grpc_port, where)
         stop_task = asyncio.create_task(stop.wait())
         await asyncio.wait({http_task, stop_task}, return_when=asyncio.FIRST_COMPLETED)
         log.info("router: shutting down")
@@ -123,11 +148,21 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     ns = parser.parse_args(argv)
     logging.basicConfig(level=ns.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    try:
-        prefill = parse_addresses(ns.prefill, ENV_PREFILL)
-        decode = parse_addresses(ns.decode, ENV_DECODE)
-    except ValueError as e:
-        parser.error(str(e))
+    if ns.colocated:
+        given = [flag for flag, value in (("--prefill", ns.prefill), ("--decode", ns.decode)) if value is not None]
+        if given:
+            parser.error(f"{' and '.join(given)}: --colocated runs its own engine and calls no instances; "
+                         "leave them out")
+        prefill, decode = [], []
+    else:
+        if extra := engine_only_flags(ns):
+            parser.error(f"{', '.join(extra)}: engine flags, and this router runs no engine; they belong on the "
+                         "prefill and decode workers (or add --colocated)")
+        try:
+            prefill = parse_addresses(ns.prefill, ENV_PREFILL)
+            decode = parse_addresses(ns.decode, ENV_DECODE)
+        except ValueError as e:
+            parser.error(str(e))
     try:
         uvloop.run(serve(ns, prefill, decode))
     except (OSError, ValueError) as e:  # a port taken, a host not ours, a config the model rejects

@@ -1,0 +1,106 @@
+"""`tandem router --colocated`: the router's API over one engine in this process that runs both phases, prefill and
+decode, of every request: the non-disaggregated baseline (vLLM's or SGLang's single-engine serving) that Tandem's
+prefill/decode split is measured against, behind the same OpenAI HTTP and gRPC front (bench/gpu_serve.sh).
+
+The life of a request in here:
+1. `RouterCore.generate()` validates and tokenizes it and fans n > 1 out into sub-requests, as for the disaggregated
+   stack (the same code: this class only replaces how one sub-request is served).
+2. `_serve_one` adds the prompt to the engine (`engine.add_request`, in the engine's own thread, prefill_svc's
+   EngineWorker); the engine's scheduler mixes its prefill chunks with the running requests' decode steps under one
+   token budget (chunked prefill): no KV leaves the engine, and prefill and decode share every step.
+3. Each step's outputs come back to the event loop (`_on_step`) and go to the request's stream as GenerateDeltas,
+   the first token included, until the request finishes.
+4. Closing the stream (a client gone, an error, or the end) aborts the request in the engine, which frees its blocks.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+
+from engine.args import EngineArgs
+from engine.metrics import Metrics
+from engine.sampling_params import SamplingParams
+from prefill_svc.engine_worker import EngineWorker
+from protos.runtime import logprobs_from_proto, logprobs_to_proto
+from router.core import _FIELD_IN_MESSAGE, GenerateDelta, RequestError, RouterConfig, RouterCore
+
+log = logging.getLogger("tandem.router.colocated")
+
+
+def _add(engine, rid: str, prompt: list[int], params: SamplingParams) -> None:
+    engine.add_request(rid, prompt, params)
+
+
+def _abort(engine, rid: str) -> None:
+    engine.abort(rid)  # no-op once the request finished and was forgotten
+
+
+class ColocatedCore(RouterCore):
+    """A RouterCore whose requests run in an in-process engine instead of on prefill and decode instances."""
+
+    def __init__(self, cfg: RouterConfig, engine):
+        # Not RouterCore.__init__: that opens channels to prefill and decode instances, and there are none here.
+        self.cfg = cfg
+        self.engine = engine  # owned by self.worker's thread once start() ran; read-only constants below
+        self.tokenizer = engine.tokenizer
+        self.served_name = engine.model_name
+        self.max_model_len = engine.max_model_len
+        self.vocab_size = engine.resolved.config.vocab_size
+        self.metrics = Metrics(self.served_name, "router")
+        self._running = 0
+        self._streams: dict[str, asyncio.Queue] = {}  # request id -> its StepOutputs (event loop only)
+        self.worker: EngineWorker | None = None
+
+    @classmethod
+    async def from_engine_args(cls, args: EngineArgs) -> "ColocatedCore":
+        from engine import LLMEngine
+
+        engine = await asyncio.to_thread(LLMEngine.from_engine_args, args)
+        core = cls(RouterConfig(prefill_addrs=[], decode_addrs=[], model=args.model,
+                                served_model_name=args.served_model_name, max_model_len=args.max_model_len), engine)
+        core.worker = EngineWorker(engine, asyncio.get_running_loop(), core._on_step, name="colocated-engine")
+        core.worker.start()
+        return core
+
+    def ready(self) -> bool:
+        return self.worker is not None
+
+    async def close(self) -> None:
+        if self.worker is None:
+            return
+        for rid in list(self._streams):
+            self.worker.submit(_abort, rid)
+        await asyncio.to_thread(self.worker.stop)
+        self.worker = None
+
+    def _on_step(self, outs, _extra) -> None:
+        for out in outs:
+            stream = self._streams.get(out.request_id)
+            if stream is not None:
+                stream.put_nowait(out)
+
+    async def _serve_one(self, rid: str, index: int, prompt: list[int], params: SamplingParams,
+                         queue: asyncio.Queue) -> None:
+        stream: asyncio.Queue = asyncio.Queue()
+        self._streams[rid] = stream
+        try:
+            try:
+                await self.worker.call(_add, rid, prompt, params)
+            except ValueError as e:  # the engine's own checks; the router's ran first, so this is rare
+                m = _FIELD_IN_MESSAGE.match(str(e))
+                raise RequestError("invalid_argument", m.group(1) if m else None, str(e)) from None
+            while True:
+                out = await stream.get()
+                if out.finish_reason == "abort":
+                    raise RequestError("internal", None, f"request {rid}: the engine aborted it (a model step failed)")
+                logprobs = None
+                if out.new_logprobs:  # the order the disaggregated path gives: the sampled token first
+                    logprobs = logprobs_from_proto(logprobs_to_proto(out.new_logprobs, out.new_token_ids))
+                queue.put_nowait(GenerateDelta(index, list(out.new_token_ids), out.new_text, logprobs,
+                                               out.finish_reason, len(prompt), out.num_output_tokens))
+                if out.finished:
+                    return
+        finally:
+            self._streams.pop(rid, None)
+            if self.worker is not None:
+                self.worker.submit(_abort, rid)
