@@ -7,7 +7,7 @@
 #   DEVICE=cpu MODEL=random:tiny NUM_PROMPTS=6 RATES=4,8 IDLE_PROBES=2 INPUT_LEN=64 OUTPUT_LEN=8 \
 #       PYTHON=.venv/bin/python bash bench/gpu_serve.sh  # the same steps on the CPU, small
 # Knobs (environment): MODEL DEVICE DTYPE KV_GIB (each engine's KV cache, GiB) MAX_MODEL_LEN INPUT_LEN OUTPUT_LEN
-# NUM_PROMPTS (per rate) RATES IDLE_PROBES SLO_TTFT_MS SLO_ITL_MS PORT READY_TIMEOUT BENCH_TIMEOUT PYTHON OUT.
+# NUM_PROMPTS (per rate) RATES IDLE_PROBES SLO_TTFT_MS SLO_ITL_MS PORT READY_TIMEOUT BENCH_TIMEOUT DEADLINE PYTHON OUT.
 # The GPU image lacks FastAPI and uvicorn: carry them as wheels in .whl/ (docs/operations.md says which); they are
 # installed into /tmp/site when `import fastapi` fails.
 set -uo pipefail
@@ -22,6 +22,7 @@ else DTYPE=${DTYPE:-bfloat16}; KV_GIB=${KV_GIB:-24}; MAX_MODEL_LEN=${MAX_MODEL_L
 INPUT_LEN=${INPUT_LEN:-512}; OUTPUT_LEN=${OUTPUT_LEN:-128}; NUM_PROMPTS=${NUM_PROMPTS:-100}; RATES=${RATES:-4,8,16,32}
 IDLE_PROBES=${IDLE_PROBES:-10}; SLO_TTFT_MS=${SLO_TTFT_MS:-200}; SLO_ITL_MS=${SLO_ITL_MS:-30}
 PORT=${PORT:-8000}; READY_TIMEOUT=${READY_TIMEOUT:-240}; BENCH_TIMEOUT=${BENCH_TIMEOUT:-200}
+DEADLINE=${DEADLINE:-0}  # seconds the whole script may take (0: no limit); each step's timeout is cut to fit
 COMMIT=${COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
 export TANDEM_COMMIT=${TANDEM_COMMIT:-$COMMIT}  # bench/common.py records it where the tree has no .git
 
@@ -35,16 +36,26 @@ $PY -c "import torch, triton, transformers, grpc, fastapi, uvicorn; print('commi
 engine_flags=(--device "$DEVICE" --model "$MODEL" --dtype "$DTYPE" --kv-cache-memory "$KV_GIB")
 [[ -n $MAX_MODEL_LEN ]] && engine_flags+=(--max-model-len "$MAX_MODEL_LEN")
 
-# serve_mode NAME [tandem up flags...]: start, wait for ready, probe and sweep, stop. Returns 1 on any failure.
+# cap SECONDS RESERVE: SECONDS, cut so that RESERVE seconds of DEADLINE are left afterwards (at least 10).
+cap() {
+  local t=$1
+  if (( DEADLINE > 0 )); then local left=$((DEADLINE - SECONDS - $2)); (( left < t )) && t=$left; fi
+  (( t < 10 )) && t=10
+  echo $t
+}
+
+# serve_mode NAME RESERVE [tandem up flags...]: start, wait for ready, probe and sweep, stop; RESERVE seconds of the
+# DEADLINE are kept for what comes after. Returns 1 on any failure.
 serve_mode() {
-  local name=$1; shift
-  local log="$OUT/$name.server.log" t0=$SECONDS status=0
+  local name=$1 reserve=$2; shift 2
+  local log="$OUT/$name.server.log" t0=$SECONDS status=0 ready_timeout bench_timeout
+  ready_timeout=$(cap "$READY_TIMEOUT" $((reserve + 40)))
   $PY -m engine.cli up "${engine_flags[@]}" --http-port "$PORT" --grpc-port $((PORT + 1)) \
       --worker-port $((PORT + 10)) --metrics-port $((PORT + 20)) "$@" >"$log" 2>&1 &
   local pid=$!
   until grep -q "tandem up: ready" "$log"; do
     if ! kill -0 $pid 2>/dev/null; then echo "$name: tandem up exited before ready:"; tail -25 "$log"; return 1; fi
-    if (( SECONDS - t0 > READY_TIMEOUT )); then echo "$name: not ready after ${READY_TIMEOUT}s"; status=1; break; fi
+    if (( SECONDS - t0 > ready_timeout )); then echo "$name: not ready after ${ready_timeout}s"; status=1; break; fi
     sleep 1
   done
   if (( status == 0 )); then
@@ -53,12 +64,14 @@ serve_mode() {
         | sed "s/^/$name: GPU memory used, total: /"
     local metrics=()
     [[ $name == disaggregated ]] && metrics=(--metrics-url "http://127.0.0.1:$PORT/metrics" --metrics-url "http://127.0.0.1:$((PORT + 20))/metrics")
-    timeout "$BENCH_TIMEOUT" $PY bench/serve.py --base-url "http://127.0.0.1:$PORT" --model "$MODEL" \
+    bench_timeout=$(cap "$BENCH_TIMEOUT" $((reserve + 20)))
+    timeout "$bench_timeout" $PY bench/serve.py --base-url "http://127.0.0.1:$PORT" --model "$MODEL" \
         --dataset-name random --input-len "$INPUT_LEN" --output-len "$OUTPUT_LEN" --num-prompts "$NUM_PROMPTS" \
         --request-rates "$RATES" --idle-ttft-probes "$IDLE_PROBES" --idle-input-len "$INPUT_LEN" \
         --slo-ttft-ms "$SLO_TTFT_MS" --slo-itl-ms "$SLO_ITL_MS" "${metrics[@]}" \
         --result-file "$OUT/$name.json" >"$OUT/$name.bench.log" 2>&1
     status=$?
+    (( status == 124 )) && echo "$name: bench/serve.py stopped after ${bench_timeout}s (DEADLINE / BENCH_TIMEOUT)"
     grep -E "^idle TTFT|^rate |^error|Error|Traceback" "$OUT/$name.bench.log" | sed "s/^/$name: /"
   fi
   kill -INT $pid 2>/dev/null; wait $pid
@@ -67,8 +80,9 @@ serve_mode() {
   return $status
 }
 
-serve_mode disaggregated --prefill 1 --decode 1
-serve_mode colocated --colocated
+# The colocated run needs about 60 s to start and as long to sweep: keep that much of the DEADLINE for it.
+serve_mode disaggregated 150 --prefill 1 --decode 1
+serve_mode colocated 5 --colocated
 
 files=()
 for name in disaggregated colocated; do [[ -f $OUT/$name.json ]] && files+=("$name=$OUT/$name.json"); done

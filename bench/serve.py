@@ -470,6 +470,10 @@ def main(argv: list[str] | None = None) -> int:
         results, duration = asyncio.run(run(args, prompts, rate))
         summary = summarize(results, duration, server_view(scraped_delta(before, scrape(metrics_urls))), slo)
         runs.append({"request_rate": rate, "results": summary, "requests": [asdict(r) for r in results]})
+        if args.result_file:  # after every rate: a sweep cut short keeps what it measured
+            write_json(args.result_file, {
+                "args": {k: (str(v) if v == math.inf else v) for k, v in vars(args).items()},
+                "idle_ttft": idle, "idle_requests": [asdict(r) for r in idle_results], "runs": runs})
         if len(rates) == 1:
             print_table(summary, args, rate)
         else:
@@ -483,9 +487,6 @@ def main(argv: list[str] | None = None) -> int:
               f"meet the SLOs): "
               f"{'none' if best is None else f'{best:g} req/s'}")
     if args.result_file:
-        write_json(args.result_file, {
-            "args": {k: (str(v) if v == math.inf else v) for k, v in vars(args).items()},
-            "idle_ttft": idle, "idle_requests": [asdict(r) for r in idle_results], "runs": runs})
         print(f"wrote {args.result_file}")
     return 0 if all(run["results"]["completed"] for run in runs) else 1
 
