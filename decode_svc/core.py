@@ -5,11 +5,17 @@ The life of a request inside a decode instance:
    (`engine.reserve_prefilled`). No room: RESOURCE_EXHAUSTED, and the router tries another instance. Otherwise it
    answers Reserved and arms a timer for the transfer deadline.
 2. The prefill instance opens TransferKv with the same request id: `transfer()` checks the KvTransferOpen (a live
-   reservation, the cache layout field by field, prompt length, block count), then writes each KvBlocks run into
-   the reserved blocks (`kv_cache[block_ids] = payload`, in the engine thread, which first checks that the
-   reservation is still live so that a late write never lands in a freed block).
-3. On KvTransferCommit, with every block received, `engine.commit_prefilled(first_token)` puts the request in the
-   running batch (the first token was already streamed by prefill) and the KvTransferAck lets prefill free its copy.
+   reservation, the cache layout field by field, prompt length, block count), then fills the reserved blocks, in
+   the engine thread, which first checks that the reservation is still live so that a late write never lands in a
+   freed block:
+   - gRPC path: each KvBlocks run's bytes are written (`kv_cache[block_ids] = payload`);
+   - CUDA IPC path (same host; the path was agreed once per prefill instance by `handshake()`, which mapped the
+     prefill's KV cache): the open carries the prefill cache's handle, looked up among the mapped caches, and each
+     KvBlocksReady run is copied GPU to GPU from the prefill's blocks into the reserved ones (`kv_ipc.copy_blocks`).
+     Only this instance writes its cache; the prefill instance keeps its blocks until the ack.
+3. On KvTransferCommit, with every block received, the engine thread waits for the copies to complete (CUDA IPC:
+   the prefill frees its blocks on the ack), and `engine.commit_prefilled(first_token)` puts the request in the
+   running batch (the first token was already streamed by prefill); the KvTransferAck lets prefill free its copy.
 4. Each engine step's outputs go back to the loop; the Decode stream yields them as TokenDeltas until the request
    finishes. Preemption (recompute) and prefix caching happen inside this instance's engine.
 5. Failures: the deadline passing before the commit, a bad or broken transfer, or the router cancelling the call
@@ -25,9 +31,13 @@ from dataclasses import dataclass, field
 
 import grpc
 
+import torch
+
 from engine.metrics import Metrics
 from prefill_svc.engine_worker import EngineWorker
+from prefill_svc.kv_ipc import CUDA_IPC, GRPC, copy_blocks, host_identity, import_cache, ipc_refusal
 from prefill_svc.kv_layout import layout_mismatch, layout_of, write_blocks
+from prefill_svc.kv_metrics import KvPathMetrics
 from protos.runtime import ServiceError, delta_to_proto, sampling_from_proto
 from protos.tandem.v1 import common_pb2, decode_pb2, kv_transfer_pb2
 
@@ -62,7 +72,11 @@ class DecodeCore:
         self.max_model_len = engine.max_model_len
         self.block_size = engine.config.cache.block_size
         self.layout = layout_of(engine.kv_cache)
+        self.host = host_identity()
+        self.path_metrics = KvPathMetrics(metrics, self.model_name, "decode")
         self._live: set[str] = set()  # engine thread: reservations that may still be written
+        self._copied: dict[str, torch.cuda.Event] = {}  # engine thread: the last CUDA IPC copy of each transfer
+        self._sources: dict[bytes, torch.Tensor] = {}  # written by the engine thread: mapped prefill caches
         self._reqs: dict[str, _Dec] = {}  # event loop only
         self.worker: EngineWorker | None = None
 
@@ -88,14 +102,34 @@ class DecodeCore:
             raise ServiceError(grpc.StatusCode.ABORTED, f"request_id={rid!r}: the reservation was freed")
         write_blocks(engine.kv_cache, block_ids, data)
 
+    def _map(self, engine, cache: kv_transfer_pb2.CudaIpcCache) -> torch.Tensor:
+        """The rows of a prefill instance's cache, mapped on first use (ipc_refusal already said None)."""
+        src = self._sources.get(cache.mem_handle)
+        if src is None:
+            src = self._sources[cache.mem_handle] = import_cache(cache, self.layout.block_bytes, self.host)
+            log.info("mapped the KV cache of prefill pid %d on %s (%d blocks) for CUDA IPC transfers",
+                     cache.host.pid, cache.host.hostname, cache.num_blocks)
+        return src
+
+    def _copy(self, engine, rid: str, block_ids: list[int], src: torch.Tensor, src_ids: list[int]) -> None:
+        if rid not in self._live:
+            raise ServiceError(grpc.StatusCode.ABORTED, f"request_id={rid!r}: the reservation was freed")
+        copy_blocks(engine.kv_cache, block_ids, src, src_ids)
+        event = self._copied[rid] = torch.cuda.Event()
+        event.record(torch.cuda.current_stream(engine.kv_cache.device))
+
     def _commit(self, engine, rid: str, first_token_id: int):
         if rid not in self._live:
             raise ServiceError(grpc.StatusCode.ABORTED, f"request_id={rid!r}: the reservation was freed")
+        copied = self._copied.pop(rid, None)
+        if copied is not None:
+            copied.synchronize()  # the prefill instance frees the source blocks on our ack
         self._live.discard(rid)
         return engine.commit_prefilled(rid, first_token_id)
 
     def _end(self, engine, rid: str) -> None:
         self._live.discard(rid)
+        self._copied.pop(rid, None)  # a copy still in flight is ordered before any reuse of its blocks (one stream)
         engine.abort(rid)  # frees a reservation, or the running request's blocks; no-op when already finished
 
     def _after_step(self, engine, outs):
@@ -182,6 +216,22 @@ class DecodeCore:
             self._reqs.pop(request_id, None)
             self.worker.submit(self._end, request_id)
 
+    async def handshake(self, req: kv_transfer_pb2.KvHandshakeRequest) -> kv_transfer_pb2.KvHandshakeResponse:
+        """Which path transfers from this prefill instance take: CUDA_IPC once its offered cache is mapped here."""
+        reason = layout_mismatch(self.layout, req.layout)
+        if reason is None:
+            reason = ipc_refusal(self.host, self.engine.kv_cache.device, req.cache if req.HasField("cache") else None)
+        if reason is None:
+            try:
+                await self.worker.call(self._map, req.cache)
+            except Exception as exc:  # noqa: BLE001 - e.g. separate IPC namespaces: the answer is GRPC, with why
+                reason = f"mapping the prefill KV cache failed: {type(exc).__name__}: {exc}"
+        if reason is not None:
+            log.info("kv transfers from prefill pid %d on %s take the grpc path: %s", req.host.pid, req.host.hostname,
+                     reason)
+        return kv_transfer_pb2.KvHandshakeResponse(host=self.host, path=GRPC if reason else CUDA_IPC,
+                                                   reason=reason or "")
+
     async def transfer(self, messages) -> kv_transfer_pb2.KvTransferAck:
         """Receives one request's KV (see kv_transfer.proto); returns the ack once the request is in the batch."""
         t0 = time.monotonic()
@@ -202,32 +252,69 @@ class DecodeCore:
         d.transfer_open = True
         received = bytearray(len(d.block_ids))  # 1 where a block arrived
         nbytes = 0
+        path = op.path or GRPC
+
+        def run_of(first: int, n: int, field: str) -> list[int]:
+            if n < 1 or first + n > len(d.block_ids):
+                raise ServiceError(grpc.StatusCode.INVALID_ARGUMENT,
+                                   f"{field}.first_block_index={first}, {n} blocks: must lie within the "
+                                   f"{len(d.block_ids)} reserved blocks")
+            received[first:first + n] = b"\x01" * n
+            return d.block_ids[first:first + n]
+
         try:
             bad = layout_mismatch(self.layout, op.layout)
             if bad is None and op.num_prompt_tokens != d.num_prompt_tokens:
                 bad = f"open.num_prompt_tokens={op.num_prompt_tokens}: the reservation is for {d.num_prompt_tokens}"
             if bad is None and op.num_blocks != len(d.block_ids):
                 bad = f"open.num_blocks={op.num_blocks}: the reservation holds {len(d.block_ids)} blocks"
+            if bad is None and path not in (GRPC, CUDA_IPC):
+                bad = f"open.path={path}: unknown transfer path"
             if bad is not None:
                 raise ServiceError(grpc.StatusCode.INVALID_ARGUMENT, bad)
+            src = None
+            if path == CUDA_IPC:
+                refusal = ipc_refusal(self.host, self.engine.kv_cache.device,
+                                      op.cache if op.HasField("cache") else None)
+                if refusal is not None:
+                    raise ServiceError(grpc.StatusCode.FAILED_PRECONDITION, f"open.path=CUDA_IPC: {refusal}")
+                src = self._sources.get(op.cache.mem_handle)  # mapped once per prefill process (atomic read)
+                try:
+                    if src is None:
+                        src = await self.worker.call(self._map, op.cache)
+                except Exception as exc:  # noqa: BLE001
+                    raise ServiceError(grpc.StatusCode.FAILED_PRECONDITION,
+                                       f"open.cache: mapping the prefill KV cache failed: {exc}") from None
             block_bytes = self.layout.block_bytes
             async for msg in messages:
                 kind = msg.WhichOneof("kind")
+                if kind in ("blocks", "ready") and (kind == "ready") != (path == CUDA_IPC):
+                    raise ServiceError(grpc.StatusCode.INVALID_ARGUMENT,
+                                       f"{kind}: this transfer opened with path="
+                                       f"{kv_transfer_pb2.KvTransferPath.Name(path)}, which sends "
+                                       f"`{'ready' if path == CUDA_IPC else 'blocks'}` messages")
                 if kind == "blocks":
                     b = msg.blocks
-                    if b.num_blocks < 1 or b.first_block_index + b.num_blocks > len(d.block_ids):
-                        raise ServiceError(grpc.StatusCode.INVALID_ARGUMENT,
-                                           f"blocks.first_block_index={b.first_block_index}, num_blocks="
-                                           f"{b.num_blocks}: must lie within the {len(d.block_ids)} reserved blocks")
                     if len(b.data) != b.num_blocks * block_bytes:
                         raise ServiceError(grpc.StatusCode.INVALID_ARGUMENT,
                                            f"blocks.data: {len(b.data)} bytes, must be num_blocks * block_bytes = "
                                            f"{b.num_blocks * block_bytes}")
-                    ids = d.block_ids[b.first_block_index:b.first_block_index + b.num_blocks]
+                    ids = run_of(b.first_block_index, b.num_blocks, "blocks")
                     await self.worker.call(self._write, rid, ids, b.data)
-                    received[b.first_block_index:b.first_block_index + b.num_blocks] = b"\x01" * b.num_blocks
                     nbytes += len(b.data)
-                    self.metrics.kv_transfer_bytes.inc(len(b.data))
+                    self.path_metrics.add_bytes(path, len(b.data))
+                elif kind == "ready":
+                    r = msg.ready
+                    src_ids = list(r.block_ids)
+                    bad_id = next((i for i in src_ids if i >= src.shape[0]), None)
+                    if bad_id is not None:
+                        raise ServiceError(grpc.StatusCode.INVALID_ARGUMENT,
+                                           f"ready.block_ids: {bad_id} is past the prefill cache's "
+                                           f"{src.shape[0]} blocks")
+                    ids = run_of(r.first_block_index, len(src_ids), "ready")
+                    await self.worker.call(self._copy, rid, ids, src, src_ids)  # queued on the GPU, not waited for
+                    nbytes += len(src_ids) * block_bytes
+                    self.path_metrics.add_bytes(path, len(src_ids) * block_bytes)
                 elif kind == "commit":
                     missing = received.count(0)
                     if missing:
@@ -240,9 +327,9 @@ class DecodeCore:
                     if out.finished:  # the first token already ended it (the router has that token)
                         out.new_token_ids, out.new_text, out.new_logprobs = [], "", None
                         d.out.put_nowait(out)
-                    self.metrics.kv_transfer_seconds.observe(time.monotonic() - t0)
+                    self.path_metrics.observe_seconds(path, time.monotonic() - t0)
                     return kv_transfer_pb2.KvTransferAck(request_id=rid, received_bytes=nbytes,
-                                                         num_blocks=len(received))
+                                                         num_blocks=len(received), path=path)
                 else:
                     raise ValueError(f"TransferKv: unexpected `{kind}` message after `open`")
             raise ServiceError(grpc.StatusCode.ABORTED, "TransferKv: stream ended without `commit`")

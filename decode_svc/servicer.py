@@ -23,5 +23,9 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
         return await self.core.transfer(request_iterator.__aiter__())
 
     @grpc_method
+    async def KvHandshake(self, request, context):
+        return await self.core.handshake(request)
+
+    @grpc_method
     async def GetLoad(self, request, context):
         return await self.core.load()

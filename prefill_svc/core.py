@@ -3,12 +3,14 @@
 The life of a request inside a prefill instance:
 1. `prefill()` validates the sampling parameters and queues the prompt in the engine with max_tokens=1 and
    kv_hold=True (the engine keeps the blocks after the first token), and, when the router named a decode target,
-   opens the KV transfer stream to it (Decode.TransferKv) with a KvTransferOpen describing the cache layout.
+   picks the transfer path to it (`KvSender.path_to`: CUDA IPC on the same host, else gRPC bytes; one handshake
+   per decode instance) and opens the KV transfer stream (Decode.TransferKv) with a KvTransferOpen describing the
+   cache layout and the path.
 2. The engine thread runs chunked prefill, batching chunks of many prompts under the token budget. After each step
-   the `_after_step` hook (still in the engine thread) reads the blocks that became full (`kv_cache[block_ids]`,
-   one gather and one device -> host copy) and the loop queues them as KvBlocks messages: the transfer of chunk k
-   overlaps the compute of chunk k+1. The step that finishes the prompt also samples the first token; the hook then
-   sends the last, partial block too.
+   the `_after_step` hook (still in the engine thread) ships the blocks that became full (`KvSender.block_messages`:
+   their bytes, one gather and one device -> host copy; or, on CUDA IPC, their ids once the device is synchronized)
+   and the loop queues the messages: the transfer of chunk k overlaps the compute of chunk k+1. The step that
+   finishes the prompt also samples the first token; the hook then sends the last, partial block too.
 3. The first token is streamed back to the router at once (FirstToken), before the transfer completes.
 4. If the request ended with that token (a stop token, max_tokens=1, a full context) there is nothing for decode
    to do: the transfer is cancelled (decode frees its reservation). Otherwise a KvTransferCommit with the first
@@ -28,9 +30,11 @@ import grpc
 from engine.llm_engine import stop_holdback
 from engine.metrics import Metrics
 from prefill_svc.engine_worker import EngineWorker
-from prefill_svc.kv_layout import layout_of, read_blocks
-from protos.runtime import KV_CHUNK_BYTES, ServiceError, channel, delta_to_proto, sampling_from_proto
-from protos.tandem.v1 import common_pb2, decode_pb2_grpc, kv_transfer_pb2, prefill_pb2
+from prefill_svc.kv_ipc import CUDA_IPC
+from prefill_svc.kv_metrics import KvPathMetrics
+from prefill_svc.kv_sender import KvSender
+from protos.runtime import ServiceError, channel, delta_to_proto, sampling_from_proto
+from protos.tandem.v1 import common_pb2, decode_pb2_grpc, prefill_pb2
 
 log = logging.getLogger("tandem.prefill")
 
@@ -52,6 +56,7 @@ def handoff_text(first_text: str, params) -> str:
 class _Tx:
     """Engine-thread state of one outgoing transfer."""
     num_prompt_tokens: int
+    path: int  # kv_transfer_pb2.KvTransferPath
     sent_blocks: int = 0
 
 
@@ -63,20 +68,21 @@ class _Req:
     arrival: float
     first: asyncio.Future
     tx: asyncio.Queue | None = None
+    path: int = 0  # kv_transfer_pb2.KvTransferPath, once a decode target was named
     sent_bytes: int = 0
     sent_blocks: int = 0
 
 
 class PrefillCore:
-    def __init__(self, engine, metrics: Metrics, default_kv_timeout_s: float = 30.0):
+    def __init__(self, engine, metrics: Metrics, default_kv_timeout_s: float = 30.0, kv_transfer: str = "auto"):
         self.engine = engine  # owned by the worker thread once start() ran; read-only constants below
         self.metrics = metrics
         self.default_kv_timeout_s = default_kv_timeout_s
         self.model_name = engine.model_name
         self.max_model_len = engine.max_model_len
         self.block_size = engine.config.cache.block_size
-        self.layout = layout_of(engine.kv_cache)
-        self.blocks_per_message = max(1, KV_CHUNK_BYTES // self.layout.block_bytes)
+        self.sender = KvSender(engine.kv_cache, kv_transfer)  # validates kv_transfer
+        self.path_metrics = KvPathMetrics(metrics, self.model_name, "prefill")
         self._tx: dict[str, _Tx] = {}  # engine thread only
         self._reqs: dict[str, _Req] = {}  # event loop only
         self._channels: dict[str, grpc.aio.Channel] = {}
@@ -95,10 +101,10 @@ class PrefillCore:
             await ch.close()
 
     # ---- engine thread ----------------------------------------------------------------------------------------
-    def _add(self, engine, rid: str, prompt: list[int], params, transfer: bool) -> None:
+    def _add(self, engine, rid: str, prompt: list[int], params, path: int | None) -> None:
         engine.add_request(rid, prompt, params, kv_hold=True)
-        if transfer:
-            self._tx[rid] = _Tx(len(prompt))
+        if path is not None:
+            self._tx[rid] = _Tx(len(prompt), path)
 
     def _end(self, engine, rid: str) -> None:
         self._tx.pop(rid, None)
@@ -118,9 +124,8 @@ class PrefillCore:
             upto = cdiv(n, self.block_size) if final else min(out.num_computed_tokens, n) // self.block_size
             if upto > tx.sent_blocks:
                 ids = engine.get_block_ids(out.request_id)[tx.sent_blocks:upto]
-                for i in range(0, len(ids), self.blocks_per_message):
-                    run = ids[i:i + self.blocks_per_message]
-                    payloads.append((out.request_id, tx.sent_blocks + i, len(run), read_blocks(engine.kv_cache, run)))
+                for msg in self.sender.block_messages(engine.kv_cache, tx.path, tx.sent_blocks, ids):
+                    payloads.append((out.request_id, msg))
                 tx.sent_blocks = upto
             if final:
                 del self._tx[out.request_id]
@@ -137,12 +142,11 @@ class PrefillCore:
     # ---- event loop -------------------------------------------------------------------------------------------
     def _on_step(self, outs, extra) -> None:
         payloads, stats = extra if extra else ([], None)
-        for rid, first, n, data in payloads:
+        for rid, msg in payloads:
             r = self._reqs.get(rid)
             if r is None or r.tx is None:
                 continue
-            r.tx.put_nowait(kv_transfer_pb2.KvTransferMessage(
-                blocks=kv_transfer_pb2.KvBlocks(first_block_index=first, num_blocks=n, data=data)))
+            r.tx.put_nowait(msg)
         for out in outs:
             r = self._reqs.get(out.request_id)
             if r is not None and (out.new_token_ids or out.finished) and not r.first.done():
@@ -181,7 +185,9 @@ class PrefillCore:
         try:
             if decode_address:
                 r.tx = asyncio.Queue()
-            await self.worker.call(self._add, request_id, prompt, first_params, bool(decode_address))
+                r.path = await self.sender.path_to(decode_address, decode_pb2_grpc.DecodeStub(
+                    self._channel(decode_address)))
+            await self.worker.call(self._add, request_id, prompt, first_params, r.path if decode_address else None)
             if decode_address:
                 sender = asyncio.create_task(self._send(r, decode_address, timeout))
             waiters = [r.first] + ([sender] if sender else [])
@@ -205,13 +211,13 @@ class PrefillCore:
                 delta=delta, num_prompt_tokens=len(prompt), num_cached_tokens=out.num_cached_tokens))
             if sender is None or done:
                 return
-            r.tx.put_nowait(kv_transfer_pb2.KvTransferMessage(commit=kv_transfer_pb2.KvTransferCommit(
-                first_token_id=out.new_token_ids[0], num_cached_tokens=out.num_cached_tokens)))
+            r.tx.put_nowait(self.sender.commit_message(out.new_token_ids[0], out.num_cached_tokens))
             seconds = await sender
             tail = time.monotonic() - t_first
             self.metrics.kv_transfer_tail_seconds.observe(tail)
             yield prefill_pb2.PrefillResponse(transfer_done=prefill_pb2.TransferDone(
-                transfer_bytes=r.sent_bytes, num_blocks=r.sent_blocks, transfer_seconds=seconds, tail_seconds=tail))
+                transfer_bytes=r.sent_bytes, num_blocks=r.sent_blocks, transfer_seconds=seconds, tail_seconds=tail,
+                path=r.path))
         finally:
             self._reqs.pop(request_id, None)
             if sender is not None and not sender.done():
@@ -225,15 +231,14 @@ class PrefillCore:
         num_blocks = cdiv(r.num_prompt_tokens, self.block_size)
 
         async def messages():
-            yield kv_transfer_pb2.KvTransferMessage(open=kv_transfer_pb2.KvTransferOpen(
-                request_id=r.request_id, layout=self.layout, num_prompt_tokens=r.num_prompt_tokens,
-                num_blocks=num_blocks, deadline_ms=int(timeout * 1000)))
+            yield self.sender.open_message(r.request_id, r.num_prompt_tokens, num_blocks, int(timeout * 1000), r.path)
             while True:
                 msg = await r.tx.get()
-                if msg.HasField("blocks"):
-                    r.sent_bytes += len(msg.blocks.data)
-                    r.sent_blocks += msg.blocks.num_blocks
-                    self.metrics.kv_transfer_bytes.inc(len(msg.blocks.data))
+                nbytes, nblocks = self.sender.payload_bytes(msg)
+                if nblocks:
+                    r.sent_bytes += nbytes
+                    r.sent_blocks += nblocks
+                    self.path_metrics.add_bytes(r.path, nbytes)
                 yield msg
                 if msg.HasField("commit"):
                     return
@@ -244,8 +249,10 @@ class PrefillCore:
             raise
         except grpc.aio.AioRpcError as e:
             self.metrics.kv_transfer_failures.inc()
+            if r.path == CUDA_IPC:
+                self.sender.forget(address)  # the next request asks again (the decode instance may have restarted)
             log.warning("kv transfer of %s to %s failed: %s %s", r.request_id, address, e.code().name, e.details())
             raise ServiceError(e.code(), f"kv transfer to decode {address} failed: {e.details()}") from None
         seconds = time.monotonic() - t0
-        self.metrics.kv_transfer_seconds.observe(seconds)
+        self.path_metrics.observe_seconds(r.path, seconds)
         return seconds

@@ -8,9 +8,18 @@ from __future__ import annotations
 import argparse
 
 from prefill_svc.core import PrefillCore
+from prefill_svc.kv_ipc import PATHS
 from prefill_svc.servicer import PrefillServicer
 from protos import worker
 from protos.tandem.v1 import prefill_pb2, prefill_pb2_grpc
+
+
+def add_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--kv-transfer", choices=PATHS, default="auto",
+                   help="how KV blocks reach decode instances: ipc = GPU to GPU through CUDA IPC (same host, a CUDA "
+                        "cache on both sides), grpc = block bytes over the TransferKv stream (any host), auto = ipc "
+                        "where the handshake with a decode instance allows it, else grpc (default: auto)")
+
 
 ROLE = worker.WorkerRole(
     name="prefill",
@@ -19,6 +28,8 @@ ROLE = worker.WorkerRole(
     kv_timeout_help="seconds a KV transfer may take when the router gives no deadline",
     make_core=PrefillCore,
     add_servicer=lambda core, server: prefill_pb2_grpc.add_PrefillServicer_to_server(PrefillServicer(core), server),
+    add_args=add_args,
+    core_kwargs=lambda ns: {"kv_transfer": ns.kv_transfer},
 )
 
 

@@ -9,7 +9,8 @@ import asyncio
 import logging
 import signal
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from functools import partial
 
 import uvloop
 
@@ -24,8 +25,10 @@ class WorkerRole:
     service_name: str  # the tandem.v1 service's full name, for health checks
     default_port: int
     kv_timeout_help: str
-    make_core: Callable  # (engine, Metrics, kv_timeout_s) -> core with async start() / close()
+    make_core: Callable  # (engine, Metrics, kv_timeout_s, **core_kwargs) -> core with async start() / close()
     add_servicer: Callable  # (core, grpc.aio.Server) -> None
+    add_args: Callable[[argparse.ArgumentParser], None] | None = None  # the role's own flags
+    core_kwargs: Callable[[argparse.Namespace], dict] | None = None  # those flags -> make_core keyword arguments
 
 
 def build_parser(role: WorkerRole, prog: str | None = None) -> argparse.ArgumentParser:
@@ -35,6 +38,8 @@ def build_parser(role: WorkerRole, prog: str | None = None) -> argparse.Argument
     p.add_argument("--metrics-port", type=int, default=0, help="Prometheus /metrics HTTP port (0: off)")
     p.add_argument("--kv-transfer-timeout", type=float, default=30.0, help=role.kv_timeout_help)
     p.add_argument("--log-level", default="INFO")
+    if role.add_args is not None:
+        role.add_args(p)
     add_engine_args(p)
     return p
 
@@ -63,6 +68,8 @@ async def serve(role: WorkerRole, engine, host: str, port: int, kv_timeout_s: fl
 
 def main(role: WorkerRole, argv: list[str] | None = None) -> int:
     ns = build_parser(role).parse_args(argv)
+    if role.core_kwargs is not None:
+        role = replace(role, make_core=partial(role.make_core, **role.core_kwargs(ns)))
     logging.basicConfig(level=ns.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     from engine import LLMEngine
 

@@ -48,4 +48,4 @@ def test_services_are_the_documented_ones():
         "Generate", "Tokenize", "ListModels"]
     assert [m.name for m in prefill_pb2.DESCRIPTOR.services_by_name["Prefill"].methods] == ["Prefill", "GetLoad"]
     assert [m.name for m in decode_pb2.DESCRIPTOR.services_by_name["Decode"].methods] == [
-        "Decode", "TransferKv", "GetLoad"]
+        "Decode", "TransferKv", "KvHandshake", "GetLoad"]

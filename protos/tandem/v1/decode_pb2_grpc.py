@@ -46,6 +46,11 @@ class DecodeStub:
                 request_serializer=protos_dot_tandem_dot_v1_dot_kv__transfer__pb2.KvTransferMessage.SerializeToString,
                 response_deserializer=protos_dot_tandem_dot_v1_dot_kv__transfer__pb2.KvTransferAck.FromString,
                 _registered_method=True)
+        self.KvHandshake = channel.unary_unary(
+                '/tandem.v1.Decode/KvHandshake',
+                request_serializer=protos_dot_tandem_dot_v1_dot_kv__transfer__pb2.KvHandshakeRequest.SerializeToString,
+                response_deserializer=protos_dot_tandem_dot_v1_dot_kv__transfer__pb2.KvHandshakeResponse.FromString,
+                _registered_method=True)
         self.GetLoad = channel.unary_unary(
                 '/tandem.v1.Decode/GetLoad',
                 request_serializer=protos_dot_tandem_dot_v1_dot_common__pb2.GetLoadRequest.SerializeToString,
@@ -73,6 +78,14 @@ class DecodeServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def KvHandshake(self, request, context):
+        """Which path a prefill instance's transfers take (CUDA IPC on the same host, else gRPC bytes); called once per
+        prefill/decode pair. The decode instance maps an offered cache here, so the answer is tried, not guessed.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def GetLoad(self, request, context):
         """Current load, for the router's least_loaded policy and for leak checks.
         """
@@ -92,6 +105,11 @@ def add_DecodeServicer_to_server(servicer, server):
                     servicer.TransferKv,
                     request_deserializer=protos_dot_tandem_dot_v1_dot_kv__transfer__pb2.KvTransferMessage.FromString,
                     response_serializer=protos_dot_tandem_dot_v1_dot_kv__transfer__pb2.KvTransferAck.SerializeToString,
+            ),
+            'KvHandshake': grpc.unary_unary_rpc_method_handler(
+                    servicer.KvHandshake,
+                    request_deserializer=protos_dot_tandem_dot_v1_dot_kv__transfer__pb2.KvHandshakeRequest.FromString,
+                    response_serializer=protos_dot_tandem_dot_v1_dot_kv__transfer__pb2.KvHandshakeResponse.SerializeToString,
             ),
             'GetLoad': grpc.unary_unary_rpc_method_handler(
                     servicer.GetLoad,
@@ -153,6 +171,33 @@ class Decode:
             '/tandem.v1.Decode/TransferKv',
             protos_dot_tandem_dot_v1_dot_kv__transfer__pb2.KvTransferMessage.SerializeToString,
             protos_dot_tandem_dot_v1_dot_kv__transfer__pb2.KvTransferAck.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def KvHandshake(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tandem.v1.Decode/KvHandshake',
+            protos_dot_tandem_dot_v1_dot_kv__transfer__pb2.KvHandshakeRequest.SerializeToString,
+            protos_dot_tandem_dot_v1_dot_kv__transfer__pb2.KvHandshakeResponse.FromString,
             options,
             channel_credentials,
             insecure,

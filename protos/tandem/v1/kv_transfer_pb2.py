@@ -15,23 +15,35 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\"protos/tandem/v1/kv_transfer.proto\x12\ttandem.v1\"\x8e\x01\n\x08KvLayout\x12\r\n\x05\x64type\x18\x01 \x01(\t\x12\x0e\n\x06layout\x18\x02 \x01(\t\x12\x12\n\nblock_size\x18\x03 \x01(\r\x12\x12\n\nnum_layers\x18\x04 \x01(\r\x12\x14\n\x0cnum_kv_heads\x18\x05 \x01(\r\x12\x10\n\x08head_dim\x18\x06 \x01(\r\x12\x13\n\x0b\x62lock_bytes\x18\x07 \x01(\x04\"\x8d\x01\n\x0eKvTransferOpen\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12#\n\x06layout\x18\x02 \x01(\x0b\x32\x13.tandem.v1.KvLayout\x12\x19\n\x11num_prompt_tokens\x18\x03 \x01(\r\x12\x12\n\nnum_blocks\x18\x04 \x01(\r\x12\x13\n\x0b\x64\x65\x61\x64line_ms\x18\x05 \x01(\r\"G\n\x08KvBlocks\x12\x19\n\x11\x66irst_block_index\x18\x01 \x01(\r\x12\x12\n\nnum_blocks\x18\x02 \x01(\r\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\"E\n\x10KvTransferCommit\x12\x16\n\x0e\x66irst_token_id\x18\x01 \x01(\x05\x12\x19\n\x11num_cached_tokens\x18\x02 \x01(\r\"\x9c\x01\n\x11KvTransferMessage\x12)\n\x04open\x18\x01 \x01(\x0b\x32\x19.tandem.v1.KvTransferOpenH\x00\x12%\n\x06\x62locks\x18\x02 \x01(\x0b\x32\x13.tandem.v1.KvBlocksH\x00\x12-\n\x06\x63ommit\x18\x03 \x01(\x0b\x32\x1b.tandem.v1.KvTransferCommitH\x00\x42\x06\n\x04kind\"O\n\rKvTransferAck\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x16\n\x0ereceived_bytes\x18\x02 \x01(\x04\x12\x12\n\nnum_blocks\x18\x03 \x01(\rb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\"protos/tandem/v1/kv_transfer.proto\x12\ttandem.v1\"\x8e\x01\n\x08KvLayout\x12\r\n\x05\x64type\x18\x01 \x01(\t\x12\x0e\n\x06layout\x18\x02 \x01(\t\x12\x12\n\nblock_size\x18\x03 \x01(\r\x12\x12\n\nnum_layers\x18\x04 \x01(\r\x12\x14\n\x0cnum_kv_heads\x18\x05 \x01(\r\x12\x10\n\x08head_dim\x18\x06 \x01(\r\x12\x13\n\x0b\x62lock_bytes\x18\x07 \x01(\x04\"e\n\x0cHostIdentity\x12\x0f\n\x07\x62oot_id\x18\x01 \x01(\t\x12\x10\n\x08hostname\x18\x02 \x01(\t\x12\x12\n\nprocess_id\x18\x03 \x01(\t\x12\x0b\n\x03pid\x18\x04 \x01(\r\x12\x11\n\tgpu_uuids\x18\x05 \x03(\t\"\xb4\x02\n\x0c\x43udaIpcCache\x12%\n\x04host\x18\x01 \x01(\x0b\x32\x17.tandem.v1.HostIdentity\x12\x13\n\x0b\x64\x65vice_uuid\x18\x02 \x01(\t\x12\x12\n\nmem_handle\x18\x03 \x01(\x0c\x12\x1a\n\x12storage_size_bytes\x18\x04 \x01(\x04\x12\x1c\n\x14storage_offset_bytes\x18\x05 \x01(\x04\x12\x1a\n\x12ref_counter_handle\x18\x06 \x01(\x0c\x12\x1a\n\x12ref_counter_offset\x18\x07 \x01(\x04\x12\x14\n\x0c\x65vent_handle\x18\x08 \x01(\x0c\x12\x1b\n\x13\x65vent_sync_required\x18\t \x01(\x08\x12\x1b\n\x13tensor_offset_bytes\x18\n \x01(\x04\x12\x12\n\nnum_blocks\x18\x0b \x01(\r\"\x88\x01\n\x12KvHandshakeRequest\x12%\n\x04host\x18\x01 \x01(\x0b\x32\x17.tandem.v1.HostIdentity\x12#\n\x06layout\x18\x02 \x01(\x0b\x32\x13.tandem.v1.KvLayout\x12&\n\x05\x63\x61\x63he\x18\x03 \x01(\x0b\x32\x17.tandem.v1.CudaIpcCache\"u\n\x13KvHandshakeResponse\x12%\n\x04host\x18\x01 \x01(\x0b\x32\x17.tandem.v1.HostIdentity\x12\'\n\x04path\x18\x02 \x01(\x0e\x32\x19.tandem.v1.KvTransferPath\x12\x0e\n\x06reason\x18\x03 \x01(\t\"\xde\x01\n\x0eKvTransferOpen\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12#\n\x06layout\x18\x02 \x01(\x0b\x32\x13.tandem.v1.KvLayout\x12\x19\n\x11num_prompt_tokens\x18\x03 \x01(\r\x12\x12\n\nnum_blocks\x18\x04 \x01(\r\x12\x13\n\x0b\x64\x65\x61\x64line_ms\x18\x05 \x01(\r\x12\'\n\x04path\x18\x06 \x01(\x0e\x32\x19.tandem.v1.KvTransferPath\x12&\n\x05\x63\x61\x63he\x18\x07 \x01(\x0b\x32\x17.tandem.v1.CudaIpcCache\"G\n\x08KvBlocks\x12\x19\n\x11\x66irst_block_index\x18\x01 \x01(\r\x12\x12\n\nnum_blocks\x18\x02 \x01(\r\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\"=\n\rKvBlocksReady\x12\x19\n\x11\x66irst_block_index\x18\x01 \x01(\r\x12\x11\n\tblock_ids\x18\x02 \x03(\r\"E\n\x10KvTransferCommit\x12\x16\n\x0e\x66irst_token_id\x18\x01 \x01(\x05\x12\x19\n\x11num_cached_tokens\x18\x02 \x01(\r\"\xc7\x01\n\x11KvTransferMessage\x12)\n\x04open\x18\x01 \x01(\x0b\x32\x19.tandem.v1.KvTransferOpenH\x00\x12%\n\x06\x62locks\x18\x02 \x01(\x0b\x32\x13.tandem.v1.KvBlocksH\x00\x12-\n\x06\x63ommit\x18\x03 \x01(\x0b\x32\x1b.tandem.v1.KvTransferCommitH\x00\x12)\n\x05ready\x18\x04 \x01(\x0b\x32\x18.tandem.v1.KvBlocksReadyH\x00\x42\x06\n\x04kind\"x\n\rKvTransferAck\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x16\n\x0ereceived_bytes\x18\x02 \x01(\x04\x12\x12\n\nnum_blocks\x18\x03 \x01(\r\x12\'\n\x04path\x18\x04 \x01(\x0e\x32\x19.tandem.v1.KvTransferPath*l\n\x0eKvTransferPath\x12 \n\x1cKV_TRANSFER_PATH_UNSPECIFIED\x10\x00\x12\x19\n\x15KV_TRANSFER_PATH_GRPC\x10\x01\x12\x1d\n\x19KV_TRANSFER_PATH_CUDA_IPC\x10\x02\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'protos.tandem.v1.kv_transfer_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
+  _globals['_KVTRANSFERPATH']._serialized_start=1622
+  _globals['_KVTRANSFERPATH']._serialized_end=1730
   _globals['_KVLAYOUT']._serialized_start=50
   _globals['_KVLAYOUT']._serialized_end=192
-  _globals['_KVTRANSFEROPEN']._serialized_start=195
-  _globals['_KVTRANSFEROPEN']._serialized_end=336
-  _globals['_KVBLOCKS']._serialized_start=338
-  _globals['_KVBLOCKS']._serialized_end=409
-  _globals['_KVTRANSFERCOMMIT']._serialized_start=411
-  _globals['_KVTRANSFERCOMMIT']._serialized_end=480
-  _globals['_KVTRANSFERMESSAGE']._serialized_start=483
-  _globals['_KVTRANSFERMESSAGE']._serialized_end=639
-  _globals['_KVTRANSFERACK']._serialized_start=641
-  _globals['_KVTRANSFERACK']._serialized_end=720
+  _globals['_HOSTIDENTITY']._serialized_start=194
+  _globals['_HOSTIDENTITY']._serialized_end=295
+  _globals['_CUDAIPCCACHE']._serialized_start=298
+  _globals['_CUDAIPCCACHE']._serialized_end=606
+  _globals['_KVHANDSHAKEREQUEST']._serialized_start=609
+  _globals['_KVHANDSHAKEREQUEST']._serialized_end=745
+  _globals['_KVHANDSHAKERESPONSE']._serialized_start=747
+  _globals['_KVHANDSHAKERESPONSE']._serialized_end=864
+  _globals['_KVTRANSFEROPEN']._serialized_start=867
+  _globals['_KVTRANSFEROPEN']._serialized_end=1089
+  _globals['_KVBLOCKS']._serialized_start=1091
+  _globals['_KVBLOCKS']._serialized_end=1162
+  _globals['_KVBLOCKSREADY']._serialized_start=1164
+  _globals['_KVBLOCKSREADY']._serialized_end=1225
+  _globals['_KVTRANSFERCOMMIT']._serialized_start=1227
+  _globals['_KVTRANSFERCOMMIT']._serialized_end=1296
+  _globals['_KVTRANSFERMESSAGE']._serialized_start=1299
+  _globals['_KVTRANSFERMESSAGE']._serialized_end=1498
+  _globals['_KVTRANSFERACK']._serialized_start=1500
+  _globals['_KVTRANSFERACK']._serialized_end=1620
 # @@protoc_insertion_point(module_scope)

@@ -14,23 +14,24 @@ _sym_db = _symbol_database.Default()
 
 
 from protos.tandem.v1 import common_pb2 as protos_dot_tandem_dot_v1_dot_common__pb2
+from protos.tandem.v1 import kv_transfer_pb2 as protos_dot_tandem_dot_v1_dot_kv__transfer__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1eprotos/tandem/v1/prefill.proto\x12\ttandem.v1\x1a\x1dprotos/tandem/v1/common.proto\"\xa1\x01\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12)\n\x06params\x18\x03 \x01(\x0b\x32\x19.tandem.v1.SamplingParams\x12\x16\n\x0e\x64\x65\x63ode_address\x18\x04 \x01(\t\x12\x1e\n\x16kv_transfer_timeout_ms\x18\x05 \x01(\r\"y\n\x0fPrefillResponse\x12,\n\x0b\x66irst_token\x18\x01 \x01(\x0b\x32\x15.tandem.v1.FirstTokenH\x00\x12\x30\n\rtransfer_done\x18\x02 \x01(\x0b\x32\x17.tandem.v1.TransferDoneH\x00\x42\x06\n\x04kind\"h\n\nFirstToken\x12$\n\x05\x64\x65lta\x18\x01 \x01(\x0b\x32\x15.tandem.v1.TokenDelta\x12\x19\n\x11num_prompt_tokens\x18\x02 \x01(\r\x12\x19\n\x11num_cached_tokens\x18\x03 \x01(\r\"j\n\x0cTransferDone\x12\x16\n\x0etransfer_bytes\x18\x01 \x01(\x04\x12\x12\n\nnum_blocks\x18\x02 \x01(\r\x12\x18\n\x10transfer_seconds\x18\x03 \x01(\x01\x12\x14\n\x0ctail_seconds\x18\x04 \x01(\x01\x32\x8c\x01\n\x07Prefill\x12\x42\n\x07Prefill\x12\x19.tandem.v1.PrefillRequest\x1a\x1a.tandem.v1.PrefillResponse0\x01\x12=\n\x07GetLoad\x12\x19.tandem.v1.GetLoadRequest\x1a\x17.tandem.v1.InstanceLoadb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1eprotos/tandem/v1/prefill.proto\x12\ttandem.v1\x1a\x1dprotos/tandem/v1/common.proto\x1a\"protos/tandem/v1/kv_transfer.proto\"\xa1\x01\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12)\n\x06params\x18\x03 \x01(\x0b\x32\x19.tandem.v1.SamplingParams\x12\x16\n\x0e\x64\x65\x63ode_address\x18\x04 \x01(\t\x12\x1e\n\x16kv_transfer_timeout_ms\x18\x05 \x01(\r\"y\n\x0fPrefillResponse\x12,\n\x0b\x66irst_token\x18\x01 \x01(\x0b\x32\x15.tandem.v1.FirstTokenH\x00\x12\x30\n\rtransfer_done\x18\x02 \x01(\x0b\x32\x17.tandem.v1.TransferDoneH\x00\x42\x06\n\x04kind\"h\n\nFirstToken\x12$\n\x05\x64\x65lta\x18\x01 \x01(\x0b\x32\x15.tandem.v1.TokenDelta\x12\x19\n\x11num_prompt_tokens\x18\x02 \x01(\r\x12\x19\n\x11num_cached_tokens\x18\x03 \x01(\r\"\x93\x01\n\x0cTransferDone\x12\x16\n\x0etransfer_bytes\x18\x01 \x01(\x04\x12\x12\n\nnum_blocks\x18\x02 \x01(\r\x12\x18\n\x10transfer_seconds\x18\x03 \x01(\x01\x12\x14\n\x0ctail_seconds\x18\x04 \x01(\x01\x12\'\n\x04path\x18\x05 \x01(\x0e\x32\x19.tandem.v1.KvTransferPath2\x8c\x01\n\x07Prefill\x12\x42\n\x07Prefill\x12\x19.tandem.v1.PrefillRequest\x1a\x1a.tandem.v1.PrefillResponse0\x01\x12=\n\x07GetLoad\x12\x19.tandem.v1.GetLoadRequest\x1a\x17.tandem.v1.InstanceLoadb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'protos.tandem.v1.prefill_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_PREFILLREQUEST']._serialized_start=77
-  _globals['_PREFILLREQUEST']._serialized_end=238
-  _globals['_PREFILLRESPONSE']._serialized_start=240
-  _globals['_PREFILLRESPONSE']._serialized_end=361
-  _globals['_FIRSTTOKEN']._serialized_start=363
-  _globals['_FIRSTTOKEN']._serialized_end=467
-  _globals['_TRANSFERDONE']._serialized_start=469
-  _globals['_TRANSFERDONE']._serialized_end=575
-  _globals['_PREFILL']._serialized_start=578
-  _globals['_PREFILL']._serialized_end=718
+  _globals['_PREFILLREQUEST']._serialized_start=113
+  _globals['_PREFILLREQUEST']._serialized_end=274
+  _globals['_PREFILLRESPONSE']._serialized_start=276
+  _globals['_PREFILLRESPONSE']._serialized_end=397
+  _globals['_FIRSTTOKEN']._serialized_start=399
+  _globals['_FIRSTTOKEN']._serialized_end=503
+  _globals['_TRANSFERDONE']._serialized_start=506
+  _globals['_TRANSFERDONE']._serialized_end=653
+  _globals['_PREFILL']._serialized_start=656
+  _globals['_PREFILL']._serialized_end=796
 # @@protoc_insertion_point(module_scope)

@@ -1,4 +1,5 @@
 from protos.tandem.v1 import common_pb2 as _common_pb2
+from protos.tandem.v1 import kv_transfer_pb2 as _kv_transfer_pb2
 from google.protobuf.internal import containers as _containers
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
@@ -40,13 +41,15 @@ class FirstToken(_message.Message):
     def __init__(self, delta: _Optional[_Union[_common_pb2.TokenDelta, _Mapping]] = ..., num_prompt_tokens: _Optional[int] = ..., num_cached_tokens: _Optional[int] = ...) -> None: ...
 
 class TransferDone(_message.Message):
-    __slots__ = ("transfer_bytes", "num_blocks", "transfer_seconds", "tail_seconds")
+    __slots__ = ("transfer_bytes", "num_blocks", "transfer_seconds", "tail_seconds", "path")
     TRANSFER_BYTES_FIELD_NUMBER: _ClassVar[int]
     NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     TRANSFER_SECONDS_FIELD_NUMBER: _ClassVar[int]
     TAIL_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    PATH_FIELD_NUMBER: _ClassVar[int]
     transfer_bytes: int
     num_blocks: int
     transfer_seconds: float
     tail_seconds: float
-    def __init__(self, transfer_bytes: _Optional[int] = ..., num_blocks: _Optional[int] = ..., transfer_seconds: _Optional[float] = ..., tail_seconds: _Optional[float] = ...) -> None: ...
+    path: _kv_transfer_pb2.KvTransferPath
+    def __init__(self, transfer_bytes: _Optional[int] = ..., num_blocks: _Optional[int] = ..., transfer_seconds: _Optional[float] = ..., tail_seconds: _Optional[float] = ..., path: _Optional[_Union[_kv_transfer_pb2.KvTransferPath, str]] = ...) -> None: ...

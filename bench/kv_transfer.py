@@ -1,0 +1,237 @@
+"""KV transfer bandwidth, prefill -> decode, on both paths: gRPC bytes and same-host CUDA IPC.
+
+  python bench/kv_transfer.py --model random:qwen2.5-7b --dtype bfloat16 --device cuda     # both paths
+  python bench/kv_transfer.py --model random:tiny --device cpu                              # gRPC path only
+
+The decode side is a real decode service (`python -m decode_svc.server`, its own process: CUDA IPC cannot map a
+cache inside the process that exported it). The prefill side is this process: an engine computes each prompt's KV
+(kv_hold, as the prefill service does), then the prefill service's own sender (`prefill_svc.kv_sender.KvSender`)
+streams it over a real TransferKv call. The path is negotiated once per run with the KvHandshake (on CUDA IPC the
+decode service maps this process's cache then: the one-time mapping is not timed).
+
+What is timed, per request: from the moment the KvTransferOpen is handed to gRPC, before any block is read, until
+this process holds decode's KvTransferAck. It includes the open (on CUDA IPC: the cache handle, exchanged per
+request, and decode's lookup of its mapping), on gRPC the gather, the device -> host copy, serialization, the
+loopback hop, parsing and the host -> device write, on CUDA IPC the device synchronization and the GPU-to-GPU copy,
+then the commit (decode synchronizes its copies, `commit_prefilled`) and the ack. The prompt's compute is not timed
+(in the service it overlaps the transfer chunk by chunk). GB/s = the prompt's KV bytes (whole blocks, all layers,
+keys and values) / that time; the table gives the median over --num-iters requests after --warmup ones.
+
+Each request then decodes two more tokens on the decode service; the same prompts go through both paths, so equal
+tokens on both are a check that the blocks arrived intact.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import grpc
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from bench.common import REPO_ROOT, format_table, write_json  # noqa: E402
+from engine import EngineArgs, LLMEngine, SamplingParams  # noqa: E402
+from prefill_svc.kv_ipc import GRPC, PATH_LABELS  # noqa: E402
+from prefill_svc.kv_sender import KvSender  # noqa: E402
+from protos.runtime import GRPC_OPTIONS, ServiceError  # noqa: E402
+from protos.tandem.v1 import common_pb2, decode_pb2, decode_pb2_grpc  # noqa: E402
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default="random:tiny", help="model spec (random:<preset> for benchmarks)")
+    p.add_argument("--dtype", default="auto", help="model (and KV cache) dtype")
+    p.add_argument("--device", default="auto", help="cpu | cuda | auto")
+    p.add_argument("--input-lens", type=int, nargs="+", default=[512, 8192], help="prompt lengths, tokens")
+    p.add_argument("--paths", nargs="+", choices=["grpc", "ipc"], default=None,
+                   help="transfer paths (default: grpc and ipc on CUDA, grpc on the CPU)")
+    p.add_argument("--num-iters", type=int, default=5, help="timed requests per path and length")
+    p.add_argument("--warmup", type=int, default=1, help="untimed requests per path and length first")
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--kv-cache-memory", type=float, default=None,
+                   help="KV cache GiB of each side (default: 2 on CUDA, 0.25 on the CPU)")
+    p.add_argument("--json", default=None, help="result file (default: bench/results/kv_transfer-<device>.json)")
+    p.add_argument("--decode-log", default=None, help="decode service log file (default: a temporary file)")
+    return p.parse_args(argv)
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def engine_flags(args, max_model_len: int) -> list[str]:
+    return ["--model", args.model, "--dtype", args.dtype, "--device", args.device, "--block-size",
+            str(args.block_size), "--kv-cache-memory", str(args.kv_cache_memory), "--max-model-len",
+            str(max_model_len), "--enforce-eager", "--no-enable-prefix-caching"]
+
+
+def prefill_kv(engine, rid: str, prompt: list[int]) -> int:
+    """Computes the prompt's KV in the local engine (held, as the prefill service holds it); returns token 1."""
+    engine.add_request(rid, prompt, SamplingParams(temperature=0.0, max_tokens=1), kv_hold=True)
+    token = None
+    while token is None:
+        for out in engine.step():
+            if out.request_id == rid and out.new_token_ids:
+                token = out.new_token_ids[0]
+    if engine.kv_cache.is_cuda:
+        torch.cuda.synchronize(engine.kv_cache.device)
+    return token
+
+
+async def one_request(engine, sender: KvSender, stub, path: int, rid: str, prompt: list[int]) -> dict:
+    params = common_pb2.SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
+    call = stub.Decode(decode_pb2.DecodeRequest(request_id=rid, prompt_token_ids=prompt, params=params,
+                                                kv_transfer_timeout_ms=120_000))
+    reserved = await call.read()
+    assert reserved.HasField("reserved"), reserved
+    first = prefill_kv(engine, rid, prompt)
+    num_blocks = -(-len(prompt) // sender.layout.block_size)
+    ids = engine.get_block_ids(rid)[:num_blocks]
+
+    async def messages():
+        yield sender.open_message(rid, len(prompt), num_blocks, 120_000, path)
+        step = sender.blocks_per_message if path == GRPC else num_blocks
+        for i in range(0, num_blocks, step):  # read lazily: the gather and the copy to the host are timed
+            for msg in sender.block_messages(engine.kv_cache, path, i, ids[i:i + step]):
+                yield msg
+        yield sender.commit_message(first, 0)
+
+    t0 = time.perf_counter()
+    ack = await stub.TransferKv(messages())
+    seconds = time.perf_counter() - t0
+    tokens = [first]
+    while (r := await call.read()) is not grpc.aio.EOF:
+        tokens += r.delta.token_ids
+    engine.abort(rid)  # frees the held blocks
+    assert ack.path == path, (ack.path, path)
+    assert ack.received_bytes == num_blocks * sender.layout.block_bytes, ack
+    return dict(seconds=seconds, bytes=ack.received_bytes, tokens=tokens)
+
+
+async def wait_ready(stub, proc: subprocess.Popen, log: Path, timeout_s: float = 600) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise SystemExit(f"the decode service exited ({proc.returncode}):\n{log.read_text()[-3000:]}")
+        try:
+            await stub.GetLoad(common_pb2.GetLoadRequest(), timeout=2)
+            return
+        except grpc.aio.AioRpcError:
+            await asyncio.sleep(0.5)
+    raise SystemExit(f"the decode service did not start in {timeout_s:.0f} s:\n{log.read_text()[-3000:]}")
+
+
+async def run(args, engine, stub, proc, log, context_len: int) -> tuple[list[dict], dict]:
+    await wait_ready(stub, proc, log)
+    address = f"127.0.0.1:{args.port}"
+    rows, notes = [], {}
+    gen = torch.Generator().manual_seed(0)
+    vocab = engine.runner.hf_config.vocab_size
+    prompts = {n: [torch.randint(300, vocab, (n,), generator=gen).tolist() for _ in range(args.warmup + args.num_iters)]
+               for n in args.input_lens if n < context_len}
+    for n in args.input_lens:
+        if n not in prompts:
+            notes[f"{n} tokens"] = f"skipped: longer than {args.model}'s context ({context_len} tokens)"
+    tokens: dict[tuple[int, int], list[int]] = {}
+    for name in args.paths:
+        sender = KvSender(engine.kv_cache, name)  # the --kv-transfer value
+        try:
+            path = await sender.path_to(address, stub)  # the handshake; on CUDA IPC the one-time mapping
+        except ServiceError as e:
+            notes[name] = f"not measured: {e.message}"
+            print(f"{name}: {e.message}", flush=True)
+            continue
+        for n, batch in prompts.items():
+            runs = []
+            for i, prompt in enumerate(batch):
+                r = await one_request(engine, sender, stub, path, f"{name}-{n}-{i}", prompt)
+                if i >= args.warmup:
+                    runs.append(r)
+                same = tokens.setdefault((n, i), r["tokens"]) == r["tokens"]
+                if not same:
+                    notes[f"{name} {n} #{i}"] = f"tokens {r['tokens']} differ from the first path's {tokens[(n, i)]}"
+            secs = [r["seconds"] for r in runs]
+            med = statistics.median(secs)
+            rows.append(dict(path=PATH_LABELS[path], input_len=n, bytes=runs[0]["bytes"], seconds_median=med,
+                             seconds_min=min(secs), seconds_max=max(secs), gb_per_s=runs[0]["bytes"] / med / 1e9,
+                             iters=len(runs), tokens_match=all(tokens[(n, i)] == r["tokens"]
+                                                               for i, r in enumerate(runs, args.warmup))))
+            print(f"{name} {n:6d} tokens: {runs[0]['bytes'] / 1e6:9.1f} MB  median {med * 1e3:8.3f} ms  "
+                  f"{rows[-1]['gb_per_s']:8.2f} GB/s", flush=True)
+    return rows, notes
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.device == "auto":
+        args.device = "cuda" if torch.cuda.is_available() else "cpu"
+    if args.paths is None:
+        args.paths = ["grpc", "ipc"] if args.device == "cuda" else ["grpc"]
+    if "ipc" in args.paths and args.device != "cuda":
+        raise SystemExit("--paths ipc: CUDA IPC needs --device cuda")
+    if args.kv_cache_memory is None:
+        args.kv_cache_memory = 2.0 if args.device == "cuda" else 0.25
+    args.port = free_port()
+    from engine.loader import resolve_model
+
+    context_len = resolve_model(args.model).config.max_position_embeddings
+    max_model_len = min(context_len, max(args.input_lens) + 64)
+    log = Path(args.decode_log or tempfile.mkstemp(prefix="kv-transfer-decode-", suffix=".log")[1])
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.Popen([sys.executable, "-m", "decode_svc.server", "--port", str(args.port), "--log-level",
+                             "WARNING", *engine_flags(args, max_model_len)], cwd=REPO_ROOT, env=env,
+                            stdout=log.open("w"), stderr=subprocess.STDOUT)
+    try:
+        engine = LLMEngine.from_engine_args(EngineArgs(
+            model=args.model, dtype=args.dtype, device=args.device, block_size=args.block_size,
+            kv_cache_memory=args.kv_cache_memory, max_model_len=max_model_len, enforce_eager=True,
+            enable_prefix_caching=False, max_num_batched_tokens=max(2048, min(max(args.input_lens), max_model_len))))
+        engine.stream_text = False
+
+        async def go():
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{args.port}", options=GRPC_OPTIONS) as ch:
+                return await run(args, engine, decode_pb2_grpc.DecodeStub(ch), proc, log, context_len)
+
+        rows, notes = asyncio.run(go())
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+    layout = KvSender(engine.kv_cache, "grpc").layout
+    bytes_per_token = layout.block_bytes // layout.block_size
+    print(f"\nmodel {args.model}  kv dtype {layout.dtype}  {layout.num_layers} layers x {layout.num_kv_heads} kv heads "
+          f"x {layout.head_dim}  {bytes_per_token} KV bytes/token  device {args.device}"
+          + (f" ({torch.cuda.get_device_name()})" if args.device == "cuda" else ""))
+    print("timed: open handed to gRPC -> decode's ack (decode committed); median of "
+          f"{args.num_iters} after {args.warmup} warm-up\n")
+    print(format_table(["path", "prompt tokens", "KV MB", "median ms", "min ms", "max ms", "GB/s", "tokens match"],
+                       [[r["path"], r["input_len"], r["bytes"] / 1e6, r["seconds_median"] * 1e3,
+                         r["seconds_min"] * 1e3, r["seconds_max"] * 1e3, r["gb_per_s"], r["tokens_match"]]
+                        for r in rows]))
+    for k, v in notes.items():
+        print(f"note: {k}: {v}")
+    out = args.json or REPO_ROOT / "bench" / "results" / f"kv_transfer-{args.device}.json"
+    write_json(out, dict(model=args.model, dtype=layout.dtype, device=args.device, block_size=layout.block_size,
+                         num_layers=layout.num_layers, num_kv_heads=layout.num_kv_heads, head_dim=layout.head_dim,
+                         kv_bytes_per_token=bytes_per_token, timed=__doc__.split("\n\n")[3].replace("\n", " "),
+                         results=rows, notes=notes))
+    print(f"wrote {out}")
+    return 0 if rows and all(r["tokens_match"] for r in rows) else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,38 @@
+"""KV transfer metrics labelled by path ("grpc" | "ipc"), for prefill and decode.
+
+`engine/metrics.py`'s `tandem:kv_transfer_bytes` and `tandem:kv_transfer_seconds` count every transfer whatever its
+path (both keep doing so); these two families add the `path` label beside `model` and `role`:
+`tandem:kv_transfer_path_bytes_total` and `tandem:kv_transfer_path_seconds` (open to ack on prefill, open to commit
+on decode). They live here because the engine's metric module is shared by all roles and owned elsewhere; folding
+the label into the engine's families later is a rename on dashboards.
+"""
+from __future__ import annotations
+
+from prometheus_client import Counter, Histogram
+
+from engine.metrics import LABELS, Metrics, _TRANSFER_BUCKETS
+from prefill_svc.kv_ipc import PATH_LABELS
+
+_path_bytes = Counter("tandem:kv_transfer_path_bytes",
+                      "KV bytes sent (prefill) or received (decode), by transfer path.", LABELS + ("path",))
+_path_seconds = Histogram("tandem:kv_transfer_path_seconds",
+                          "KV transfer time by path, seconds (prefill: open to ack; decode: open to commit).",
+                          LABELS + ("path",), buckets=_TRANSFER_BUCKETS)
+
+
+class KvPathMetrics:
+    """The path-labelled children of one process, next to its `Metrics`."""
+
+    def __init__(self, metrics: Metrics, model: str, role: str):
+        self.metrics = metrics
+        self._bytes = {p: _path_bytes.labels(model=model, role=role, path=name) for p, name in PATH_LABELS.items()}
+        self._seconds = {p: _path_seconds.labels(model=model, role=role, path=name)
+                         for p, name in PATH_LABELS.items()}
+
+    def add_bytes(self, path: int, n: int) -> None:
+        self.metrics.kv_transfer_bytes.inc(n)
+        self._bytes[path].inc(n)
+
+    def observe_seconds(self, path: int, seconds: float) -> None:
+        self.metrics.kv_transfer_seconds.observe(seconds)
+        self._seconds[path].observe(seconds)

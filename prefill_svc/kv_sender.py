@@ -1,0 +1,117 @@
+"""The sending side of KV transfers: the path to each decode instance, and the messages of one transfer.
+
+1. `path_to(address)`: before the first transfer to a decode instance, a KvHandshake offers this cache's CUDA IPC
+   export (when the cache is on a GPU and --kv-transfer is not grpc). The decode instance checks the host identity,
+   maps the cache, and answers CUDA_IPC, or GRPC with the reason. The answer is kept per address (and dropped when a
+   CUDA IPC transfer fails, so the next request asks again). --kv-transfer ipc turns a GRPC answer into an error.
+2. `open_message`: the KvTransferOpen; on CUDA_IPC it carries the export again (the per-request handle exchange:
+   a few hundred bytes; the decode instance finds its mapping by the handle).
+3. `block_messages` (engine thread, after the step that filled the blocks):
+   - GRPC: the blocks' bytes, `kv_cache[block_ids]` gathered and copied to the host, in messages of at most
+     KV_CHUNK_BYTES;
+   - CUDA_IPC: the cache's device is synchronized first (the step's KV writes are complete before any other process
+     reads them), then only the block ids go, in one message; the decode instance copies the blocks GPU to GPU and
+     must finish before its ack, after which the prefill frees them.
+4. `commit_message`: the first token; all blocks were sent.
+"""
+from __future__ import annotations
+
+import logging
+
+import grpc
+import torch
+
+from prefill_svc.kv_ipc import CUDA_IPC, GRPC, PATH_LABELS, PATHS, export_cache, host_identity
+from prefill_svc.kv_layout import layout_of, read_blocks
+from protos.runtime import KV_CHUNK_BYTES, ServiceError
+from protos.tandem.v1 import kv_transfer_pb2 as kv
+
+log = logging.getLogger("tandem.prefill.kv")
+
+HANDSHAKE_TIMEOUT_S = 10.0
+
+
+class KvSender:
+    def __init__(self, kv_cache: torch.Tensor, kv_transfer: str = "auto"):
+        if kv_transfer not in PATHS:
+            raise ValueError(f"kv_transfer={kv_transfer!r}: must be one of {', '.join(PATHS)}")
+        if kv_transfer == "ipc" and kv_cache.device.type != "cuda":
+            raise ValueError(f"kv_transfer='ipc': CUDA IPC needs the KV cache on a CUDA device, this one is on "
+                             f"{kv_cache.device.type}; use auto or grpc")
+        self.kv_transfer = kv_transfer
+        self.device = kv_cache.device
+        self.layout = layout_of(kv_cache)
+        self.host = host_identity()
+        # Exported once per process (each export takes a slot of torch's cross-process reference counter).
+        self.cache = export_cache(kv_cache, self.host) if kv_transfer != "grpc" and self.device.type == "cuda" else None
+        self.blocks_per_message = max(1, KV_CHUNK_BYTES // self.layout.block_bytes)
+        self._answers: dict[str, kv.KvHandshakeResponse] = {}  # decode address -> its handshake answer
+
+    # ---- event loop -------------------------------------------------------------------------------------------
+    async def path_to(self, address: str, stub) -> int:
+        """The path of transfers to the decode instance at `address` (stub: its DecodeStub)."""
+        if self.cache is None:
+            return GRPC
+        answer = self._answers.get(address)
+        if answer is None:
+            req = kv.KvHandshakeRequest(host=self.host, layout=self.layout, cache=self.cache)
+            try:
+                answer = await stub.KvHandshake(req, timeout=HANDSHAKE_TIMEOUT_S)
+            except grpc.aio.AioRpcError as e:
+                if e.code() != grpc.StatusCode.UNIMPLEMENTED:
+                    raise ServiceError(e.code(), f"kv transfer handshake with decode {address} failed: "
+                                                 f"{e.details()}") from None
+                answer = kv.KvHandshakeResponse(path=GRPC, reason="the decode instance has no KvHandshake")
+            self._answers[address] = answer
+            log.info("kv transfers to decode %s take the %s path%s", address, PATH_LABELS.get(answer.path, "grpc"),
+                     f" ({answer.reason})" if answer.reason else "")
+        if answer.path == CUDA_IPC:
+            return CUDA_IPC
+        if self.kv_transfer == "ipc":
+            raise ServiceError(grpc.StatusCode.FAILED_PRECONDITION,
+                               f"--kv-transfer ipc: decode {address} cannot take CUDA IPC transfers from this "
+                               f"instance: {answer.reason}")
+        return GRPC
+
+    def forget(self, address: str) -> None:
+        """Ask again before the next transfer to `address` (a CUDA IPC transfer to it failed)."""
+        self._answers.pop(address, None)
+
+    def open_message(self, request_id: str, num_prompt_tokens: int, num_blocks: int, deadline_ms: int,
+                     path: int) -> kv.KvTransferMessage:
+        op = kv.KvTransferOpen(request_id=request_id, layout=self.layout, num_prompt_tokens=num_prompt_tokens,
+                               num_blocks=num_blocks, deadline_ms=deadline_ms, path=path)
+        if path == CUDA_IPC:
+            op.cache.CopyFrom(self.cache)
+        return kv.KvTransferMessage(open=op)
+
+    @staticmethod
+    def commit_message(first_token_id: int, num_cached_tokens: int) -> kv.KvTransferMessage:
+        return kv.KvTransferMessage(commit=kv.KvTransferCommit(first_token_id=first_token_id,
+                                                               num_cached_tokens=num_cached_tokens))
+
+    def payload_bytes(self, msg: kv.KvTransferMessage) -> tuple[int, int]:
+        """(KV bytes, blocks) a message moves: the payload on GRPC, the blocks' size on CUDA_IPC."""
+        kind = msg.WhichOneof("kind")
+        if kind == "blocks":
+            return len(msg.blocks.data), msg.blocks.num_blocks
+        if kind == "ready":
+            return len(msg.ready.block_ids) * self.layout.block_bytes, len(msg.ready.block_ids)
+        return 0, 0
+
+    # ---- engine thread ----------------------------------------------------------------------------------------
+    def block_messages(self, kv_cache: torch.Tensor, path: int, first_block_index: int,
+                       block_ids: list[int]) -> list[kv.KvTransferMessage]:
+        """The messages that ship blocks `block_ids` (positions first_block_index.. of the request's block table),
+        complete in `kv_cache` once the current stream's work is done."""
+        if path == CUDA_IPC:
+            torch.cuda.synchronize(self.device)  # every stream: the KV writes of the step are complete
+            return [kv.KvTransferMessage(ready=kv.KvBlocksReady(first_block_index=first_block_index,
+                                                                block_ids=block_ids))]
+        out = []
+        for i in range(0, len(block_ids), self.blocks_per_message):
+            run = block_ids[i:i + self.blocks_per_message]
+            out.append(kv.KvTransferMessage(blocks=kv.KvBlocks(first_block_index=first_block_index + i,
+                                                               num_blocks=len(run),
+                                                               data=read_blocks(kv_cache, run))))
+        return out

@@ -1,0 +1,155 @@
+"""The decode service's side of the CUDA IPC negotiation, on the CPU (a real engine and gRPC server on loopback):
+the handshake answers GRPC with the reason, an open that insists on CUDA_IPC is refused naming the field, and the
+two paths' messages cannot be mixed. No block may stay allocated."""
+from __future__ import annotations
+
+import asyncio
+import socket
+
+import grpc
+import pytest
+
+from decode_svc.core import DecodeCore
+from decode_svc.servicer import DecodeServicer
+from engine import EngineArgs, LLMEngine
+from engine.metrics import Metrics
+from prefill_svc.kv_ipc import host_identity
+from prefill_svc.kv_layout import layout_of
+from protos.runtime import new_server
+from protos.tandem.v1 import common_pb2, decode_pb2, decode_pb2_grpc, kv_transfer_pb2 as kv
+
+
+@pytest.fixture(scope="module")
+def engine():
+    return LLMEngine.from_engine_args(EngineArgs(model="random:tiny", device="cpu", num_gpu_blocks_override=64,
+                                                 max_model_len=1024, block_size=16))
+
+
+def run(engine, scenario):
+    async def main():
+        core = DecodeCore(engine, Metrics("random:tiny", "decode"))
+        await core.start()
+        server = new_server()
+        decode_pb2_grpc.add_DecodeServicer_to_server(DecodeServicer(core), server)
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        server.add_insecure_port(f"127.0.0.1:{port}")
+        await server.start()
+        try:
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as ch:
+                return await scenario(decode_pb2_grpc.DecodeStub(ch))
+        finally:
+            await server.stop(0)
+            await core.close()
+    return asyncio.run(main())
+
+
+def offer() -> kv.CudaIpcCache:
+    """What a GPU prefill process on this host would offer (another process: its own process_id)."""
+    peer = host_identity()
+    peer.process_id, peer.gpu_uuids[:] = "another-process", ["GPU-test"]
+    return kv.CudaIpcCache(host=peer, device_uuid="GPU-test", mem_handle=b"\x01" * 64, storage_size_bytes=1 << 20,
+                           num_blocks=4)
+
+
+async def idle(stub):
+    for _ in range(50):
+        load = await stub.GetLoad(common_pb2.GetLoadRequest())
+        if load.num_used_blocks == 0 and load.num_tracked_requests == 0:
+            return load
+        await asyncio.sleep(0.05)
+    return load
+
+
+def reserve(stub, rid, n_tokens):
+    return stub.Decode(decode_pb2.DecodeRequest(request_id=rid, prompt_token_ids=[3] * n_tokens,
+                                                params=common_pb2.SamplingParams(temperature=0.0, max_tokens=4),
+                                                kv_transfer_timeout_ms=10_000))
+
+
+def test_handshake_answers_grpc_with_the_reason(engine):
+    async def scenario(stub):
+        layout = layout_of(engine.kv_cache)
+        with_cache = await stub.KvHandshake(kv.KvHandshakeRequest(host=host_identity(), layout=layout,
+                                                                  cache=offer()))
+        without = await stub.KvHandshake(kv.KvHandshakeRequest(host=host_identity(), layout=layout))
+        wrong = kv.KvLayout()
+        wrong.CopyFrom(layout)
+        wrong.num_layers += 1
+        mismatch = await stub.KvHandshake(kv.KvHandshakeRequest(host=host_identity(), layout=wrong, cache=offer()))
+        return with_cache, without, mismatch
+
+    with_cache, without, mismatch = run(engine, scenario)
+    assert with_cache.path == kv.KV_TRANSFER_PATH_GRPC
+    assert with_cache.reason == "this instance's KV cache is on cpu, not a CUDA device"
+    assert with_cache.host.boot_id == host_identity().boot_id and with_cache.host.process_id
+    assert without.path == kv.KV_TRANSFER_PATH_GRPC and "KV cache is on cpu" in without.reason
+    assert mismatch.path == kv.KV_TRANSFER_PATH_GRPC and mismatch.reason.startswith("layout.num_layers=3")
+
+
+def test_an_ipc_open_on_a_cpu_cache_is_refused_and_frees(engine):
+    async def scenario(stub):
+        call = reserve(stub, "r", 40)
+        assert (await call.read()).reserved.num_blocks == 3
+        op = kv.KvTransferOpen(request_id="r", layout=layout_of(engine.kv_cache), num_prompt_tokens=40, num_blocks=3,
+                               path=kv.KV_TRANSFER_PATH_CUDA_IPC, cache=offer())
+
+        async def messages():
+            yield kv.KvTransferMessage(open=op)
+            yield kv.KvTransferMessage(ready=kv.KvBlocksReady(first_block_index=0, block_ids=[0, 1, 2]))
+
+        with pytest.raises(grpc.aio.AioRpcError) as ei:
+            await stub.TransferKv(messages())
+        assert ei.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+        assert ei.value.details() == "open.path=CUDA_IPC: this instance's KV cache is on cpu, not a CUDA device"
+        with pytest.raises(grpc.aio.AioRpcError) as ei:  # the Decode call fails with the same status
+            await call.read()
+        assert ei.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+        return await idle(stub)
+
+    assert run(engine, scenario).num_used_blocks == 0
+
+
+def test_the_paths_messages_do_not_mix(engine):
+    async def scenario(stub):
+        call = reserve(stub, "m", 20)
+        await call.read()
+        layout = layout_of(engine.kv_cache)
+
+        async def messages():
+            yield kv.KvTransferMessage(open=kv.KvTransferOpen(request_id="m", layout=layout, num_prompt_tokens=20,
+                                                              num_blocks=2, path=kv.KV_TRANSFER_PATH_GRPC))
+            yield kv.KvTransferMessage(ready=kv.KvBlocksReady(first_block_index=0, block_ids=[5, 6]))
+
+        with pytest.raises(grpc.aio.AioRpcError) as ei:
+            await stub.TransferKv(messages())
+        assert ei.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert ei.value.details() == ("ready: this transfer opened with path=KV_TRANSFER_PATH_GRPC, which sends "
+                                      "`blocks` messages")
+        return await idle(stub)
+
+    assert run(engine, scenario).num_used_blocks == 0
+
+
+def test_an_unset_path_is_grpc_and_the_ack_says_so(engine):
+    async def scenario(stub):
+        call = reserve(stub, "g", 20)
+        await call.read()
+        layout = layout_of(engine.kv_cache)
+
+        async def messages():  # a sender that predates the path field
+            yield kv.KvTransferMessage(open=kv.KvTransferOpen(request_id="g", layout=layout, num_prompt_tokens=20,
+                                                              num_blocks=2))
+            yield kv.KvTransferMessage(blocks=kv.KvBlocks(first_block_index=0, num_blocks=2,
+                                                          data=bytes(2 * layout.block_bytes)))
+            yield kv.KvTransferMessage(commit=kv.KvTransferCommit(first_token_id=65))
+
+        ack = await stub.TransferKv(messages())
+        while await call.read() is not grpc.aio.EOF:
+            pass
+        return ack, await idle(stub)
+
+    ack, load = run(engine, scenario)
+    assert ack.path == kv.KV_TRANSFER_PATH_GRPC and ack.received_bytes == 2 * layout_of(engine.kv_cache).block_bytes
+    assert load.num_used_blocks == 0

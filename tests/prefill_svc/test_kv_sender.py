@@ -1,0 +1,142 @@
+"""The prefill side's choice of KV transfer path, on the CPU: the --kv-transfer flag, the handshake with a real
+decode service (in-process, real gRPC on loopback), and whole transfers on the forced and the automatic path, which
+on CPU caches must be the gRPC bytes path (the metrics by path say which one moved the bytes)."""
+from __future__ import annotations
+
+import asyncio
+import socket
+
+import grpc
+import pytest
+from prometheus_client import REGISTRY
+
+from decode_svc.core import DecodeCore
+from decode_svc.servicer import DecodeServicer
+from engine import LLM, EngineArgs, LLMEngine, SamplingParams
+from engine.metrics import Metrics
+from prefill_svc.core import PrefillCore
+from prefill_svc.kv_ipc import CUDA_IPC, GRPC, host_identity
+from prefill_svc.kv_sender import KvSender
+from prefill_svc.server import ROLE, build_parser
+from prefill_svc.servicer import PrefillServicer
+from protos.runtime import ServiceError, new_server
+from protos.tandem.v1 import common_pb2, decode_pb2, decode_pb2_grpc, kv_transfer_pb2 as kv, prefill_pb2
+from protos.tandem.v1 import prefill_pb2_grpc
+
+ARGS = dict(model="random:tiny", device="cpu", num_gpu_blocks_override=256, max_model_len=1024, block_size=16,
+            max_num_batched_tokens=32)
+PROMPT = list(range(20, 120))  # 100 tokens: 7 blocks, prefilled in 4 chunks
+
+
+@pytest.fixture(scope="module")
+def engines():
+    return LLMEngine.from_engine_args(EngineArgs(**ARGS)), LLMEngine.from_engine_args(EngineArgs(**ARGS))
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run(engines, kv_transfer, scenario):
+    async def main():
+        pcore = PrefillCore(engines[0], Metrics("random:tiny", "prefill"), 5, kv_transfer=kv_transfer)
+        dcore = DecodeCore(engines[1], Metrics("random:tiny", "decode"))
+        await pcore.start()
+        await dcore.start()
+        ps, ds = new_server(), new_server()
+        prefill_pb2_grpc.add_PrefillServicer_to_server(PrefillServicer(pcore), ps)
+        decode_pb2_grpc.add_DecodeServicer_to_server(DecodeServicer(dcore), ds)
+        pa, da = f"127.0.0.1:{free_port()}", f"127.0.0.1:{free_port()}"
+        ps.add_insecure_port(pa)
+        ds.add_insecure_port(da)
+        await ps.start()
+        await ds.start()
+        try:
+            async with grpc.aio.insecure_channel(pa) as pch, grpc.aio.insecure_channel(da) as dch:
+                return await scenario(pcore, prefill_pb2_grpc.PrefillStub(pch), decode_pb2_grpc.DecodeStub(dch), da)
+        finally:
+            await ps.stop(0)
+            await ds.stop(0)
+            await pcore.close()
+            await dcore.close()
+    return asyncio.run(main())
+
+
+def path_bytes(role: str, path: str) -> float:
+    return REGISTRY.get_sample_value("tandem:kv_transfer_path_bytes_total",
+                                     {"model": "random:tiny", "role": role, "path": path}) or 0.0
+
+
+def test_the_flag_and_its_validation(engines):
+    assert build_parser().parse_args([]).kv_transfer == "auto"
+    ns = build_parser().parse_args(["--kv-transfer", "grpc"])
+    assert ROLE.core_kwargs(ns) == {"kv_transfer": "grpc"}
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["--kv-transfer", "nvlink"])
+    with pytest.raises(ValueError, match=r"^kv_transfer='ipc': CUDA IPC needs the KV cache on a CUDA device, this "
+                                         r"one is on cpu; use auto or grpc"):
+        PrefillCore(engines[0], Metrics("random:tiny", "prefill"), kv_transfer="ipc")
+    with pytest.raises(ValueError, match=r"^kv_transfer='nvlink': must be one of auto, grpc, ipc"):
+        KvSender(engines[0].kv_cache, "nvlink")
+    assert KvSender(engines[0].kv_cache, "auto").cache is None  # a CPU cache offers nothing to map
+
+
+@pytest.mark.parametrize("kv_transfer", ["grpc", "auto"])
+def test_cpu_transfers_take_the_bytes_path(engines, kv_transfer):
+    expected = LLM(**ARGS).generate({"prompt_token_ids": PROMPT}, SamplingParams(temperature=0, max_tokens=6))
+    before = {(r, p): path_bytes(r, p) for r in ("prefill", "decode") for p in ("grpc", "ipc")}
+
+    async def scenario(pcore, pstub, dstub, daddr):
+        params = common_pb2.SamplingParams(temperature=0.0, max_tokens=6)
+        dcall = dstub.Decode(decode_pb2.DecodeRequest(request_id="t", prompt_token_ids=PROMPT, params=params))
+        await dcall.read()
+        resps = [r async for r in pstub.Prefill(prefill_pb2.PrefillRequest(
+            request_id="t", prompt_token_ids=PROMPT, params=params, decode_address=daddr))]
+        toks = list(resps[0].first_token.delta.token_ids)
+        while (r := await dcall.read()) is not grpc.aio.EOF:
+            toks += r.delta.token_ids
+        loads = [await s.GetLoad(common_pb2.GetLoadRequest()) for s in (pstub, dstub)]
+        return resps[1].transfer_done, toks, loads
+
+    done, toks, loads = run(engines, kv_transfer, scenario)
+    assert toks == expected[0].outputs[0].token_ids
+    assert done.path == kv.KV_TRANSFER_PATH_GRPC and done.num_blocks == 7
+    for role in ("prefill", "decode"):
+        assert path_bytes(role, "grpc") - before[(role, "grpc")] == done.transfer_bytes
+        assert path_bytes(role, "ipc") == before[(role, "ipc")]
+    assert all(x.num_used_blocks == 0 for x in loads)
+
+
+def test_negotiation_with_a_decode_that_cannot_map(engines):
+    """A sender that offers a cache (as a GPU prefill does) to a decode service whose cache is on the CPU: auto falls
+    back to gRPC and keeps the answer; ipc fails with the decode's reason; forget() asks again."""
+    async def scenario(pcore, pstub, dstub, daddr):
+        sender = KvSender(engines[0].kv_cache, "auto")
+        peer = host_identity()
+        sender.cache = kv.CudaIpcCache(host=peer, device_uuid="GPU-test", mem_handle=b"\x01" * 64, num_blocks=4)
+        calls = []
+
+        class CountingStub:  # the real stub, counting handshakes
+            async def KvHandshake(self, req, timeout):
+                calls.append(req)
+                return await dstub.KvHandshake(req, timeout=timeout)
+
+        stub = CountingStub()
+        auto = [await sender.path_to(daddr, stub) for _ in range(3)]
+        sender.kv_transfer = "ipc"
+        with pytest.raises(ServiceError) as ei:
+            await sender.path_to(daddr, stub)
+        sender.forget(daddr)
+        sender.kv_transfer = "auto"
+        await sender.path_to(daddr, stub)
+        return auto, ei.value, len(calls), calls[0]
+
+    auto, err, ncalls, first = run(engines, "auto", scenario)
+    assert auto == [GRPC] * 3 and CUDA_IPC not in auto
+    assert err.code == grpc.StatusCode.FAILED_PRECONDITION
+    assert err.message.startswith("--kv-transfer ipc: decode 127.0.0.1:") and err.message.endswith(
+        "cannot take CUDA IPC transfers from this instance: this instance's KV cache is on cpu, not a CUDA device")
+    assert ncalls == 2  # once, then once more after forget()
+    assert first.cache.mem_handle == b"\x01" * 64 and first.layout.block_size == 16
