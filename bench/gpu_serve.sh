@@ -31,7 +31,7 @@ if ! $PY -c "import fastapi, uvicorn" 2>/dev/null; then
   $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
   export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
 fi
-$PY -c "import torch, triton, transformers, grpc, fastapi, uvicorn; print('commit $COMMIT; torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__, 'grpc', grpc.__version__, 'fastapi', fastapi.__version__, torch.cuda.get_device_name() if torch.cuda.is_available() else 'no cuda')" | tee "$OUT/versions.txt"
+$PY -c "import torch, triton, transformers, grpc, fastapi, uvicorn; print('commit $COMMIT; torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__, 'grpc', grpc.__version__, 'fastapi', fastapi.__version__, torch.cuda.get_device_name() if torch.cuda.is_available() else 'no cuda')"
 
 engine_flags=(--device "$DEVICE" --model "$MODEL" --dtype "$DTYPE" --kv-cache-memory "$KV_GIB")
 [[ -n $MAX_MODEL_LEN ]] && engine_flags+=(--max-model-len "$MAX_MODEL_LEN")
