@@ -60,13 +60,14 @@ def main(argv=None) -> int:
     from engine import model_runner
 
     steps = args.steps
-    llm = LLM(args.model, dtype=args.dtype, max_model_len=args.input_len + 4 * steps + 64,
+    max_tokens = 8 * steps + 64  # every request decodes through all three modes' runs
+    llm = LLM(args.model, dtype=args.dtype, max_model_len=args.input_len + max_tokens + 16,
               max_num_seqs=args.batch, max_num_batched_tokens=8192, enable_prefix_caching=False)
     eng = llm.engine
     cfg = eng.runner.hf_config
     g = torch.Generator().manual_seed(0)
     prompts = torch.randint(10, cfg.vocab_size - 10, (args.batch, args.input_len), generator=g).tolist()
-    params = SamplingParams(temperature=0.0, max_tokens=4 * steps + 32, ignore_eos=True)
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     for i, pr in enumerate(prompts):
         eng.add_request(f"r{i}", pr, params)
     while not (len(eng.scheduler.running) == args.batch
@@ -74,6 +75,7 @@ def main(argv=None) -> int:
         eng.step()
     for _ in range(5):
         eng.step()
+    ctx = sum(r.num_tokens for r in eng.scheduler.running) / len(eng.scheduler.running) + 1.5 * steps
 
     # The host's wait for the device's tokens, to split wall time into host work and waiting.
     waited = [0.0]
@@ -132,7 +134,7 @@ def main(argv=None) -> int:
 
     # The floor: weights + the batch's KV once over the bandwidth; the GEMM FLOPs over the matmul rate.
     weight_bytes = sum(t.numel() * t.element_size() for t in eng.runner.model.parameters())
-    ctx = sum(r.num_tokens for r in eng.scheduler.running) / max(1, len(eng.scheduler.running))
+    assert len(eng.scheduler.running) == args.batch, "requests finished before the last measured step"
     kv_bytes = eng.runner.kv_bytes_per_block / eng.runner.block_size * ctx * args.batch
     embed = cfg.vocab_size * cfg.hidden_size
     gemm_flops = 2 * args.batch * (weight_bytes / eng.runner.model.model.embed_tokens.weight.element_size() - embed)
