@@ -51,6 +51,7 @@ def main(argv=None) -> int:
     p.add_argument("--batch", type=int, default=256)
     p.add_argument("--input-len", type=int, default=512)
     p.add_argument("--steps", type=int, default=30)
+    p.add_argument("--prefill-tokens", type=int, default=8192, help="tokens of the profiled prefill step")
     p.add_argument("--bandwidth", type=float, default=4.26e12)
     p.add_argument("--flops", type=float, default=781e12)
     p.add_argument("--json", default=None)
@@ -61,11 +62,54 @@ def main(argv=None) -> int:
 
     steps = args.steps
     max_tokens = 8 * steps + 64  # every request decodes through all three modes' runs
+    per_prefill = max(1, args.prefill_tokens // args.input_len)
     llm = LLM(args.model, dtype=args.dtype, max_model_len=args.input_len + max_tokens + 16,
-              max_num_seqs=args.batch, max_num_batched_tokens=8192, enable_prefix_caching=False)
+              max_num_seqs=max(args.batch, per_prefill), max_num_batched_tokens=args.prefill_tokens,
+              enable_prefix_caching=False)
     eng = llm.engine
     cfg = eng.runner.hf_config
     g = torch.Generator().manual_seed(0)
+    cuda = eng.runner.device.type == "cuda"
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    from torch.profiler import ProfilerActivity, profile
+
+    def kernel_times(prof, n: int) -> tuple[dict, dict]:
+        """(ms per step by kind, ms per step by kernel name), from a profile of n steps."""
+        by_kind: dict[str, float] = defaultdict(float)
+        top: dict[str, float] = defaultdict(float)
+        for e in prof.events():
+            if cuda and e.device_type == torch.autograd.DeviceType.CUDA:
+                us = e.device_time_total if hasattr(e, "device_time_total") else e.cuda_time_total
+            elif not cuda and e.cpu_parent is None:  # a CPU smoke run: the top-level ops
+                us = e.cpu_time_total
+            else:
+                continue
+            by_kind[kind_of(e.name)] += us / n / 1e3
+            top[e.name] += us / n / 1e3
+        return (dict(sorted(by_kind.items(), key=lambda kv: -kv[1])),
+                dict(sorted(top.items(), key=lambda kv: -kv[1])[:15]))
+
+    # One prefill step of --prefill-tokens tokens (prompts of --input-len), synchronous, after one warm-up step.
+    eng.async_scheduling = False
+    prefill = {}
+    for attempt in range(2):
+        pp = torch.randint(10, cfg.vocab_size - 10, (per_prefill, args.input_len), generator=g).tolist()
+        for i, pr in enumerate(pp):
+            eng.add_request(f"pre{attempt}-{i}", pr, SamplingParams(temperature=0.0, max_tokens=1))
+        sync()
+        t0 = time.perf_counter()
+        with profile(activities=[ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU]) as prof:
+            eng.step()
+            sync()
+        wall = time.perf_counter() - t0
+        while eng.has_unfinished_requests():
+            eng.step()
+    by_kind, top = kernel_times(prof, 1)
+    gpu = sum(by_kind.values())
+    pflops = 2 * per_prefill * args.input_len * sum(
+        t.numel() for n, t in eng.runner.model.named_parameters() if "embed" not in n and "lm_head" not in n)
+    prefill = dict(tokens=per_prefill * args.input_len, wall_ms=wall * 1e3, gpu_ms=gpu, by_kind_ms=by_kind,
+                   top_kernels_ms=top, gemm_tflop=pflops / 1e12)
     prompts = torch.randint(10, cfg.vocab_size - 10, (args.batch, args.input_len), generator=g).tolist()
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     for i, pr in enumerate(prompts):
@@ -90,9 +134,6 @@ def main(argv=None) -> int:
 
     model_runner.StepHandle.result = timed_result
 
-    cuda = eng.runner.device.type == "cuda"
-    sync = torch.cuda.synchronize if cuda else (lambda: None)
-
     def run(n: int) -> tuple[float, float]:
         sync()
         waited[0] = 0.0
@@ -110,27 +151,13 @@ def main(argv=None) -> int:
         eng.runner.graphs = graphs if use_graphs else None
         run(3)
         wall, host = run(steps)
-        from torch.profiler import ProfilerActivity, profile
-
-        # On the CPU (a smoke run) the "kernels" are the top-level CPU ops.
         with profile(activities=[ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU]) as prof:
             run(steps)
-        by_kind: dict[str, float] = defaultdict(float)
-        top: dict[str, float] = defaultdict(float)
-        for e in prof.events():
-            if cuda and e.device_type == torch.autograd.DeviceType.CUDA:
-                us = e.device_time_total if hasattr(e, "device_time_total") else e.cuda_time_total
-            elif not cuda and e.cpu_parent is None:
-                us = e.cpu_time_total
-            else:
-                continue
-            by_kind[kind_of(e.name)] += us / steps / 1e3
-            top[e.name] += us / steps / 1e3
+        by_kind, top = kernel_times(prof, steps)
         gpu = sum(by_kind.values())
         results[name] = dict(
             wall_ms=wall * 1e3, host_busy_ms=host * 1e3, gpu_ms=gpu, gpu_idle_pct=100 * max(0.0, 1 - gpu / (wall * 1e3)),
-            by_kind_ms=dict(sorted(by_kind.items(), key=lambda kv: -kv[1])),
-            top_kernels_ms=dict(sorted(top.items(), key=lambda kv: -kv[1])[:15]))
+            by_kind_ms=by_kind, top_kernels_ms=top)
 
     # The floor: weights + the batch's KV once over the bandwidth; the GEMM FLOPs over the matmul rate.
     weight_bytes = sum(t.numel() * t.element_size() for t in eng.runner.model.parameters())
@@ -148,12 +175,19 @@ def main(argv=None) -> int:
               f"{r['gpu_ms']:.2f} ms, GPU idle {r['gpu_idle_pct']:.0f}%")
         for k, v in r["by_kind_ms"].items():
             print(f"  {k:12s} {v:7.3f} ms  {100 * v / r['gpu_ms']:5.1f}%")
+    print(f"\n[prefill step] {prefill['tokens']} tokens: wall {prefill['wall_ms']:.1f} ms, GPU kernels "
+          f"{prefill['gpu_ms']:.1f} ms; GEMM work {prefill['gemm_tflop']:.1f} TFLOP = "
+          f"{prefill['gemm_tflop'] / args.flops * 1e15:.1f} ms at {args.flops / 1e12:.0f} TFLOP/s")
+    for k, v in prefill["by_kind_ms"].items():
+        print(f"  {k:12s} {v:7.3f} ms  {100 * v / prefill['gpu_ms']:5.1f}%")
+    for k, v in list(prefill["top_kernels_ms"].items())[:8]:
+        print(f"  {v:7.3f} ms  {k[:110]}")
     print("\ntop kernels (async):")
     for k, v in results["async"]["top_kernels_ms"].items():
         print(f"  {v:7.3f} ms  {k[:110]}")
     if args.json:
         write_json(args.json, dict(model=args.model, batch=args.batch, input_len=args.input_len, mean_context=ctx,
-                                   floor_ms=floor_ms, results=results, commit=git_commit()["sha"],
+                                   floor_ms=floor_ms, results=results, prefill=prefill, commit=git_commit()["sha"],
                                    date=time.strftime("%Y-%m-%d")))
     return 0
 
