@@ -16,20 +16,23 @@ for stage in $stages; do
       timeout 300 python3 -m pytest -q -s tests/engine/test_cuda_parity.py -p no:cacheprovider 2>&1 | tee "$OUT/parity.log" \
         | grep -E "passed|failed|Error|bf16 vs|agree|^E " | tail -25 ;;
     latency)
-      for a in async-scheduling no-async-scheduling; do
+      for a in ${LAT_MODES:-async-scheduling no-async-scheduling}; do
         timeout 200 python3 bench/latency.py $M --$a --json "$OUT/latency-$a.json" 2>&1 | tee "$OUT/latency-$a.log" | tail -4
       done ;;
     perf)
       first=1
-      for mns in ${MNS:-256}; do
+      for mns in ${MNS:-256}; do for mbt in ${MBT:-8192}; do
         b=${BACKENDS:-tandem}; [[ $first == 1 ]] || b=tandem; first=0
+        echo "-- max_num_seqs $mns, max_num_batched_tokens $mbt"
         timeout 400 python3 bench/throughput.py $M --num-prompts ${NP:-500} --input-len ${IL:-512} \
-          --output-len ${OL:-256} --max-num-seqs $mns --max-num-batched-tokens ${MBT:-8192} --backend $b \
-          --out-dir "$OUT" 2>&1 | tee "$OUT/throughput-$mns.log" | tail -12
-      done ;;
+          --output-len ${OL:-256} --max-num-seqs $mns --max-num-batched-tokens $mbt --backend $b \
+          --out-dir "$OUT" 2>&1 | tee "$OUT/throughput-$mns-$mbt.log" | grep -v "^ *$" | tail -7
+      done; done ;;
     profile)
-      timeout 300 python3 bench/profile_decode.py $M --batch ${BATCH:-256} --input-len 512 --steps 30 \
-        --json "$OUT/profile.json" 2>&1 | tee "$OUT/profile.log" | tail -45 ;;
+      for b in ${BATCH:-256}; do
+        timeout 300 python3 bench/profile_decode.py $M --batch $b --input-len 512 --steps 30 \
+          --json "$OUT/profile-$b.json" 2>&1 | tee "$OUT/profile-$b.log" | grep -v "^ *$" | tail -${PROFILE_LINES:-40}
+      done ;;
   esac
   echo "== stage $stage: $((SECONDS - t0)) s"
 done
