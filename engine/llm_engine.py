@@ -278,6 +278,8 @@ class LLMEngine:
 
     # ---- stepping -------------------------------------------------------------------------------------------
     def step(self) -> list[StepOutput]:
+        """Returns the outputs of a step whose device work is complete (its KV blocks may be read), plus aborts.
+        With async scheduling the next step is already running on the device when this returns."""
         outputs, self._pending = self._pending, []
         t0 = time.perf_counter()
         prev, self._launched = self._launched, None

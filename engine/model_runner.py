@@ -229,7 +229,11 @@ class ModelRunner:
         num_seqs = len(sched.scheduled)
         if not inputs.sampled_requests:
             self.model(inputs.input_ids, inputs.positions, self.kv_layers, m)
-            return StepHandle([], None)
+            done = None
+            if self.device.type == "cuda":
+                done = torch.cuda.Event()
+                done.record()
+            return StepHandle([], None, done)
         if (self.graphs is not None and m.max_query_len == 1 and len(inputs.sampled_requests) == num_seqs
                 and self.graphs.can_run(num_seqs)):
             logits = self.graphs.run(inputs.input_ids, inputs.positions, m.slot_mapping, m.block_tables,
@@ -275,11 +279,12 @@ class ModelRunner:
 
 class StepHandle:
     """A launched step: the requests that sample, in row order, and their tokens (on the device, and being copied
-    to the host)."""
+    to the host). Once `result()` returns, all of the step's device work is complete, its KV writes included."""
 
-    def __init__(self, requests: list[Request], sample: DeviceSample | None):
+    def __init__(self, requests: list[Request], sample: DeviceSample | None, done: torch.cuda.Event | None = None):
         self.requests = requests
         self.sample = sample
+        self._done = done  # a step that samples nothing: its end on the device
         # The next step's sampling must see this step's tokens on the host (penalties count output tokens,
         # min_tokens masks by output length): the engine reads this step before scheduling the next.
         self.needs_sync = any(r.sampling_params.has_penalties or r.sampling_params.min_tokens > 0
@@ -292,6 +297,8 @@ class StepHandle:
     def result(self) -> SamplerOutput:
         """Waits for this step's tokens (not for steps launched after it)."""
         if self.sample is None:
+            if self._done is not None:
+                self._done.synchronize()
             return SamplerOutput(token_ids=[], logprobs=[])
         return self.sample.result()
 
