@@ -1,12 +1,14 @@
 """Times each Triton kernel at Qwen2.5-7B shapes against its torch reference and the H200's ceilings.
 
-  python bench/kernels.py [--quick] [--sweep] [--json out.json]
+  python bench/kernels.py [--quick] [--sweep] [--json out.json] [--compile-only]
 
 Qwen2.5-7B: 28 query heads, 4 KV heads, head_dim 128, hidden 3584, intermediate 18944; block size 16.
 Each row prints the time (median of triton.testing.do_bench, which clears the L2 before every run), the bytes it
 must move at least (each input read once, each output written once) and the FLOPs, and the fraction of the
 ceilings reached: 4.26 TB/s copy and 781 TFLOP/s bf16 (the issue's H200 numbers; this run's own measured copy and
-matmul rates are printed too). Needs a CUDA device.
+matmul rates are printed too). Prefill rows pass the step's k/v as the engine does (the launch may read the chunk's
+own keys from them). --compile-only launches every timed configuration once, untimed (to fill Triton's cache from
+a process running beside the tests). Needs a CUDA device.
 """
 from __future__ import annotations
 
@@ -23,7 +25,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from kernels.activation import silu_and_mul_ref, silu_and_mul_triton  # noqa: E402
 from kernels.kv_write import write_kv_ref, write_kv_triton  # noqa: E402
 from kernels.norm import fused_add_rms_norm_ref, fused_add_rms_norm_triton, rms_norm_ref, rms_norm_triton  # noqa: E402
-from kernels.paged_attention import LAST_LAUNCH, default_config, paged_attention_ref, paged_attention_triton  # noqa: E402
+from kernels.paged_attention import (LAST_LAUNCH, PREFILL_CANDIDATES, default_config, paged_attention_ref,  # noqa: E402
+                                     paged_attention_triton)
 from kernels.rotary import rotary_embedding_ref, rotary_embedding_triton  # noqa: E402
 
 PEAK_BW = 4.26e12  # B/s, H200 device-to-device copy (read + write)
@@ -32,8 +35,15 @@ H, HKV, D, HIDDEN, INTER, BS = 28, 4, 128, 3584, 18944, 16
 REF_MEM_LIMIT = 24e9  # skip the torch reference where its float32 intermediates would exceed this
 
 
+COMPILE_ONLY = False
+
+
 def bench(fn) -> float:
     import triton.testing
+    if COMPILE_ONLY:
+        fn()
+        torch.cuda.synchronize()
+        return float("nan")
     return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median") * 1e-3  # seconds
 
 
@@ -47,6 +57,24 @@ def ceilings() -> dict[str, float]:
     mm_s = bench(lambda: x @ y)
     del a, b, x, y
     return {"copy_TB_s": 2 * n / copy_s / 1e12, "bf16_matmul_TFLOP_s": 2 * 8192**3 / mm_s / 1e12}
+
+
+def step_kv(args) -> dict:
+    """The step's k/v as the engine passes them: row t holds what the cache holds for q's row t; k contiguous (the
+    rotary output), v a slice of a fused qkv-shaped tensor."""
+    kc, vc, bt = args["k_cache"], args["v_cache"], args["block_tables"]
+    qsl, seq_lens = args["query_start_loc"].tolist(), args["seq_lens"].tolist()
+    blocks, offs = [], []
+    for i, sl in enumerate(seq_lens):
+        pos = torch.arange(sl - (qsl[i + 1] - qsl[i]), sl)
+        blocks.append(bt[i, (pos // BS).cuda()].long())
+        offs.append((pos % BS).cuda())
+    blocks, offs = torch.cat(blocks), torch.cat(offs)
+    k = kc[blocks, offs].to(args["q"].dtype)  # [T, Hkv, D]
+    qkv = torch.empty(k.shape[0], (H + 2 * HKV) * D, dtype=k.dtype, device="cuda")
+    v = qkv[:, (H + HKV) * D:].view(-1, HKV, D)
+    v.copy_(vc[blocks, offs].to(v.dtype))
+    return dict(k=k, v=v)
 
 
 def paged_batch(specs, dtype=torch.bfloat16, kv_fp8=False):
@@ -87,6 +115,8 @@ ROWS: list[dict] = []
 
 def record(kernel, shape, fn, ref_fn, nbytes, flops, extra=None, bound="bw"):
     t = bench(fn)
+    if COMPILE_ONLY:
+        return dict(ms=float("nan"), config=(extra or {}).get("config"))
     try:
         t_ref = bench(ref_fn) if ref_fn is not None else None
     except torch.OutOfMemoryError:
@@ -117,34 +147,42 @@ def bench_attention(quick: bool):
     prefill = [("chunk=4096 prefix=0", [(4096, 4096)]), ("chunk=4096 prefix=4096", [(4096, 8192)]),
                ("4 x chunk=1024 prefix=3072", [(1024, 4096)] * 4),
                ("mixed 2048-chunk + 63 decodes@4k", [(2048, 6144)] + [(1, 4096)] * 63)]
-    if quick:
-        prefill = prefill[:1]
     for name, specs in prefill:
         args, nbytes, flops, ref_mem = paged_batch(specs)
-        paged_attention_triton(**args)
-        k = LAST_LAUNCH.get("kernel")
-        if k is not None and hasattr(k, "n_regs"):
-            print(f"  compiled: {k.n_regs} registers, {k.n_spills} spills, {getattr(k.metadata, 'shared', '?')} B smem")
-        record("prefill_attn", name, lambda: paged_attention_triton(**args),
+        kv = step_kv(args)
+        paged_attention_triton(**args, **kv)
+        print(f"  {compiled()}")
+        record("prefill_attn", name, lambda: paged_attention_triton(**args, **kv),
                (lambda: paged_attention_ref(**args)) if ref_mem < REF_MEM_LIMIT else None, nbytes, flops,
                bound="flops")
-        del args
+        del args, kv
+
+
+def compiled() -> str:
+    k = LAST_LAUNCH.get("kernel")
+    if k is None or not hasattr(k, "n_regs"):
+        return "compiled: ?"
+    return f"compiled: {k.n_regs} registers, {k.n_spills} spills, {getattr(k.metadata, 'shared', '?')} B smem"
 
 
 def _sweep(label, name, specs, configs, deadline, kv_fp8=False, bound="bw"):
     args, nbytes, flops, _ = paged_batch(specs, kv_fp8=kv_fp8)
+    kv = step_kv(args) if max(q for q, _ in specs) > 1 else {}
     best = None
     for cfg in configs:
         if time.time() > deadline:
             print(f"  sweep budget spent: {name} stopped early")
             break
         try:
-            row = record(label, name, lambda: paged_attention_triton(**args, config=cfg), None, nbytes, flops,
-                         dict(config=cfg), bound=bound)
+            row = record(label, name, lambda: paged_attention_triton(**args, **kv, config=cfg), None, nbytes,
+                         flops, dict(config=cfg), bound=bound)
         except Exception as e:  # noqa: BLE001 (an out-of-resources config is a data point)
             print(f"  {cfg}: {type(e).__name__}: {str(e)[:100]}")
             continue
-        print(f"    {cfg}")
+        if COMPILE_ONLY:
+            continue
+        print(f"    {cfg} {compiled()}")
+        row["compiled"] = compiled()
         if best is None or row["ms"] < best["ms"]:
             best = row
     if best:
@@ -156,18 +194,18 @@ def _sweep(label, name, specs, configs, deadline, kv_fp8=False, bound="bw"):
 def sweep_attention(budget_s: float, full: bool):
     """Times config variants at the target shapes (docs/kernels.md keeps the tables); stops after budget_s."""
     deadline = time.time() + budget_s
+    # The prefill launch configurations that may become the default (tests/kernels checks each on CUDA).
+    _sweep("sweep_prefill", "chunk=4096", [(4096, 4096)], PREFILL_CANDIDATES, deadline, bound="flops")
+    _sweep("sweep_prefill", "chunk=4096 prefix=4096", [(4096, 8192)], PREFILL_CANDIDATES, deadline, bound="flops")
+    mixed = [dict(block_m=m, tile_n=64, num_warps=w, num_stages=2, new_kv=n) for m, w in ((128, 8), (64, 4))
+             for n in (0, 2)]
+    _sweep("sweep_mixed", "2048-chunk + 63 decodes@4k", [(2048, 6144)] + [(1, 4096)] * 63, mixed, deadline,
+           bound="flops")
+    if not full:
+        return
     prefill = [dict(block_m=128, tile_n=t, num_warps=8, num_stages=st) for t in (64, 128) for st in (2, 3, 4)]
     prefill += [dict(block_m=64, tile_n=64, num_warps=w, num_stages=st) for w, st in ((4, 2), (4, 3), (8, 2))]
-    if full:
-        _sweep("sweep_prefill", "chunk=4096", [(4096, 4096)], prefill, deadline, bound="flops")
-        _sweep("sweep_prefill", "chunk=4096 prefix=4096", [(4096, 8192)], prefill[:6], deadline, bound="flops")
-        mixed = [dict(block_m=m, tile_n=64, num_warps=w, num_stages=2) for m, w in ((128, 8), (64, 4), (32, 4))]
-        _sweep("sweep_mixed", "2048-chunk + 63 decodes@4k", [(2048, 6144)] + [(1, 4096)] * 63, mixed, deadline,
-               bound="flops")
-    else:
-        big = [dict(block_m=256, tile_n=64, num_warps=16, num_stages=2), dict(block_m=256, tile_n=32, num_warps=8,
-               num_stages=2), dict(block_m=128, tile_n=64, num_warps=8, num_stages=2)]
-        _sweep("sweep_prefill", "chunk=4096", [(4096, 4096)], big, deadline, bound="flops")
+    _sweep("sweep_prefill", "chunk=4096 (cache only)", [(4096, 4096)], prefill, deadline, bound="flops")
     fp8 = [dict(tile_n=t, num_segments=sg, num_warps=w, num_stages=st, fp8_via_fp16=f)
            for f in (0, 1) for t in (128, 256) for sg in (1, 2) for w, st in ((4, 3), (8, 3))]
     _sweep("sweep_decode_fp8", "batch=64 ctx=4096", [(1, 4096)] * 64, fp8, deadline, kv_fp8=True)
@@ -220,13 +258,16 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="fewer shapes")
     ap.add_argument("--sweep", action="store_true", help="also time attention config variants")
     ap.add_argument("--sweep-budget", type=float, default=150.0, help="seconds the sweep may take")
-    ap.add_argument("--full-sweep", action="store_true", help="the whole prefill/mixed sweep of docs/kernels.md")
+    ap.add_argument("--full-sweep", action="store_true", help="also the older cache-only prefill and decode sweeps")
     ap.add_argument("--only", choices=["attention", "pointwise", "sweep"], help="one group only")
+    ap.add_argument("--compile-only", action="store_true", help="launch each timed configuration once, untimed")
     a = ap.parse_args()
     if not torch.cuda.is_available():
         sys.exit("bench/kernels.py needs a CUDA device")
+    global COMPILE_ONLY
+    COMPILE_ONLY = a.compile_only
     t0 = time.time()
-    ceil = ceilings()
+    ceil = ceilings() if not COMPILE_ONLY else {"copy_TB_s": float("nan"), "bf16_matmul_TFLOP_s": float("nan")}
     print(f"{torch.cuda.get_device_name(0)}: measured copy {ceil['copy_TB_s']:.2f} TB/s, bf16 matmul "
           f"{ceil['bf16_matmul_TFLOP_s']:.0f} TFLOP/s (fractions below are of 4.26 TB/s and 781 TFLOP/s)")
     print(f"{'kernel':22s} {'shape':34s} {'ms':>9s} {'ref ms':>9s}")

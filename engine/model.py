@@ -122,7 +122,7 @@ class Attention(nn.Module):
         kernels.write_kv(k, v, kv.k_cache, kv.v_cache, meta.slot_mapping, kv.k_scale, kv.v_scale)
         o = kernels.paged_attention(q, kv.k_cache, kv.v_cache, meta.block_tables, meta.seq_lens,
                                     meta.query_start_loc, meta.max_query_len, meta.max_seq_len, self.scale,
-                                    kv.k_scale, kv.v_scale)  # [T, H, D]
+                                    kv.k_scale, kv.v_scale, k=k, v=v)  # [T, H, D]
         return self.o_proj(o.reshape(T, self.num_heads * self.head_dim))
 
 
@@ -160,7 +160,9 @@ class DecoderLayer(nn.Module):
 
     def forward(self, positions, x, residual, cos_sin_cache, kv, meta):
         if residual is None:
-            residual = x
+            # The residual stream stays in float32 whatever the weights' dtype: rounding it to bf16 after each of the
+            # 2 x num_layers adds was most of the bf16 logits' error. Each norm still hands its matmul x's dtype.
+            residual = x.float()
             x = self.input_layernorm(x)
         else:
             x, residual = self.input_layernorm(x, residual)

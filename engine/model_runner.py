@@ -23,7 +23,7 @@ from engine.scheduler import SchedulerOutput
 log = logging.getLogger(__name__)
 
 GiB = 1 << 30
-FP8_KV_HEADROOM = 4.0  # calibrated amax -> 448 / 4: K and V may grow 4x past the calibration prompt before saturating
+FP8_KV_HEADROOM = 4.0  # K and V may grow 4-8x past the calibration prompt's before fp8 saturates
 
 
 def kv_cache_torch_dtype(kv_cache_dtype: str, model_dtype: torch.dtype) -> torch.dtype:
@@ -247,11 +247,12 @@ class ModelRunner:
     def calibrate_kv_scales(self, token_ids: list[int] | None = None,
                             headroom: float = FP8_KV_HEADROOM) -> tuple[list[float], list[float]]:
         """Per-layer fp8 (e4m3) KV scales: the largest |K| and |V| each layer writes for token_ids (default: 256
-        seeded random tokens), mapped to 448 / headroom. e4m3 keeps 3 mantissa bits from 2**-6 to 448: with scale
-        1.0, 40% of SmolLM2's layer-0 V values fell below 2**-6 (subnormals, fewer bits); above 448 it saturates.
-        Random tokens gave amaxes within 1.6x of real text on SmolLM2, hence the headroom. The prompt runs through the
-        model into a scratch cache of the model's dtype; call this before CUDA graphs are captured (they keep the
-        scales they were captured with)."""
+        seeded random tokens) times headroom, mapped to at most 448 by a power of two (so x / scale and back are
+        exact in every float format). e4m3 keeps 3 mantissa bits from 2**-6 to 448 whatever the scale: the scale
+        only keeps values out of the subnormals below (40% of SmolLM2's layer-0 V values with scale 1.0) and from
+        saturating above (a model with |K| past 448). Random tokens gave amaxes within 1.6x of real text on SmolLM2,
+        hence the headroom. The prompt runs through the model into a scratch cache of the model's dtype; call this
+        before CUDA graphs are captured (they keep the scales they were captured with)."""
         if token_ids is None:
             n = min(256, self.hf_config.max_position_embeddings)
             gen = torch.Generator().manual_seed(0)
@@ -272,7 +273,8 @@ class ModelRunner:
         self.model(ids, torch.arange(n, device=dev), layers, meta)
         amax = cache.float().abs().amax(dim=(0, 3, 4, 5)).tolist()  # [num_layers, 2]: (K, V) of each layer
         del cache
-        scales = [[a * headroom / 448.0 if math.isfinite(a) and a > 0 else 1.0 for a in layer] for layer in amax]
+        scales = [[2.0 ** math.ceil(math.log2(a * headroom / 448.0)) if math.isfinite(a) and a > 0 else 1.0
+                   for a in layer] for layer in amax]
         log.info("fp8 KV scales (K, V) per layer: %s", [(round(k, 4), round(v, 4)) for k, v in scales])
         return [k for k, _ in scales], [v for _, v in scales]
 

@@ -15,10 +15,14 @@ from kernels.rotary import rotary_embedding_ref, rotary_embedding_triton
 
 
 def paged_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, max_query_len, max_seq_len,
-                    scale, k_scale=1.0, v_scale=1.0):
-    fn = paged_attention_triton if q.is_cuda else paged_attention_torch
-    return fn(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, max_query_len, max_seq_len, scale,
-              k_scale, v_scale)
+                    scale, k_scale=1.0, v_scale=1.0, *, k=None, v=None):
+    """k/v (optional): this step's keys and values as just written to the cache; the CUDA kernel may read the
+    step's own keys from them (the torch paths read the cache)."""
+    if q.is_cuda:
+        return paged_attention_triton(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, max_query_len,
+                                      max_seq_len, scale, k_scale, v_scale, k=k, v=v)
+    return paged_attention_torch(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, max_query_len,
+                                 max_seq_len, scale, k_scale, v_scale)
 
 
 def write_kv(k, v, k_cache, v_cache, slot_mapping, k_scale=1.0, v_scale=1.0) -> None:

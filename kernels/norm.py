@@ -2,6 +2,10 @@
 
 One program normalizes one row: it loads the row once (BLOCK_N >= hidden), reduces the mean square in float32,
 and writes the row back, rounding exactly where the reference rounds (to x.dtype before the weight multiply).
+
+The residual of fused_add_rms_norm may be float32 beside 16-bit x: the model keeps its residual stream in float32
+(rounding it to bf16 after each of the 2 x num_layers adds was the largest part of the bf16 engine's logits error),
+while the normalized output stays in x's dtype for the next matmul.
 """
 from __future__ import annotations
 
@@ -12,26 +16,30 @@ import triton.language as tl
 from kernels._checks import FLOAT_DTYPES, check_out, check_same_device, check_tensor
 
 
-def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float, act_dtype: torch.dtype | None = None
+                 ) -> torch.Tensor:
+    """act_dtype (default x.dtype): the activation dtype the normalized row is rounded to before the weight."""
+    act_dtype = act_dtype or x.dtype
     xf = x.float()
     xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    return (xf.to(x.dtype) * weight) if x.dtype != torch.float32 else xf * weight
+    return (xf.to(act_dtype) * weight) if act_dtype != torch.float32 else xf * weight
 
 
 def fused_add_rms_norm_ref(
     x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """residual <- x + residual; returns (rms_norm(residual), residual)."""
-    residual = x + residual
-    return rms_norm_ref(residual, weight, eps), residual
+    """residual <- x + residual, in residual's dtype (x.dtype, or float32 beside 16-bit x); returns
+    (rms_norm(residual) rounded like x, residual)."""
+    residual = x + residual if residual.dtype == x.dtype else x.to(residual.dtype) + residual
+    return rms_norm_ref(residual, weight, eps, x.dtype), residual
 
 
 @triton.jit
 def _rms_norm_kernel(
     out_ptr,  # [num_rows, N]
-    res_out_ptr,  # [num_rows, N] x + residual (only when HAS_RESIDUAL)
+    res_out_ptr,  # [num_rows, N] x + residual, in the residual's dtype (only when HAS_RESIDUAL)
     x_ptr,  # [num_rows, N]
-    res_ptr,  # [num_rows, N] (only when HAS_RESIDUAL)
+    res_ptr,  # [num_rows, N] x's dtype or float32 (only when HAS_RESIDUAL)
     w_ptr,  # [N]
     stride_out,
     stride_res_out,
@@ -46,13 +54,17 @@ def _rms_norm_kernel(
     cols = tl.arange(0, BLOCK_N)
     mask = cols < N
     x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
+    act_dtype = x.dtype
     if HAS_RESIDUAL:
         r = tl.load(res_ptr + row * stride_res + cols, mask=mask, other=0.0)
-        x = (x.to(tl.float32) + r.to(tl.float32)).to(x.dtype)  # rounded like the reference's x + residual
-        tl.store(res_out_ptr + row * stride_res_out + cols, x, mask=mask)
-    xf = x.to(tl.float32)
+        # rounded like the reference's x + residual: to the residual's dtype (a float32 residual is not rounded)
+        s = (x.to(tl.float32) + r.to(tl.float32)).to(res_out_ptr.dtype.element_ty)
+        tl.store(res_out_ptr + row * stride_res_out + cols, s, mask=mask)
+        xf = s.to(tl.float32)
+    else:
+        xf = x.to(tl.float32)
     rstd = 1.0 / tl.sqrt(tl.sum(xf * xf, axis=0) / N + eps)
-    y = (xf * rstd).to(x.dtype).to(tl.float32)  # the reference rounds to x.dtype before the weight
+    y = (xf * rstd).to(act_dtype).to(tl.float32)  # the reference rounds to x.dtype before the weight
     w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
     tl.store(out_ptr + row * stride_out + cols, (y * w).to(out_ptr.dtype.element_ty), mask=mask)
 
@@ -76,7 +88,7 @@ def _launch_rms_norm(
     check_tensor("x", x, dtypes=FLOAT_DTYPES)
     check_tensor("weight", weight, ndim=1, dtypes=FLOAT_DTYPES)
     if residual is not None:
-        check_tensor("residual", residual, dtypes=(x.dtype,), shape=tuple(x.shape))
+        check_tensor("residual", residual, dtypes=(x.dtype, torch.float32), shape=tuple(x.shape))
         check_same_device(x=x, residual=residual, weight=weight)
     else:
         check_same_device(x=x, weight=weight)
@@ -94,8 +106,8 @@ def _launch_rms_norm(
     out2 = _as_rows("out", out, n, view=True)
     if residual is not None:
         r2 = _as_rows("residual", residual, n)
-        res_out = torch.empty(x.shape, dtype=x.dtype, device=x.device) if residual_out is None else residual_out
-        check_out("residual_out", res_out, tuple(x.shape), x.dtype, x.device)
+        res_out = torch.empty(x.shape, dtype=residual.dtype, device=x.device) if residual_out is None else residual_out
+        check_out("residual_out", res_out, tuple(x.shape), residual.dtype, x.device)
         res_out2 = _as_rows("residual_out", res_out, n, view=True)
     else:
         r2 = res_out2 = x2  # unused
@@ -122,8 +134,9 @@ def fused_add_rms_norm_triton(
     x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, *,
     out: torch.Tensor | None = None, residual_out: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """residual <- x + residual; returns (rms_norm(residual), residual). Out of place like the reference unless
-    out / residual_out are given (residual_out=residual, out=x make it in place)."""
+    """residual <- x + residual (in residual's dtype: x's, or float32 beside 16-bit x); returns (rms_norm(residual)
+    rounded like x, residual). Out of place like the reference unless out / residual_out are given
+    (residual_out=residual, out=x make it in place)."""
     out, res = _launch_rms_norm(x, residual, weight, eps, out, residual_out)
     assert res is not None
     return out, res

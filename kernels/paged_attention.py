@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from kernels._checks import FLOAT_DTYPES, FP8_DTYPE, check_out, check_same_device, check_tensor, interpreting
 
@@ -185,28 +186,49 @@ def _find_seq(qsl_ptr, q_block, num_seqs, BLOCK_Q: tl.constexpr):
 def _attend_tiles(
     acc, l_i, m_i,  # [BLOCK_M, HEAD_DIM_PAD], [BLOCK_M], [BLOCK_M] running output, sum and max (log2 domain)
     q,  # [BLOCK_M, HEAD_DIM_PAD]
-    q_pos,  # [BLOCK_M] absolute position of each row's query
-    bt_row_ptr,  # this sequence's block-table row
-    kc_ptr, vc_ptr,  # k/v cache already offset to this KV head
+    q_pos,  # [BLOCK_M] position of each row's query, counted like the keys (from the source's key 0)
+    bt_row_ptr,  # SOURCE 0: this sequence's block-table row
+    kc_ptr, vc_ptr,  # SOURCE 0: k/v cache already offset to this KV head
     stride_kc_b, stride_kc_s, stride_vc_b, stride_vc_s,
+    kn_ptr, vn_ptr,  # SOURCE 1: the step's new k/v, offset to this sequence's first query row and this KV head
+    stride_kn_t, stride_vn_t,
+    k_desc, v_desc,  # SOURCE 2: TMA descriptors over the step's new k/v as [num_tokens, num_kv_heads * head_dim]
+    desc_row, desc_col,  # SOURCE 2: this sequence's first query row, this KV head's first column
     qk_scale,
-    kv_end,  # keys [0, kv_end) may be read
+    kv_end,  # keys [0, kv_end) of the source may be read
     tile_lo, tile_hi,
     HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr,
-    MASKED: tl.constexpr, DOT_FP32: tl.constexpr, PRECISION: tl.constexpr,
+    SOURCE: tl.constexpr,  # 0: the paged cache through the block table; 1: new k/v by pointers; 2: by TMA
+    MASK: tl.constexpr,  # 0: every row sees every key; 1: causal (key <= q_pos); 2: keys < kv_end only
+    DOT_FP32: tl.constexpr, PRECISION: tl.constexpr,
 ):
+    """Keys past kv_end are never loaded (K and V read as 0; the stale tail of a cache block may hold NaN). With a
+    causal mask a valid row sees only keys < kv_end anyway, so the score mask needs no kv_end test (it cost 20-40
+    registers per thread in the H200 compile); padded rows may see junk, and are never stored."""
+    MASKED: tl.constexpr = MASK != 0
     d = tl.arange(0, HEAD_DIM_PAD)
+    n = tl.arange(0, TILE_N)
     for t in range(tile_lo, tile_hi):
-        keys = t * TILE_N + tl.arange(0, TILE_N)  # [TILE_N]
-        if MASKED:
-            key_ok = keys < kv_end
-            blk = tl.load(bt_row_ptr + keys // BLOCK_SIZE, mask=key_ok, other=0).to(tl.int64)
-        else:
-            blk = tl.load(bt_row_ptr + keys // BLOCK_SIZE).to(tl.int64)
-        off = keys % BLOCK_SIZE
-        k_ptrs = kc_ptr + blk[None, :] * stride_kc_b + off[None, :] * stride_kc_s + d[:, None]  # [D_PAD, TILE_N]
-        v_ptrs = vc_ptr + blk[:, None] * stride_vc_b + off[:, None] * stride_vc_s + d[None, :]  # [TILE_N, D_PAD]
-        if MASKED:
+        keys = t * TILE_N + n  # [TILE_N]
+        key_ok = keys < kv_end
+        if SOURCE == 0:
+            if MASKED:
+                blk = tl.load(bt_row_ptr + keys // BLOCK_SIZE, mask=key_ok, other=0).to(tl.int64)
+            else:
+                blk = tl.load(bt_row_ptr + keys // BLOCK_SIZE).to(tl.int64)
+            off = keys % BLOCK_SIZE
+            k_ptrs = kc_ptr + blk[None, :] * stride_kc_b + off[None, :] * stride_kc_s + d[:, None]  # [D_PAD, N]
+            v_ptrs = vc_ptr + blk[:, None] * stride_vc_b + off[:, None] * stride_vc_s + d[None, :]  # [N, D_PAD]
+        elif SOURCE == 1:
+            rows = t * TILE_N + n  # 32-bit row offsets inside this sequence's chunk
+            k_ptrs = kn_ptr + rows[None, :] * stride_kn_t + d[:, None]
+            v_ptrs = vn_ptr + rows[:, None] * stride_vn_t + d[None, :]
+        if SOURCE == 2:
+            k = k_desc.load([desc_row + t * TILE_N, desc_col]).T  # [HEAD_DIM, TILE_N]; rows past the tensor read 0
+            v = v_desc.load([desc_row + t * TILE_N, desc_col])
+            if MASKED:  # rows of the next sequence: their scores are masked, and 0 * (their V) must not be NaN
+                v = tl.where(key_ok[:, None], v, 0.0)
+        elif MASKED:
             k = tl.load(k_ptrs, mask=(d[:, None] < HEAD_DIM) & key_ok[None, :], other=0.0)
             v = tl.load(v_ptrs, mask=key_ok[:, None] & (d[None, :] < HEAD_DIM), other=0.0)
         elif HEAD_DIM_PAD != HEAD_DIM:
@@ -219,8 +241,10 @@ def _attend_tiles(
         v = v.to(q.dtype)
 
         s = tl.dot(q, k, input_precision=PRECISION)  # [BLOCK_M, TILE_N] raw scores
-        if MASKED:
-            s = tl.where((keys[None, :] <= q_pos[:, None]) & key_ok[None, :], s, float("-inf"))
+        if MASK == 1:
+            s = tl.where(keys[None, :] <= q_pos[:, None], s, float("-inf"))
+        elif MASK == 2:
+            s = tl.where(key_ok[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1) * qk_scale)  # log2 domain (qk_scale > 0)
         if MASKED:
             m_new = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with no key yet: keep exp2 finite
@@ -233,6 +257,16 @@ def _attend_tiles(
     return acc, l_i, m_i
 
 
+@triton.jit
+def _opaque_zero(OPAQUE: tl.constexpr):
+    """0, made by an instruction the compiler must keep in place: values derived from it are computed where they
+    are used, not hoisted (and kept live) above a loop."""
+    if OPAQUE:
+        return tl.inline_asm_elementwise("mov.b32 $0, 0;", "=r", [], dtype=tl.int32, is_pure=False, pack=1)
+    else:
+        return 0
+
+
 # Per-step integers are not specialized: Triton would otherwise compile a new variant whenever num_seqs or the
 # block-table width changes between 1, multiples of 16 and the rest (a 1-1.5 s stall in the middle of serving).
 @triton.jit(do_not_specialize=["num_seqs", "stride_bt"])
@@ -242,6 +276,10 @@ def _paged_attention_kernel(
     seg_max_ptr,  # [num_tokens, num_heads, NUM_SEGMENTS] f32, log2 domain
     seg_sum_ptr,  # [num_tokens, num_heads, NUM_SEGMENTS] f32
     q_ptr,  # [num_tokens, num_heads, head_dim]
+    k_new_ptr,  # [num_tokens, num_kv_heads, head_dim] this step's keys (NEW_KV == 1)
+    v_new_ptr,  # [num_tokens, num_kv_heads, head_dim] this step's values (NEW_KV == 1)
+    k_desc,  # TMA descriptor over this step's keys as [num_tokens, num_kv_heads * head_dim] (NEW_KV == 2)
+    v_desc,
     k_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim]
     v_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim]
     block_tables_ptr,  # [num_seqs, max_blocks]
@@ -256,6 +294,7 @@ def _paged_attention_kernel(
     stride_kc_b, stride_kc_s, stride_kc_h,
     stride_vc_b, stride_vc_s, stride_vc_h,
     stride_bt,
+    stride_kn_t, stride_kn_h, stride_vn_t, stride_vn_h,
     QUERIES_PER_KV: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     HEAD_DIM_PAD: tl.constexpr,
@@ -267,6 +306,8 @@ def _paged_attention_kernel(
     DOT_FP32: tl.constexpr,  # upcast dot operands (float32 inputs; the interpreter, which multiplies bf16 wrongly)
     FP8_VIA_FP16: tl.constexpr,
     PRECISION: tl.constexpr,
+    NEW_KV: tl.constexpr,  # this step's keys from k/v instead of the cache: 0 no, 1 by pointers, 2 by TMA
+    OPAQUE_ZERO: tl.constexpr,  # False under the interpreter (no inline PTX there)
 ):
     # Last query blocks first: under the causal mask they see the most keys, so the cheap ones fill the tail.
     q_block = tl.num_programs(0) - 1 - tl.program_id(0)
@@ -281,14 +322,15 @@ def _paged_attention_kernel(
     seq_len = tl.load(seq_lens_ptr + seq)
     context_len = seq_len - q_len
 
-    rows = tl.arange(0, BLOCK_M)
-    q_local = q_block_local * BLOCK_Q + rows // QUERIES_PER_KV  # [BLOCK_M] query index inside the sequence
-    heads = kv_head * QUERIES_PER_KV + rows % QUERIES_PER_KV  # [BLOCK_M]
+    q_first = q_block_local * BLOCK_Q  # the block's first query inside the sequence
+    rows = tl.arange(0, BLOCK_M)  # row = query * QUERIES_PER_KV + head in the group
+    q_local = q_first + rows // QUERIES_PER_KV  # [BLOCK_M] query index inside the sequence
     row_ok = (rows < BLOCK_Q * QUERIES_PER_KV) & (q_local < q_len)
     d = tl.arange(0, HEAD_DIM_PAD)
-    tok = (q_start + q_local).to(tl.int64)  # [BLOCK_M]
-    q = tl.load(q_ptr + tok[:, None] * stride_q_t + heads[:, None] * stride_q_h + d[None, :],
-                mask=row_ok[:, None] & (d[None, :] < HEAD_DIM), other=0.0)
+    # 64-bit base of the block (query q_first, the group's first head), 32-bit offsets of its rows
+    q_base = q_ptr + (q_start + q_first).to(tl.int64) * stride_q_t + kv_head * QUERIES_PER_KV * stride_q_h
+    q_rows = (rows // QUERIES_PER_KV) * stride_q_t + (rows % QUERIES_PER_KV) * stride_q_h  # [BLOCK_M]
+    q = tl.load(q_base + q_rows[:, None] + d[None, :], mask=row_ok[:, None] & (d[None, :] < HEAD_DIM), other=0.0)
     if DOT_FP32:
         q = q.to(tl.float32)
     elif FP8_VIA_FP16:
@@ -297,41 +339,84 @@ def _paged_attention_kernel(
         q = tl.clamp(q.to(tl.float32), -65504.0, 65504.0).to(tl.float16)
     q_pos = context_len + q_local
 
-    # Keys this tile needs: up to its last query's position. Tiles below full_tiles hold keys every row sees.
-    kv_end = context_len + tl.minimum((q_block_local + 1) * BLOCK_Q, q_len)
-    num_tiles = tl.cdiv(kv_end, TILE_N)
-    full_tiles = (context_len + q_block_local * BLOCK_Q + 1) // TILE_N
-    if NUM_SEGMENTS > 1:
-        tiles_per_segment = tl.cdiv(num_tiles, NUM_SEGMENTS)
-        tile_lo = segment * tiles_per_segment
-        tile_hi = tl.minimum(tile_lo + tiles_per_segment, num_tiles)
-    else:
-        tile_lo = 0
-        tile_hi = num_tiles
-
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM_PAD], dtype=tl.float32)
     bt_row_ptr = block_tables_ptr + seq.to(tl.int64) * stride_bt
     kc_ptr = k_cache_ptr + kv_head * stride_kc_h
     vc_ptr = v_cache_ptr + kv_head * stride_vc_h
-    acc, l_i, m_i = _attend_tiles(
-        acc, l_i, m_i, q, q_pos, bt_row_ptr, kc_ptr, vc_ptr, stride_kc_b, stride_kc_s, stride_vc_b, stride_vc_s,
-        qk_scale, kv_end, tile_lo, tl.minimum(tile_hi, full_tiles),
-        HEAD_DIM, HEAD_DIM_PAD, BLOCK_SIZE, TILE_N, False, DOT_FP32, PRECISION)
-    acc, l_i, m_i = _attend_tiles(
-        acc, l_i, m_i, q, q_pos, bt_row_ptr, kc_ptr, vc_ptr, stride_kc_b, stride_kc_s, stride_vc_b, stride_vc_s,
-        qk_scale, kv_end, tl.maximum(tile_lo, full_tiles), tile_hi,
-        HEAD_DIM, HEAD_DIM_PAD, BLOCK_SIZE, TILE_N, True, DOT_FP32, PRECISION)
+    # Keys this tile needs: up to its last query's position.
+    kv_end = context_len + tl.minimum((q_block_local + 1) * BLOCK_Q, q_len)
+    if NEW_KV == 0:
+        # Every key from the cache. Tiles below full_tiles hold keys every row sees: no mask there.
+        num_tiles = tl.cdiv(kv_end, TILE_N)
+        full_tiles = (context_len + q_block_local * BLOCK_Q + 1) // TILE_N
+        if NUM_SEGMENTS > 1:
+            tiles_per_segment = tl.cdiv(num_tiles, NUM_SEGMENTS)
+            tile_lo = segment * tiles_per_segment
+            tile_hi = tl.minimum(tile_lo + tiles_per_segment, num_tiles)
+        else:
+            tile_lo = 0
+            tile_hi = num_tiles
+        acc, l_i, m_i = _attend_tiles(
+            acc, l_i, m_i, q, q_pos, bt_row_ptr, kc_ptr, vc_ptr, stride_kc_b, stride_kc_s, stride_vc_b, stride_vc_s,
+            k_new_ptr, v_new_ptr, stride_kn_t, stride_vn_t, k_desc, v_desc, 0, 0,
+            qk_scale, kv_end, tile_lo, tl.minimum(tile_hi, full_tiles),
+            HEAD_DIM, HEAD_DIM_PAD, BLOCK_SIZE, TILE_N, 0, 0, DOT_FP32, PRECISION)
+        acc, l_i, m_i = _attend_tiles(
+            acc, l_i, m_i, q, q_pos, bt_row_ptr, kc_ptr, vc_ptr, stride_kc_b, stride_kc_s, stride_vc_b, stride_vc_s,
+            k_new_ptr, v_new_ptr, stride_kn_t, stride_vn_t, k_desc, v_desc, 0, 0,
+            qk_scale, kv_end, tl.maximum(tile_lo, full_tiles), tile_hi,
+            HEAD_DIM, HEAD_DIM_PAD, BLOCK_SIZE, TILE_N, 0, 1, DOT_FP32, PRECISION)
+    else:
+        # The cached prefix [0, context_len) from the cache: every row sees all of it (only its last, partial tile
+        # masks, against context_len). Then this step's keys, row q_start + j holding position context_len + j,
+        # from k/v (one segment only): tiles below new_full are seen by every row, the rest mask causally.
+        # (Positions inside the chunk, not absolute ones, in that mask: comparing against context_len + j cost 35
+        # registers per thread in the H200 compile.)
+        ctx_full = context_len // TILE_N
+        acc, l_i, m_i = _attend_tiles(
+            acc, l_i, m_i, q, q_pos, bt_row_ptr, kc_ptr, vc_ptr, stride_kc_b, stride_kc_s, stride_vc_b, stride_vc_s,
+            k_new_ptr, v_new_ptr, stride_kn_t, stride_vn_t, k_desc, v_desc, 0, 0,
+            qk_scale, context_len, 0, ctx_full,
+            HEAD_DIM, HEAD_DIM_PAD, BLOCK_SIZE, TILE_N, 0, 0, DOT_FP32, PRECISION)
+        acc, l_i, m_i = _attend_tiles(
+            acc, l_i, m_i, q, q_pos, bt_row_ptr, kc_ptr, vc_ptr, stride_kc_b, stride_kc_s, stride_vc_b, stride_vc_s,
+            k_new_ptr, v_new_ptr, stride_kn_t, stride_vn_t, k_desc, v_desc, 0, 0,
+            qk_scale, context_len, ctx_full, tl.cdiv(context_len, TILE_N),
+            HEAD_DIM, HEAD_DIM_PAD, BLOCK_SIZE, TILE_N, 0, 2, DOT_FP32, PRECISION)
+        kn_ptr = k_new_ptr + q_start.to(tl.int64) * stride_kn_t + kv_head * stride_kn_h
+        vn_ptr = v_new_ptr + q_start.to(tl.int64) * stride_vn_t + kv_head * stride_vn_h
+        # Counted inside the chunk: key j of the new ones is visible to the query q_local >= j.
+        new_end = kv_end - context_len
+        new_full = (q_first + 1) // TILE_N
+        acc, l_i, m_i = _attend_tiles(
+            acc, l_i, m_i, q, q_local, bt_row_ptr, kc_ptr, vc_ptr, stride_kc_b, stride_kc_s, stride_vc_b, stride_vc_s,
+            kn_ptr, vn_ptr, stride_kn_t, stride_vn_t, k_desc, v_desc, q_start, kv_head * HEAD_DIM,
+            qk_scale, new_end, 0, new_full,
+            HEAD_DIM, HEAD_DIM_PAD, BLOCK_SIZE, TILE_N, NEW_KV, 0, DOT_FP32, PRECISION)
+        acc, l_i, m_i = _attend_tiles(
+            acc, l_i, m_i, q, q_local, bt_row_ptr, kc_ptr, vc_ptr, stride_kc_b, stride_kc_s, stride_vc_b, stride_vc_s,
+            kn_ptr, vn_ptr, stride_kn_t, stride_vn_t, k_desc, v_desc, q_start, kv_head * HEAD_DIM,
+            qk_scale, new_end, new_full, tl.cdiv(new_end, TILE_N),
+            HEAD_DIM, HEAD_DIM_PAD, BLOCK_SIZE, TILE_N, NEW_KV, 1, DOT_FP32, PRECISION)
 
+    # The rows' addresses again, from a zero the compiler cannot see through: computed before the loops, they were
+    # kept live through them (26 registers at 128 rows x 8 warps; spills at 256 rows x 16 warps).
+    rows = tl.arange(0, BLOCK_M) + _opaque_zero(OPAQUE_ZERO)
+    q_local = q_first + rows // QUERIES_PER_KV
+    row_ok = (rows < BLOCK_Q * QUERIES_PER_KV) & (q_local < q_len)
     d_ok = d[None, :] < HEAD_DIM
     if NUM_SEGMENTS == 1:
         # l_i == 0 only for a row that sees no key: a padded sequence (seq_len 0, as CUDA-graph padding makes);
         # its acc is 0, so it gets 0 like the reference instead of 0/0.
         out = acc * (v_scale / tl.where(l_i > 0.0, l_i, 1.0))[:, None]
-        o_ptrs = out_ptr + tok[:, None] * stride_o_t + heads[:, None] * stride_o_h + d[None, :]
-        tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok)
+        o_base = out_ptr + (q_start + q_first).to(tl.int64) * stride_o_t + kv_head * QUERIES_PER_KV * stride_o_h
+        o_rows = (rows // QUERIES_PER_KV) * stride_o_t + (rows % QUERIES_PER_KV) * stride_o_h  # [BLOCK_M]
+        tl.store(o_base + o_rows[:, None] + d[None, :], out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok)
     else:
+        tok = (q_start + q_local).to(tl.int64)  # [BLOCK_M]
+        heads = kv_head * QUERIES_PER_KV + rows % QUERIES_PER_KV  # [BLOCK_M]
         part = (tok * num_heads + heads) * NUM_SEGMENTS + segment  # [BLOCK_M]
         tl.store(seg_out_ptr + part[:, None] * HEAD_DIM_PAD + d[None, :], acc * v_scale, mask=row_ok[:, None])
         tl.store(seg_max_ptr + part, m_i, mask=row_ok)
@@ -365,6 +450,13 @@ def _reduce_segments_kernel(
     tl.store(out_ptr + tok * stride_o_t + head * stride_o_h + d, out.to(out_ptr.dtype.element_ty), mask=d < HEAD_DIM)
 
 
+def _tma_ok(t: torch.Tensor, head_dim: int, head_dim_pad: int) -> bool:
+    """Whether [num_tokens, num_kv_heads, head_dim] t can be read as one 2-D TMA descriptor: heads adjacent, a
+    power-of-2 head_dim, 16-byte aligned base and row stride."""
+    return (head_dim == head_dim_pad and t.stride(2) == 1 and t.stride(1) == head_dim
+            and t.data_ptr() % 16 == 0 and t.stride(0) * t.element_size() % 16 == 0)
+
+
 _NUM_SMS: dict[int, int] = {}
 LAST_LAUNCH: dict = {}  # the last compiled attention kernel (bench/kernels.py reads its registers and spills)
 
@@ -382,6 +474,8 @@ def _num_sms(device: torch.device) -> int:
 # not yet run them (the one run that tried stopped at an fp32 case that needs more shared memory than the card has,
 # since fixed by limiting them to 16-bit queries). Raise to 256 once `pytest tests/kernels` passes on CUDA with it.
 PREFILL_MAX_BLOCK_M = 128
+# Prefill launches read this step's keys from k/v (when the caller passes them): 0 no, 1 by pointers, 2 by TMA.
+PREFILL_NEW_KV = 0
 
 
 def default_config(
@@ -400,7 +494,7 @@ def default_config(
                and max_seq_len >= 2 * num_segments * 2 * tile_n):
             num_segments *= 2
         return dict(block_m=min_m, tile_n=tile_n, num_segments=num_segments, num_warps=4, num_stages=3,
-                    fp8_via_fp16=1)
+                    fp8_via_fp16=1, new_kv=0, maxnreg=0)
     # Prefill chunks, maybe with decodes: each sequence costs ~(its queries * queries_per_kv + BLOCK_M of padding
     # in its last tile) rows; large tiles run the tensor cores better (relative rates measured on the H200).
     efficiency = {16: 0.35, 32: 0.6, 64: 0.92, 128: 1.0, 256: 1.22}
@@ -420,7 +514,26 @@ def _prefill_block_ms(queries_per_kv: int, head_dim: int, max_query_len: int, q_
 
 def _prefill_config(block_m: int, head_dim: int) -> dict[str, int]:
     return dict(block_m=block_m, tile_n=64 if head_dim <= 128 else 32, num_segments=1,
-                num_warps={256: 16, 128: 8}.get(block_m, 4), num_stages=2 if block_m >= 64 else 3, fp8_via_fp16=1)
+                num_warps={256: 16, 128: 8}.get(block_m, 4), num_stages=2 if block_m >= 64 else 3, fp8_via_fp16=1,
+                new_kv=PREFILL_NEW_KV, maxnreg=0)
+
+
+# The prefill launch configurations the H200 sweep compares at Qwen2.5-7B shapes (bench/kernels.py --sweep times
+# them on 4k-token chunks; tests/kernels checks each against the reference on CUDA). 16-bit queries, head_dim 128.
+PREFILL_CANDIDATES: list[dict[str, int]] = [
+    dict(block_m=128, tile_n=64, num_warps=8, num_stages=2, new_kv=0),  # the default before the sweep
+    dict(block_m=256, tile_n=64, num_warps=16, num_stages=2, new_kv=0),
+    dict(block_m=256, tile_n=64, num_warps=16, num_stages=2, new_kv=1),
+    dict(block_m=256, tile_n=64, num_warps=16, num_stages=2, new_kv=2),
+    dict(block_m=256, tile_n=64, num_warps=16, num_stages=3, new_kv=2),
+    dict(block_m=256, tile_n=32, num_warps=16, num_stages=3, new_kv=2),
+    dict(block_m=128, tile_n=64, num_warps=8, num_stages=2, new_kv=2),
+    dict(block_m=128, tile_n=64, num_warps=8, num_stages=3, new_kv=2),
+    dict(block_m=128, tile_n=128, num_warps=8, num_stages=2, new_kv=2),
+    dict(block_m=128, tile_n=64, num_warps=8, num_stages=2, new_kv=2, maxnreg=128),  # 2 programs per SM
+    dict(block_m=128, tile_n=64, num_warps=8, num_stages=2, new_kv=0, maxnreg=128),
+    dict(block_m=64, tile_n=64, num_warps=4, num_stages=3, new_kv=2),
+]
 
 
 def prefill_configs(queries_per_kv: int, head_dim: int, q_bytes: int) -> list[dict[str, int]]:
@@ -443,9 +556,15 @@ def paged_attention_triton(
     *,
     out: torch.Tensor | None = None,  # [num_tokens, num_heads, head_dim] to write into (else allocated)
     config: dict[str, int] | None = None,  # overrides default_config's entries (tests and bench/kernels.py)
+    k: torch.Tensor | None = None,  # [num_tokens, num_kv_heads, head_dim] this step's keys, as written to the cache
+    v: torch.Tensor | None = None,  # [num_tokens, num_kv_heads, head_dim] this step's values
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
     """The device values (seq_lens, query_start_loc, block_tables) are trusted, not checked (that needs a host
-    sync); max_query_len and max_seq_len only steer the launch configuration."""
+    sync); max_query_len and max_seq_len only steer the launch configuration.
+
+    k/v, when given, must hold exactly what write_kv stored for this step's tokens (row t: the key of q's row t).
+    With a 16-bit cache a prefill launch may then read the step's own keys from them (contiguous rows: TMA loads,
+    no block-table lookups) instead of from the cache; the result is the same."""
     check_tensor("q", q, ndim=3, dtypes=FLOAT_DTYPES)
     num_tokens, num_heads, head_dim = q.shape
     check_tensor("k_cache", k_cache, ndim=4, dtypes=(q.dtype, FP8_DTYPE), shape=(None, None, None, head_dim))
@@ -458,6 +577,13 @@ def paged_attention_triton(
                  shape=(num_seqs + 1,))
     check_same_device(q=q, k_cache=k_cache, v_cache=v_cache, block_tables=block_tables, seq_lens=seq_lens,
                       query_start_loc=query_start_loc)
+    if (k is None) != (v is None):
+        raise ValueError(f"k and v: give both or neither (k is {'None' if k is None else 'set'}, v is "
+                         f"{'None' if v is None else 'set'})")
+    if k is not None:
+        for name, t in (("k", k), ("v", v)):
+            check_tensor(name, t, ndim=3, dtypes=(q.dtype,), shape=(num_tokens, num_kv_heads, head_dim))
+        check_same_device(q=q, k=k, v=v)
     if num_heads % num_kv_heads:
         raise ValueError(f"q: num_heads={num_heads} is not a multiple of the cache's num_kv_heads={num_kv_heads}")
     if head_dim > 256:
@@ -484,7 +610,7 @@ def paged_attention_triton(
         if unknown:
             raise ValueError(f"config: unknown keys {sorted(unknown)}, expected some of {sorted(cfg)}")
         cfg.update(config)
-    block_m, num_segments = cfg["block_m"], cfg["num_segments"]
+    block_m, num_segments, tile_n = cfg["block_m"], cfg["num_segments"], cfg["tile_n"]
     if block_m < queries_per_kv or block_m & (block_m - 1) or num_segments & (num_segments - 1):
         raise ValueError(f"config: block_m={block_m} must be a power of 2 >= queries_per_kv={queries_per_kv}, "
                          f"num_segments={num_segments} a power of 2")
@@ -499,21 +625,35 @@ def paged_attention_triton(
         seg_sum = torch.empty_like(seg_max)
     else:
         seg_out = seg_max = seg_sum = out  # unused
+    # This step's keys from k/v: only with a 16-bit cache (an fp8 cache holds rounded keys) and one segment.
+    new_kv = cfg["new_kv"] if k is not None and k_cache.dtype == q.dtype and num_segments == 1 else 0
+    k_desc = v_desc = None
+    if new_kv == 2:
+        if _tma_ok(k, head_dim, head_dim_pad) and _tma_ok(v, head_dim, head_dim_pad):
+            k_desc, v_desc = (TensorDescriptor(t.as_strided((num_tokens, num_kv_heads * head_dim), (t.stride(0), 1)),
+                                               [num_tokens, num_kv_heads * head_dim], [t.stride(0), 1],
+                                               [tile_n, head_dim]) for t in (k, v))
+        else:
+            new_kv = 1
+    if new_kv == 0:
+        k = v = q  # unused
     grid = (num_tokens // block_q + num_seqs, num_kv_heads, num_segments)
+    maxnreg = {} if interpreting() or not cfg["maxnreg"] else {"maxnreg": cfg["maxnreg"]}
     LAST_LAUNCH["kernel"] = _paged_attention_kernel[grid](
         out, seg_out, seg_max, seg_sum,
-        q, k_cache, v_cache, block_tables, seq_lens, query_start_loc,
+        q, k, v, k_desc, v_desc, k_cache, v_cache, block_tables, seq_lens, query_start_loc,
         float(scale) * float(k_scale) * math.log2(math.e), float(v_scale),
         num_seqs, num_heads,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         block_tables.stride(0),
+        k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         QUERIES_PER_KV=queries_per_kv, HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad, BLOCK_SIZE=block_size,
-        BLOCK_M=block_m, BLOCK_Q=block_q, TILE_N=cfg["tile_n"], NUM_SEGMENTS=num_segments,
+        BLOCK_M=block_m, BLOCK_Q=block_q, TILE_N=tile_n, NUM_SEGMENTS=num_segments,
         DOT_FP32=dot_fp32, PRECISION="ieee" if dot_fp32 else "tf32",
         FP8_VIA_FP16=bool(cfg["fp8_via_fp16"]) and k_cache.dtype == FP8_DTYPE and q.dtype == torch.bfloat16,
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        NEW_KV=new_kv, OPAQUE_ZERO=not interpreting(), num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **maxnreg,
     )
     if num_segments > 1:
         _reduce_segments_kernel[(num_tokens, num_heads)](

@@ -54,6 +54,21 @@ def test_fused_add_rms_norm(dtype, in_place):
     torch.testing.assert_close(out, ref_out, atol=ATOL[dtype], rtol=ATOL[dtype])
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_fused_add_rms_norm_float32_residual(dtype):
+    # The model's residual stream: float32 beside 16-bit x. The sum is not rounded to x's dtype (it equals the
+    # float32 add exactly); the normalized output is x's dtype, rounded like the reference.
+    n = 3584 if ON_CUDA else 160
+    x, w = rand(13, n, dtype=dtype), rand(n, dtype=dtype)
+    r = rand(13, n, dtype=torch.float32) + 1e-3 * torch.rand(13, n, device=DEVICE)  # not representable in x's dtype
+    ref_out, ref_res = fused_add_rms_norm_ref(x, r, w, 1e-6)
+    assert ref_res.dtype == torch.float32 and ref_out.dtype == dtype
+    out, res = fused_add_rms_norm_triton(x, r, w, 1e-6, out=nan_like(x), residual_out=nan_like(r))
+    torch.testing.assert_close(res, x.float() + r, atol=0, rtol=0)
+    torch.testing.assert_close(out, ref_out, atol=ATOL[dtype], rtol=ATOL[dtype])
+    assert not torch.equal(res, res.to(dtype).float()), "the residual was rounded to x's dtype"
+
+
 def test_bad_arguments_name_the_argument():
     x, w = rand(4, 64, dtype=torch.float32), rand(64, dtype=torch.float32)
     with pytest.raises(ValueError, match="x: last dim 64, expected hidden size 32"):
@@ -62,6 +77,8 @@ def test_bad_arguments_name_the_argument():
         rms_norm_triton(x, w, 0.0)
     with pytest.raises(ValueError, match="residual: dtype"):
         fused_add_rms_norm_triton(x, x.half(), w, 1e-6)
+    with pytest.raises(ValueError, match="residual_out: dtype"):
+        fused_add_rms_norm_triton(x.half(), x, w.half(), 1e-6, residual_out=x.half())
     with pytest.raises(ValueError, match="out: shape"):
         rms_norm_triton(x, w, 1e-6, out=x[:2])
 

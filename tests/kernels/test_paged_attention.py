@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from kernels import paged_attention
-from kernels.paged_attention import (PREFILL_MAX_BLOCK_M, default_config, paged_attention_ref,
-                                     paged_attention_triton)
+from kernels.paged_attention import (PREFILL_CANDIDATES, PREFILL_MAX_BLOCK_M, PREFILL_NEW_KV, default_config,
+                                     paged_attention_ref, paged_attention_triton)
 
 ON_CUDA = torch.cuda.is_available()
 DEVICE = "cuda" if ON_CUDA else "cpu"
@@ -61,12 +61,43 @@ def make_batch(specs, num_heads, num_kv_heads, head_dim, block_size, dtype, kv_f
     )
 
 
-def check(args, config=None, seed=None):
+def step_kv(args, strided=True, poison=True):
+    """This step's keys and values (row t: the key of q's row t), gathered from the cache as write_kv stored them;
+    then (poison) the cache's slots for them are set to NaN, so a kernel that reads them there instead shows it. v comes as
+    a strided view (a slice of a wider tensor, like the engine's fused qkv projection). Returns (k, v, ref): the
+    reference output, computed before the poisoning."""
+    ref = paged_attention_ref(**args)
+    kc, vc, bt = args["k_cache"], args["v_cache"], args["block_tables"]
+    bs = kc.shape[1]
+    qsl, seq_lens = args["query_start_loc"].tolist(), args["seq_lens"].tolist()
+    blocks, offs = [], []
+    for i, sl in enumerate(seq_lens):
+        for pos in range(sl - (qsl[i + 1] - qsl[i]), sl):
+            blocks.append(int(bt[i, pos // bs]))
+            offs.append(pos % bs)
+    blocks, offs = torch.tensor(blocks, device=kc.device), torch.tensor(offs, device=kc.device)
+    k, v = kc[blocks, offs].clone(), vc[blocks, offs]  # [T, Hkv, D]
+    if strided:
+        wide = torch.full((v.shape[0], v.shape[1] + 3, v.shape[2]), float("nan"), dtype=v.dtype, device=v.device)
+        wide[:, 2:2 + v.shape[1]] = v
+        v = wide[:, 2:2 + v.shape[1]]
+        assert not v.is_contiguous()
+    else:
+        v = v.clone()
+    if poison:
+        kc[blocks, offs] = float("nan")
+        vc[blocks, offs] = float("nan")
+    return k, v, ref
+
+
+def check(args, config=None, seed=None, kv=None):
+    """kv: (k, v, ref) from step_kv, else the reference is computed here."""
     q = args["q"]
     out = torch.full_like(q, float("nan"))
-    res = paged_attention_triton(**args, out=out, config=config)
+    extra = {} if kv is None else dict(k=kv[0], v=kv[1])
+    res = paged_attention_triton(**args, out=out, config=config, **extra)
     assert res is out
-    ref = paged_attention_ref(**args)
+    ref = paged_attention_ref(**args) if kv is None else kv[2]
     assert torch.isfinite(ref).all()
     assert torch.isfinite(out).all(), f"seed {seed}: kernel left unwritten (NaN) outputs or read stale slots"
     err = ((out.float() - ref.float()).norm() / ref.float().norm()).item()
@@ -100,11 +131,32 @@ GRID = [
 
 
 @pytest.mark.parametrize("head_dim,num_heads,num_kv_heads,block_size,dtype,kv_fp8", GRID)
-def test_mixed_prefill_and_decode(head_dim, num_heads, num_kv_heads, block_size, dtype, kv_fp8):
+@pytest.mark.parametrize("new_kv", [0, 2])
+def test_mixed_prefill_and_decode(head_dim, num_heads, num_kv_heads, block_size, dtype, kv_fp8, new_kv):
     seed = int(torch.randint(2**31, (1,)))  # fresh inputs each run; a failure prints its seed
     max_ctx, max_q = (2000, 300) if ON_CUDA else (70, 20)
     specs = ragged_specs(seed, 16 if ON_CUDA else 5, max_ctx, max_q)
-    check(make_batch(specs, num_heads, num_kv_heads, head_dim, block_size, dtype, kv_fp8, seed=seed), seed=seed)
+    args = make_batch(specs, num_heads, num_kv_heads, head_dim, block_size, dtype, kv_fp8, seed=seed)
+    # new_kv 2: this step's keys from k/v (by TMA where the layout allows). An fp8 cache holds rounded keys, so the
+    # kernel reads them from the cache whatever k/v say: these get random ones.
+    kv = None
+    if new_kv and kv_fp8:
+        other = torch.randn(args["q"].shape[0], num_kv_heads, head_dim, device=DEVICE).to(dtype)
+        kv = (other, other, paged_attention_ref(**args))
+    elif new_kv:
+        kv = step_kv(args)
+    check(args, config=dict(new_kv=new_kv), seed=seed, kv=kv)
+
+
+@pytest.mark.parametrize("new_kv", [1, 2])
+@pytest.mark.parametrize("dtype,tile_n,block_m", [(torch.float32, 16, 16), (torch.float16, 32, 64),
+                                                  (torch.bfloat16, 16, 32)])
+def test_step_keys_from_k_v(new_kv, dtype, tile_n, block_m):
+    # Cached prefixes of 0, a partial tile, exactly one tile and more; chunks shorter and longer than a tile;
+    # decodes; the step's own cache slots hold NaN, so every one of its keys must come from k/v.
+    specs = [(1, 1), (40, 40), (9, 9 + tile_n), (33, 33 + tile_n // 2), (1, 70), (17, 17 + 3 * tile_n + 5)]
+    args = make_batch(specs, 8, 2, 64, 16, dtype, seed=tile_n + block_m + new_kv)
+    check(args, config=dict(new_kv=new_kv, tile_n=tile_n, block_m=block_m), kv=step_kv(args))
 
 
 @pytest.mark.parametrize("num_segments", [2, 4, 8])
@@ -166,9 +218,8 @@ def test_default_config_splits_only_small_long_decodes():
     assert default_config(1, 1, 4, 7, 128, 1, 32768, 132)["num_segments"] > 8
     assert default_config(8, 8, 4, 7, 128, 1, 4096, 132)["num_segments"] > 1
     assert default_config(64, 64, 4, 7, 128, 1, 4096, 132)["num_segments"] == 1
-    assert default_config(4096, 1, 4, 7, 128, 4096, 4096, 132) == dict(
-        block_m=PREFILL_MAX_BLOCK_M, tile_n=64, num_segments=1, num_warps=16 if PREFILL_MAX_BLOCK_M == 256 else 8,
-        num_stages=2, fp8_via_fp16=1)
+    big = default_config(4096, 1, 4, 7, 128, 4096, 4096, 132)
+    assert (big["block_m"], big["num_segments"], big["new_kv"]) == (PREFILL_MAX_BLOCK_M, 1, PREFILL_NEW_KV)
     assert default_config(4096, 1, 4, 7, 256, 4096, 4096, 132)["block_m"] == 128
     assert default_config(4096, 1, 4, 7, 128, 4096, 4096, 132, q_bytes=4)["block_m"] == 128
     assert default_config(1, 1, 4, 7, 128, 1, 64, 132)["num_segments"] == 1
@@ -205,12 +256,15 @@ def test_qwen_shapes_full(dtype, kv_fp8, max_q):
 
 
 @cuda_only
-@pytest.mark.parametrize("dtype,kv_fp8", [(torch.bfloat16, False), (torch.float16, False), (torch.bfloat16, True)])
-def test_256_row_prefill_tiles(dtype, kv_fp8):
-    # The faster prefill tiles that PREFILL_MAX_BLOCK_M = 256 would make the default.
-    specs = [(1024, 4096), (300, 300), (1, 2000), (77, 900)]
-    check(make_batch(specs, 28, 4, 128, 16, dtype, kv_fp8, seed=256),
-          config=dict(block_m=256, tile_n=64, num_warps=16, num_stages=2))
+@pytest.mark.parametrize("kv_fp8", [False, True])
+@pytest.mark.parametrize("cfg", PREFILL_CANDIDATES, ids=lambda c: "-".join(f"{k}{v}" for k, v in c.items()))
+def test_prefill_candidates(cfg, kv_fp8):
+    # Every configuration the sweep may make the default, at Qwen2.5-7B shapes: a fresh prompt, a chunk after a
+    # prefix that is no multiple of any tile, a short prompt, decodes. bf16: the step's keys from k/v (their cache
+    # slots hold NaN); fp8: from the cache.
+    specs = [(1024, 1024), (777, 4133), (300, 300), (1, 2000), (77, 900)]
+    args = make_batch(specs, 28, 4, 128, 16, torch.bfloat16, kv_fp8, seed=len(str(cfg)))
+    check(args, config=cfg, kv=None if kv_fp8 else step_kv(args, poison=cfg["new_kv"] > 0))
 
 
 @cuda_only
