@@ -82,7 +82,8 @@ def test_fp32_greedy_matches_transformers_on_cuda(request, fixture):
 
     torch.backends.cuda.matmul.allow_tf32 = False
     model_dir = request.getfixturevalue(fixture)
-    llm = LLM(str(model_dir), dtype="float32", device="cuda", kv_cache_memory=2.0, max_num_batched_tokens=128)
+    llm = LLM(str(model_dir), dtype="float32", device="cuda", kv_cache_memory=2.0, max_num_batched_tokens=128,
+              max_num_seqs=MAX_SEQS)
     prompts = prompts_for(llm.engine.runner.hf_config.vocab_size)
     expected = hf_greedy_cuda(model_dir, prompts, 64)
     outs = llm.generate(prompt_token_ids=prompts,
@@ -90,6 +91,9 @@ def test_fp32_greedy_matches_transformers_on_cuda(request, fixture):
     got = [o.outputs[0].token_ids for o in outs]
     agree = [sum(a == b for a, b in zip(g, e)) / len(e) for g, e in zip(got, expected)]
     assert got == expected, f"per-prompt agreement {agree}"
+
+
+MAX_SEQS = 16  # a handful of decode CUDA graphs instead of one per 8 rows up to 256: each engine starts faster
 
 
 def step_logits(llm, tokens: list[int]) -> torch.Tensor:
@@ -124,18 +128,18 @@ def hf_logits(model_dir, seq, dtype) -> torch.Tensor:
     return out
 
 
-def test_bf16_logits_as_close_to_fp32_as_transformers(smollm2_shape_bf16_dir):
+def test_bf16_logits_within_1e2_of_fp32(smollm2_shape_bf16_dir):
     from engine import LLM, SamplingParams
 
     smollm2_shape_dir = smollm2_shape_bf16_dir
-    llm32 = LLM(str(smollm2_shape_dir), dtype="float32", device="cuda", kv_cache_memory=1.0)
+    llm32 = LLM(str(smollm2_shape_dir), dtype="float32", device="cuda", kv_cache_memory=1.0, max_num_seqs=MAX_SEQS)
     prompt = prompts_for(llm32.engine.runner.hf_config.vocab_size, lens=(200,))[0]
     out = llm32.generate(prompt_token_ids=[prompt],
                          sampling_params=SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True))[0]
     seq = prompt + out.outputs[0].token_ids
     ref = step_logits(llm32, seq)
     del llm32
-    llm16 = LLM(str(smollm2_shape_dir), dtype="bfloat16", device="cuda", kv_cache_memory=1.0)
+    llm16 = LLM(str(smollm2_shape_dir), dtype="bfloat16", device="cuda", kv_cache_memory=1.0, max_num_seqs=MAX_SEQS)
     got = step_logits(llm16, seq)
     rel = ((got - ref).norm(dim=-1) / ref.norm(dim=-1))[len(prompt) - 1:]  # each generated step
     print(f"bf16 vs fp32 logits: max relative error {rel.max().item():.3e}, mean {rel.mean().item():.3e}")
@@ -143,43 +147,74 @@ def test_bf16_logits_as_close_to_fp32_as_transformers(smollm2_shape_bf16_dir):
     hf_rel = ((hf16 - hf32).norm(dim=-1) / hf32.norm(dim=-1))[len(prompt) - 1:]
     print(f"  (transformers bf16 vs its fp32: max {hf_rel.max().item():.3e}, mean {hf_rel.mean().item():.3e}; "
           f"our fp32 vs transformers fp32: max {((ref - hf32).norm(dim=-1) / hf32.norm(dim=-1)).max().item():.3e})")
-    # On the H200 (2026-11-30) this model's bf16 error is 1.40e-2 for us and 1.45e-2 for transformers itself: the
-    # 1e-2 of issue 4 is below what bf16 activations allow for 30 random layers, so we hold ours to transformers'.
+    # With the residual stream rounded to bf16 after every add this model measured 1.40e-2 on the H200
+    # (transformers' own bf16: 1.45e-2); the float32 residual stream brought it to 8.1e-3 on the CPU.
     assert (ref - hf32).norm() / hf32.norm() < 1e-4
-    assert rel.max().item() < max(1e-2, 1.1 * hf_rel.max().item()), f"max relative error {rel.max().item():.3e}"
+    assert rel.max().item() < 1e-2, f"max relative error {rel.max().item():.3e} (issue 4: each step within 1e-2)"
+
+
+def greedy(llm, prompts, n):
+    from engine import SamplingParams
+
+    outs = llm.generate(prompt_token_ids=prompts, sampling_params=SamplingParams(temperature=0.0, max_tokens=n,
+                                                                                 ignore_eos=True))
+    return [o.outputs[0].token_ids for o in outs]
+
+
+def agreement(a: list[list[int]], b: list[list[int]]) -> tuple[float, list[int]]:
+    """Position-wise agreement of two sets of free-running outputs, and where each pair first differs."""
+    same = sum(x == y for ga, gb in zip(a, b) for x, y in zip(ga, gb)) / sum(len(g) for g in b)
+    first = [next((i for i, (x, y) in enumerate(zip(ga, gb)) if x != y), len(gb)) for ga, gb in zip(a, b)]
+    return same, first
 
 
 def test_fp8_kv_agrees_with_bf16(smollm2_shape_bf16_dir):
-    """fp8 KV against bf16 KV on one 256-token context, teacher-forced: greedy sequences of a random model are
-    degenerate (a token or two repeated), so one early flip would make every later position differ; comparing the
-    next-token choice at each position of the same context measures the quantization instead.
+    """fp8 KV (calibrated per-layer scales) against bf16 KV, bf16 weights, 4 prompts x 256 greedy tokens.
 
-    At std 0.05 (smollm2_shape_dir) the random model amplifies any rounding (bf16 alone moves its logits 8%) and
-    the H200 measured 48.6% agreement, 27% mean logits error; at transformers' std 0.02 the CPU reference path
-    measured 93% and 4.6% (fp32 model). This std-0.02 form has not run on the H200 yet."""
-    smollm2_shape_dir = smollm2_shape_bf16_dir
-    from engine import LLM, SamplingParams
+    Teacher-forced: the next-token choice at each position of the bf16 run's sequences, with fp8 KV (issue 4's 95%).
+    Free-running: position-wise agreement of the two greedy outputs; once a near-tie flips one token, the rest of
+    that output differs, so fp32 weights against bf16 weights (each with its own-dtype KV) are printed
+    beside it as the yardstick of how fragile greedy decoding of this model is. Each disagreement's bf16 top-2 logit
+    margin is printed too: a flip where fp8 moved the logits more than that margin is rounding, not a bug."""
+    from engine import LLM
 
-    prompt = prompts_for(49152, lens=(64,))[0]
-    logits = {}
-    for kv_dtype in ("auto", "fp8"):
-        llm = LLM(str(smollm2_shape_dir), dtype="bfloat16", device="cuda", kv_cache_memory=1.0,
-                  kv_cache_dtype=kv_dtype)
-        if kv_dtype == "auto":
-            out = llm.generate(prompt_token_ids=[prompt], sampling_params=SamplingParams(
-                temperature=0.0, max_tokens=256, ignore_eos=True))[0]
-            seq = prompt + out.outputs[0].token_ids
-        logits[kv_dtype] = step_logits(llm, seq)[len(prompt) - 1:]
+    prompts = prompts_for(49152, lens=(64, 64, 64, 64))
+    n = 256
+    runs, logits = {}, {}
+    seqs = None
+    for name, dtype, kv_dtype in (("bf16", "bfloat16", "auto"), ("fp8", "bfloat16", "fp8"),
+                                  ("fp32", "float32", "auto")):
+        llm = LLM(str(smollm2_shape_bf16_dir), dtype=dtype, device="cuda", kv_cache_memory=1.0,
+                  kv_cache_dtype=kv_dtype, max_num_seqs=MAX_SEQS)
+        runs[name] = greedy(llm, prompts, n)
+        if seqs is None:
+            seqs = [p + g for p, g in zip(prompts, runs[name])]
+        if name != "fp32":
+            logits[name] = torch.cat([step_logits(llm, s)[len(p) - 1:-1] for s, p in zip(seqs, prompts)])
+        if kv_dtype == "fp8":
+            r = llm.engine.runner
+            print(f"fp8 KV scales, first layers: K {r.k_scales[:4]} V {r.v_scales[:4]}")
         del llm
         torch.cuda.empty_cache()
-    a, b = logits["auto"], logits["fp8"]
-    agree = (a.argmax(-1) == b.argmax(-1)).float().mean().item()
+    a, b = logits["bf16"], logits["fp8"]
+    teacher = (a.argmax(-1) == b.argmax(-1)).float().mean().item()
     rel = ((b - a).norm(dim=-1) / a.norm(dim=-1))
-    print(f"fp8 vs bf16 KV: next-token agreement {agree:.1%} over {len(a)} positions; logits relative error "
-          f"max {rel.max().item():.3e} mean {rel.mean().item():.3e}")
+    free, first = agreement(runs["fp8"], runs["bf16"])
+    yard, yard_first = agreement(runs["fp32"], runs["bf16"])
+    top2 = a.topk(2, dim=-1).values
+    margin = top2[:, 0] - top2[:, 1]
+    flips = a.argmax(-1) != b.argmax(-1)
+    moved = (b - a).abs().amax(dim=-1)
+    print(f"fp8 vs bf16 KV: teacher-forced next-token agreement {teacher:.1%} over {len(a)} positions; logits "
+          f"relative error max {rel.max().item():.3e} mean {rel.mean().item():.3e}; free-running agreement "
+          f"{free:.1%} (first difference at {first})")
+    print(f"  yardstick, fp32 vs bf16 weights (bf16 KV), free-running: {yard:.1%} (first difference at {yard_first})")
+    print(f"  bf16 top-2 margin: median {margin.median().item():.3f}; at the {int(flips.sum())} flips "
+          f"{[round(x, 3) for x in margin[flips].tolist()]}, fp8's largest logit change there "
+          f"{[round(x, 3) for x in moved[flips].tolist()]}")
     # e4m3 keeps 3 mantissa bits (relative step 1/16): the logits move by a few percent, not more.
     assert rel.mean().item() < 0.1
-    assert agree >= 0.85
+    assert teacher >= 0.95, f"teacher-forced agreement {teacher:.1%} (issue 4: >= 95%)"
 
 
 @pytest.mark.parametrize("kv_dtype", [torch.bfloat16, torch.float8_e4m3fn])
