@@ -19,6 +19,10 @@ keys and values) / that time; the table gives the median over --num-iters reques
 
 Each request then decodes two more tokens on the decode service; the same prompts go through both paths, so equal
 tokens on both are a check that the blocks arrived intact.
+
+--random-kv skips the prompt's compute: the request's blocks are filled with seeded random values instead (the same
+for both paths, so the token check still holds). Transfers are the same; long prompts then cost no forward pass,
+which makes CPU runs with a large model layout (e.g. random:smollm2-135m) take seconds, not minutes.
 """
 from __future__ import annotations
 
@@ -60,6 +64,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="KV cache GiB of each side (default: 2 on CUDA, 0.25 on the CPU)")
     p.add_argument("--json", default=None, help="result file (default: bench/results/kv_transfer-<device>.json)")
     p.add_argument("--decode-log", default=None, help="decode service log file (default: a temporary file)")
+    p.add_argument("--random-kv", action="store_true",
+                   help="fill the prompt's blocks with seeded random values instead of computing them")
     return p.parse_args(argv)
 
 
@@ -90,15 +96,31 @@ def prefill_kv(engine, rid: str, prompt: list[int]) -> int:
     return token
 
 
-async def one_request(engine, sender: KvSender, stub, path: int, rid: str, prompt: list[int]) -> dict:
+def random_kv(engine, prompt: list[int], num_blocks: int) -> list[int]:
+    """Blocks 1..num_blocks of the idle engine's cache, filled with values seeded by the prompt."""
+    ids = list(range(1, num_blocks + 1))
+    gen = torch.Generator(device=engine.kv_cache.device).manual_seed(sum(prompt) % (1 << 31))
+    cache = engine.kv_cache
+    values = torch.randn((num_blocks, *cache.shape[1:]), generator=gen, device=cache.device, dtype=torch.float32)
+    cache[torch.tensor(ids, device=cache.device)] = values.to(cache.dtype)
+    if cache.is_cuda:
+        torch.cuda.synchronize(cache.device)
+    return ids
+
+
+async def one_request(engine, sender: KvSender, stub, path: int, rid: str, prompt: list[int],
+                      compute: bool = True) -> dict:
     params = common_pb2.SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
     call = stub.Decode(decode_pb2.DecodeRequest(request_id=rid, prompt_token_ids=prompt, params=params,
                                                 kv_transfer_timeout_ms=120_000))
     reserved = await call.read()
     assert reserved.HasField("reserved"), reserved
-    first = prefill_kv(engine, rid, prompt)
     num_blocks = -(-len(prompt) // sender.layout.block_size)
-    ids = engine.get_block_ids(rid)[:num_blocks]
+    if compute:
+        first = prefill_kv(engine, rid, prompt)
+        ids = engine.get_block_ids(rid)[:num_blocks]
+    else:
+        first, ids = prompt[-1], random_kv(engine, prompt, num_blocks)
 
     async def messages():
         yield sender.open_message(rid, len(prompt), num_blocks, 120_000, path)
@@ -156,7 +178,7 @@ async def run(args, engine, stub, proc, log, context_len: int) -> tuple[list[dic
         for n, batch in prompts.items():
             runs = []
             for i, prompt in enumerate(batch):
-                r = await one_request(engine, sender, stub, path, f"{name}-{n}-{i}", prompt)
+                r = await one_request(engine, sender, stub, path, f"{name}-{n}-{i}", prompt, not args.random_kv)
                 if i >= args.warmup:
                     runs.append(r)
                 same = tokens.setdefault((n, i), r["tokens"]) == r["tokens"]
@@ -194,10 +216,12 @@ def main(argv: list[str] | None = None) -> int:
                              "WARNING", *engine_flags(args, max_model_len)], cwd=REPO_ROOT, env=env,
                             stdout=log.open("w"), stderr=subprocess.STDOUT)
     try:
+        blocks = -(-max_model_len // args.block_size) + 1 if args.random_kv else None  # nothing is computed
         engine = LLMEngine.from_engine_args(EngineArgs(
             model=args.model, dtype=args.dtype, device=args.device, block_size=args.block_size,
-            kv_cache_memory=args.kv_cache_memory, max_model_len=max_model_len, enforce_eager=True,
-            enable_prefix_caching=False, max_num_batched_tokens=max(2048, min(max(args.input_lens), max_model_len))))
+            kv_cache_memory=None if blocks else args.kv_cache_memory, num_gpu_blocks_override=blocks,
+            max_model_len=max_model_len, enforce_eager=True, enable_prefix_caching=False,
+            max_num_batched_tokens=max(2048, min(max(args.input_lens), max_model_len))))
         engine.stream_text = False
 
         async def go():
@@ -217,7 +241,8 @@ def main(argv: list[str] | None = None) -> int:
           f"x {layout.head_dim}  {bytes_per_token} KV bytes/token  device {args.device}"
           + (f" ({torch.cuda.get_device_name()})" if args.device == "cuda" else ""))
     print("timed: open handed to gRPC -> decode's ack (decode committed); median of "
-          f"{args.num_iters} after {args.warmup} warm-up\n")
+          f"{args.num_iters} after {args.warmup} warm-up" + (" (random KV, no prompt compute)" if args.random_kv
+                                                              else "") + "\n")
     print(format_table(["path", "prompt tokens", "KV MB", "median ms", "min ms", "max ms", "GB/s", "tokens match"],
                        [[r["path"], r["input_len"], r["bytes"] / 1e6, r["seconds_median"] * 1e3,
                          r["seconds_min"] * 1e3, r["seconds_max"] * 1e3, r["gb_per_s"], r["tokens_match"]]
@@ -227,7 +252,8 @@ def main(argv: list[str] | None = None) -> int:
     out = args.json or REPO_ROOT / "bench" / "results" / f"kv_transfer-{args.device}.json"
     write_json(out, dict(model=args.model, dtype=layout.dtype, device=args.device, block_size=layout.block_size,
                          num_layers=layout.num_layers, num_kv_heads=layout.num_kv_heads, head_dim=layout.head_dim,
-                         kv_bytes_per_token=bytes_per_token, timed=__doc__.split("\n\n")[3].replace("\n", " "),
+                         kv_bytes_per_token=bytes_per_token, random_kv=args.random_kv,
+                         timed=__doc__.split("\n\n")[3].replace("\n", " "),
                          results=rows, notes=notes))
     print(f"wrote {out}")
     return 0 if rows and all(r["tokens_match"] for r in rows) else 1
