@@ -11,7 +11,8 @@ The life of a request inside a prefill instance:
    their bytes, one gather and one device -> host copy; or, on CUDA IPC, their ids once the device is synchronized)
    and the loop queues the messages: the transfer of chunk k overlaps the compute of chunk k+1. The step that
    finishes the prompt also samples the first token; the hook then sends the last, partial block too.
-3. The first token is streamed back to the router at once (FirstToken), before the transfer completes.
+3. The first token is streamed back to the router at once (FirstToken): the engine thread hands it over before it
+   reads the prompt's last blocks, and long before the transfer completes.
 4. If the request ended with that token (a stop token, max_tokens=1, a full context) there is nothing for decode
    to do: the transfer is cancelled (decode frees its reservation). Otherwise a KvTransferCommit with the first
    token closes the stream, and once decode acknowledges, TransferDone ends the RPC.
@@ -68,6 +69,7 @@ class _Req:
     arrival: float
     first: asyncio.Future
     tx: asyncio.Queue | None = None
+    blocks_queued: asyncio.Future | None = None  # set once every block message of the prompt is in tx
     path: int = 0  # kv_transfer_pb2.KvTransferPath, once a decode target was named
     sent_bytes: int = 0
     sent_blocks: int = 0
@@ -129,6 +131,7 @@ class PrefillCore:
                 tx.sent_blocks = upto
             if final:
                 del self._tx[out.request_id]
+                payloads.append((out.request_id, None))  # the last block message: the commit may follow
         return payloads, engine.stats()
 
     def _load(self, engine) -> common_pb2.InstanceLoad:
@@ -146,7 +149,11 @@ class PrefillCore:
             r = self._reqs.get(rid)
             if r is None or r.tx is None:
                 continue
-            r.tx.put_nowait(msg)
+            if msg is None:
+                if not r.blocks_queued.done():
+                    r.blocks_queued.set_result(None)
+            else:
+                r.tx.put_nowait(msg)
         for out in outs:
             r = self._reqs.get(out.request_id)
             if r is not None and (out.new_token_ids or out.finished) and not r.first.done():
@@ -185,6 +192,7 @@ class PrefillCore:
         try:
             if decode_address:
                 r.tx = asyncio.Queue()
+                r.blocks_queued = loop.create_future()
                 r.path = await self.sender.path_to(decode_address, decode_pb2_grpc.DecodeStub(
                     self._channel(decode_address)))
             await self.worker.call(self._add, request_id, prompt, first_params, r.path if decode_address else None)
@@ -211,6 +219,9 @@ class PrefillCore:
                 delta=delta, num_prompt_tokens=len(prompt), num_cached_tokens=out.num_cached_tokens))
             if sender is None or done:
                 return
+            # The engine thread hands over the first token before it reads the prompt's last blocks (the first
+            # token must not wait for them): the commit goes after them.
+            await r.blocks_queued
             r.tx.put_nowait(self.sender.commit_message(out.new_token_ids[0], out.num_cached_tokens))
             seconds = await sender
             tail = time.monotonic() - t_first

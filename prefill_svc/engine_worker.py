@@ -2,9 +2,9 @@
 
 The engine is not thread-safe, so everything that touches it (adding, aborting, reserving, reading or writing KV
 blocks, stepping) runs in this thread. The asyncio side sends commands through a queue (`call` awaits the result,
-`submit` does not); between commands the thread steps the engine whenever it has work, runs the service's
-`after_step` hook (in this thread, e.g. to read freshly filled KV blocks) and hands the step's outputs to the event
-loop with `loop.call_soon_threadsafe(on_step, outputs, extra)`.
+`submit` does not); between commands the thread steps the engine whenever it has work, hands the step's outputs to
+the event loop (`loop.call_soon_threadsafe(on_step, outputs, None)`), then runs the service's `after_step` hook (in
+this thread, e.g. to read freshly filled KV blocks) and hands over what it returns (`on_step([], extra)`).
 """
 from __future__ import annotations
 
@@ -96,12 +96,20 @@ class EngineWorker:
                 continue
             try:
                 outs = engine.step()
-                extra = self.after_step(engine, outs) if self.after_step is not None else None
             except Exception:  # noqa: BLE001 - the engine aborts a failing batch itself; this is a last resort
                 log.exception("engine step failed")
                 continue
             self.num_steps += 1
             stats = getattr(engine, "last_stats", None)
             idle = not outs and (stats is None or stats.num_batched_tokens == 0)
-            if outs or extra:
-                self.loop.call_soon_threadsafe(self.on_step, outs, extra)
+            # Tokens first: the after_step hook's work (reading KV blocks) must not delay them.
+            if outs:
+                self.loop.call_soon_threadsafe(self.on_step, outs, None)
+            if self.after_step is not None:
+                try:
+                    extra = self.after_step(engine, outs)
+                except Exception:  # noqa: BLE001
+                    log.exception("after_step hook failed")
+                    continue
+                if extra:
+                    self.loop.call_soon_threadsafe(self.on_step, [], extra)
