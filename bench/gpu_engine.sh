@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # One device call: engine checks on CUDA, then latency, throughput and the decode-step profile. Logs go to $OUT.
-#   TANDEM_COMMIT=<sha> bash bench/gpu_engine.sh [stage ...]      stages: parity latency perf profile (default: all)
+#   TANDEM_COMMIT=<sha> bash bench/gpu_engine.sh [stage ...]
+# stages: parity latency perf profile (the default: these four), kvx (KV transfer paths), ttft (idle disaggregated
+# stack, through bench/gpu_serve.sh)
 # Env: NP/OL/IL (throughput prompts, output and input length), BACKENDS ("tandem hf"), MNS (max_num_seqs list,
 # e.g. "256 512"), MBT (max_num_batched_tokens).
 set -uo pipefail
@@ -28,6 +30,12 @@ for stage in $stages; do
           --output-len ${OL:-256} --max-num-seqs $mns --max-num-batched-tokens $mbt --backend $b \
           --out-dir "$OUT" 2>&1 | tee "$OUT/throughput-$mns-$mbt.log" | grep -v "^ *$" | tail -7
       done; done ;;
+    kvx)  # both KV transfer paths (bench/kv_transfer.py's own defaults: 512 and 8192 tokens)
+      timeout ${KVX_TIMEOUT:-150} python3 bench/kv_transfer.py $M --device cuda --json "$OUT/kv_transfer.json" 2>&1 \
+        | tee "$OUT/kv_transfer.log" | tail -12 ;;
+    ttft)  # the idle disaggregated stack: TTFT of 512-token prompts one at a time, and one short rate
+      MODES=disaggregated RATES=${TTFT_RATES:-8} NUM_PROMPTS=${TTFT_PROMPTS:-40} IDLE_PROBES=10 DEADLINE=${TTFT_DEADLINE:-170} \
+        OUT="$OUT/serve" COMMIT=${TANDEM_COMMIT:-unknown} bash bench/gpu_serve.sh 2>&1 | tail -8 ;;
     profile)
       for b in ${BATCH:-256}; do
         timeout 300 python3 bench/profile_decode.py $M --batch $b --input-len 512 --steps 30 \

@@ -7,7 +7,7 @@
 #   DEVICE=cpu MODEL=random:tiny NUM_PROMPTS=6 RATES=4,8 IDLE_PROBES=2 INPUT_LEN=64 OUTPUT_LEN=8 \
 #       PYTHON=.venv/bin/python bash bench/gpu_serve.sh  # the same steps on the CPU, small
 # Knobs (environment): MODEL DEVICE DTYPE KV_GIB (each engine's KV cache, GiB) MAX_MODEL_LEN INPUT_LEN OUTPUT_LEN
-# NUM_PROMPTS (per rate) RATES IDLE_PROBES SLO_TTFT_MS SLO_ITL_MS PORT READY_TIMEOUT BENCH_TIMEOUT DEADLINE PYTHON OUT.
+# MODES ("disaggregated colocated") NUM_PROMPTS (per rate) RATES IDLE_PROBES SLO_TTFT_MS SLO_ITL_MS PORT READY_TIMEOUT BENCH_TIMEOUT DEADLINE PYTHON OUT.
 # The GPU image lacks FastAPI and uvicorn: carry them as wheels in .whl/ (docs/operations.md says which); they are
 # installed into /tmp/site when `import fastapi` fails.
 set -uo pipefail
@@ -81,8 +81,9 @@ serve_mode() {
 }
 
 # The colocated run needs about 60 s to start and as long to sweep: keep that much of the DEADLINE for it.
-serve_mode disaggregated 150 --prefill 1 --decode 1
-serve_mode colocated 5 --colocated
+MODES=${MODES:-disaggregated colocated}
+[[ " $MODES " == *" disaggregated "* ]] && serve_mode disaggregated $([[ " $MODES " == *" colocated "* ]] && echo 150 || echo 5) --prefill 1 --decode 1
+[[ " $MODES " == *" colocated "* ]] && serve_mode colocated 5 --colocated
 
 files=()
 for name in disaggregated colocated; do [[ -f $OUT/$name.json ]] && files+=("$name=$OUT/$name.json"); done
