@@ -470,17 +470,17 @@ def _num_sms(device: torch.device) -> int:
     return _NUM_SMS[idx]
 
 
-# 256-row prefill tiles (16 warps) ran 1.22x faster than 128 on the H200 (docs/kernels.md), but the GPU tests have
-# not yet run them (the one run that tried stopped at an fp32 case that needs more shared memory than the card has,
-# since fixed by limiting them to 16-bit queries). Raise to 256 once `pytest tests/kernels` passes on CUDA with it.
+# 256-row prefill tiles (16 warps) pass the CUDA tests but lost to 128-row tiles at two programs per SM in the
+# H200 sweep (docs/kernels.md: 54.5% vs 55.2% of 781 TFLOP/s on a fresh 4k chunk, 52.8% vs 58.2% after a 4k prefix).
 PREFILL_MAX_BLOCK_M = 128
 # Prefill launches read this step's keys from k/v (when the caller passes them): 0 no, 1 by pointers, 2 by TMA.
-PREFILL_NEW_KV = 0
+# H200: +1-2% over the cache path (55.2% vs 54.1%, 58.2% vs 57.0%).
+PREFILL_NEW_KV = 2
 
 
 def default_config(
     num_tokens: int, num_seqs: int, num_kv_heads: int, queries_per_kv: int, head_dim: int, max_query_len: int,
-    max_seq_len: int, num_sms: int, q_bytes: int = 2,
+    max_seq_len: int, num_sms: int, q_bytes: int = 2, kv_fp8: bool = False,
 ) -> dict[str, int]:
     """Tile sizes, warps, stages and context segments for one launch, from host-side shapes only (no sync).
     The choices come from the H200 sweep in docs/kernels.md."""
@@ -500,7 +500,7 @@ def default_config(
     efficiency = {16: 0.35, 32: 0.6, 64: 0.92, 128: 1.0, 256: 1.22}
     candidates = _prefill_block_ms(queries_per_kv, head_dim, max_query_len, q_bytes)
     block_m = min(candidates, key=lambda m: (num_tokens * queries_per_kv + num_seqs * m) / efficiency.get(m, 1.0))
-    return _prefill_config(block_m, head_dim)
+    return _prefill_config(block_m, head_dim, q_bytes, kv_fp8)
 
 
 def _prefill_block_ms(queries_per_kv: int, head_dim: int, max_query_len: int, q_bytes: int) -> list[int]:
@@ -512,10 +512,14 @@ def _prefill_block_ms(queries_per_kv: int, head_dim: int, max_query_len: int, q_
     return [m for m in (16, 32, 64, 128, 256) if min_m <= m <= cap] or [min_m]
 
 
-def _prefill_config(block_m: int, head_dim: int) -> dict[str, int]:
+def _prefill_config(block_m: int, head_dim: int, q_bytes: int = 2, kv_fp8: bool = False) -> dict[str, int]:
+    # 128-row tiles of 16-bit queries and cache capped at 128 registers: two programs per SM (8 warps, 96 KiB of
+    # shared memory each) overlap one's softmax with the other's matmuls; 1.55x on the H200 (0.437 -> 0.279 ms for a
+    # fresh 4k chunk), a few spilled registers. Not measured with an fp8 cache (160 B of spills when compiled).
+    capped = block_m == 128 and q_bytes == 2 and not kv_fp8 and head_dim <= 128
     return dict(block_m=block_m, tile_n=64 if head_dim <= 128 else 32, num_segments=1,
                 num_warps={256: 16, 128: 8}.get(block_m, 4), num_stages=2 if block_m >= 64 else 3, fp8_via_fp16=1,
-                new_kv=PREFILL_NEW_KV, maxnreg=0)
+                new_kv=PREFILL_NEW_KV, maxnreg=128 if capped else 0)
 
 
 # The prefill launch configurations the H200 sweep compares at Qwen2.5-7B shapes (bench/kernels.py --sweep times
@@ -536,9 +540,11 @@ PREFILL_CANDIDATES: list[dict[str, int]] = [
 ]
 
 
-def prefill_configs(queries_per_kv: int, head_dim: int, q_bytes: int) -> list[dict[str, int]]:
-    """Every launch configuration default_config can choose for a prefill chunk (for compiling them at start)."""
-    return [_prefill_config(m, head_dim) for m in _prefill_block_ms(queries_per_kv, head_dim, 1 << 20, q_bytes)]
+def prefill_configs(queries_per_kv: int, head_dim: int, q_bytes: int, kv_fp8: bool = False) -> list[dict[str, int]]:
+    """Every launch configuration default_config can choose for a prefill chunk (for compiling them at start; the
+    new_kv variants compile only where the launch gets k/v)."""
+    return [_prefill_config(m, head_dim, q_bytes, kv_fp8)
+            for m in _prefill_block_ms(queries_per_kv, head_dim, 1 << 20, q_bytes)]
 
 
 def paged_attention_triton(
@@ -604,7 +610,7 @@ def paged_attention_triton(
         return out
     queries_per_kv = num_heads // num_kv_heads
     cfg = default_config(num_tokens, num_seqs, num_kv_heads, queries_per_kv, head_dim, max_query_len,
-                         max_seq_len, _num_sms(q.device), q.element_size())
+                         max_seq_len, _num_sms(q.device), q.element_size(), k_cache.dtype == FP8_DTYPE)
     if config:
         unknown = set(config) - set(cfg)
         if unknown:
