@@ -1,0 +1,90 @@
+"""Compiles the paged-attention launch configurations for sm_90 (H100/H200) on a machine without a GPU and prints
+what each costs: registers, spilled bytes, shared memory, and whether the PTX holds wgmma, cp.async and TMA copies.
+
+  python bench/kernel_resources.py            # every prefill candidate (bf16 and fp8 cache) and the decode default
+
+Triton compiles ahead of time for a named target (ptxas ships with it); cuobjdump reads the registers and spills.
+The register count decides how many programs share an SM (65536 registers: 8 warps at <= 128 each run two per SM),
+which the H200 sweep found to matter most for prefill (docs/kernels.md). No device time needed.
+"""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import triton
+import triton.backends.nvidia as nvidia
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from kernels.paged_attention import PREFILL_CANDIDATES, _paged_attention_kernel, default_config  # noqa: E402
+
+CUOBJDUMP = os.path.join(os.path.dirname(nvidia.__file__), "bin", "cuobjdump")
+QPK, HEAD_DIM, BLOCK_SIZE = 7, 128, 16  # Qwen2.5-7B: 28 query heads over 4 KV heads, head_dim 128
+
+
+def compile_sm90(cfg: dict, kv: str = "bf16", q: str = "bf16"):
+    """The kernel as paged_attention_triton would launch it with cfg (16-byte aligned pointers and strides)."""
+    new_kv = cfg.get("new_kv", 0) if kv == q else 0
+    const = dict(QUERIES_PER_KV=QPK, HEAD_DIM=HEAD_DIM, HEAD_DIM_PAD=HEAD_DIM, BLOCK_SIZE=BLOCK_SIZE,
+                 BLOCK_M=cfg["block_m"], BLOCK_Q=cfg["block_m"] // QPK, TILE_N=cfg["tile_n"],
+                 NUM_SEGMENTS=cfg.get("num_segments", 1), DOT_FP32=q == "fp32",
+                 FP8_VIA_FP16=kv == "fp8e4nv" and q == "bf16", PRECISION="ieee" if q == "fp32" else "tf32",
+                 NEW_KV=new_kv, OPAQUE_ZERO=True)
+    ptr = dict(out_ptr=q, seg_out_ptr="fp32", seg_max_ptr="fp32", seg_sum_ptr="fp32", q_ptr=q, k_new_ptr=q,
+               v_new_ptr=q, k_cache_ptr=kv, v_cache_ptr=kv, block_tables_ptr="i32", seq_lens_ptr="i32",
+               qsl_ptr="i32")
+    sig, attrs = {}, {}
+    for i, name in enumerate(_paged_attention_kernel.arg_names):
+        if name in const:
+            sig[name] = "constexpr"
+        elif name in ptr:
+            sig[name] = "*" + ptr[name]
+            attrs[(i,)] = [["tt.divisibility", 16]]
+        elif name in ("k_desc", "v_desc"):
+            if new_kv == 2:
+                sig[name] = f"tensordesc<{q}[{cfg['tile_n']}, {HEAD_DIM}]>"
+            else:
+                sig[name], const[name] = "constexpr", None
+        elif name in ("qk_scale", "v_scale"):
+            sig[name] = "fp32"
+        else:
+            sig[name] = "i32"
+            if name.startswith("stride") and name != "stride_bt":
+                attrs[(i,)] = [["tt.divisibility", 16]]
+    opts = dict(num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+    if cfg.get("maxnreg"):
+        opts["maxnreg"] = cfg["maxnreg"]
+    return triton.compile(ASTSource(fn=_paged_attention_kernel, signature=sig, constexprs=const, attrs=attrs),
+                          target=GPUTarget("cuda", 90, 32), options=opts)
+
+
+def report(label: str, cfg: dict, kv: str = "bf16") -> None:
+    c = compile_sm90(cfg, kv)
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(c.asm["cubin"])
+        f.flush()
+        usage = subprocess.run([CUOBJDUMP, "--dump-resource-usage", f.name], capture_output=True, text=True).stdout
+    fields = dict(x.split(":", 1) for x in usage.split() if x.startswith(("REG:", "STACK:")))
+    ptx = c.asm["ptx"]
+    feats = [n for n, k in (("wgmma", "wgmma"), ("cp.async", "cp.async.cg"), ("tma", "cp.async.bulk.tensor"))
+             if k in ptx]
+    print(f"{label:10s} kv={kv:7s} {str(cfg):100s} regs {fields.get('REG', '?'):>3s}  spilled "
+          f"{fields.get('STACK', '?'):>4s} B  smem {c.metadata.shared:6d} B  {','.join(feats)}", flush=True)
+
+
+def main() -> None:
+    for cfg in PREFILL_CANDIDATES:
+        for kv in ("bf16", "fp8e4nv"):
+            report("prefill", cfg, kv)
+    report("decode", default_config(64, 64, 4, QPK, HEAD_DIM, 1, 4096, 132))
+    report("decode", default_config(64, 64, 4, QPK, HEAD_DIM, 1, 4096, 132, kv_fp8=True), "fp8e4nv")
+
+
+if __name__ == "__main__":
+    main()
