@@ -314,13 +314,17 @@ def warm_up_attention(runner: ModelRunner) -> None:
     h = runner.hf_config.num_attention_heads
     dev = runner.device
     q = torch.zeros(32, h, runner.head_dim, dtype=runner.dtype, device=dev)
+    # The step's own keys and values, as the model passes them (the kernel may read the chunk's keys from them).
+    k = torch.zeros(32, runner.num_kv_heads, runner.head_dim, dtype=runner.dtype, device=dev)
+    v = torch.zeros_like(k)
     tables = torch.zeros(1, 4, dtype=torch.int32, device=dev)
     seq_lens = torch.tensor([32], dtype=torch.int32, device=dev)
     qsl = torch.tensor([0, 32], dtype=torch.int32, device=dev)
-    for cfg in prefill_configs(h // runner.num_kv_heads, runner.head_dim, q.element_size()):
+    kv_fp8 = runner.kv_dtype == torch.float8_e4m3fn
+    for cfg in prefill_configs(h // runner.num_kv_heads, runner.head_dim, q.element_size(), kv_fp8=kv_fp8):
         try:
             paged_attention_triton(q, kv.k_cache, kv.v_cache, tables, seq_lens, qsl, 32, 32, 1.0, kv.k_scale,
-                                   kv.v_scale, config=cfg)
+                                   kv.v_scale, config=cfg, k=k, v=v)
         except Exception as e:  # a variant this head size cannot use (e.g. shared memory): never picked either
             log.debug("attention warm-up: block_m=%d skipped (%s)", cfg["block_m"], e)
     torch.cuda.synchronize()

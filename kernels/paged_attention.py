@@ -488,10 +488,15 @@ def default_config(
     if max_query_len == 1:  # decodes only: bandwidth-bound, one row tile per sequence and KV head
         tile_n = 128 if head_dim <= 128 else 64
         num_segments = 1
-        # Split the context only when there are fewer (sequence, KV head) programs than SMs, keeping >= 2 tiles
-        # per segment: at batch 64 x 4 KV heads the split costs more (reduction pass) than it gains.
+        # Split the context only when there are fewer (sequence, KV head) programs than SMs: at batch 64 x 4 KV
+        # heads the split costs more (reduction pass) than it gains. Split batches use 64-key tiles and may go
+        # down to one tile per segment: at batch 1 and a short context a program's serial walk over its keys
+        # (latency, not bandwidth) is what a step waits for (10.7 us per layer at ~600 tokens in 2 segments of
+        # 128-key tiles on the H200, bench/profile_decode.py --batch 1).
+        if num_seqs * num_kv_heads < num_sms:
+            tile_n = 64
         while (num_seqs * num_kv_heads * num_segments < num_sms and num_segments < 128
-               and max_seq_len >= 2 * num_segments * 2 * tile_n):
+               and max_seq_len >= 2 * num_segments * tile_n):
             num_segments *= 2
         return dict(block_m=min_m, tile_n=tile_n, num_segments=num_segments, num_warps=4, num_stages=3,
                     fp8_via_fp16=1, new_kv=0, maxnreg=0)
