@@ -30,6 +30,7 @@ ROLE = worker.WorkerRole(
     add_servicer=lambda core, server: prefill_pb2_grpc.add_PrefillServicer_to_server(PrefillServicer(core), server),
     add_args=add_args,
     core_kwargs=lambda ns: {"kv_transfer": ns.kv_transfer},
+    decodes=False,
 )
 
 

@@ -29,6 +29,7 @@ class WorkerRole:
     add_servicer: Callable  # (core, grpc.aio.Server) -> None
     add_args: Callable[[argparse.ArgumentParser], None] | None = None  # the role's own flags
     core_kwargs: Callable[[argparse.Namespace], dict] | None = None  # those flags -> make_core keyword arguments
+    decodes: bool = True  # False (prefill): every engine request ends at its first token, no decode step runs
 
 
 def build_parser(role: WorkerRole, prog: str | None = None) -> argparse.ArgumentParser:
@@ -73,7 +74,10 @@ def main(role: WorkerRole, argv: list[str] | None = None) -> int:
     logging.basicConfig(level=ns.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     from engine import LLMEngine
 
-    engine = LLMEngine.from_engine_args(EngineArgs.from_cli_args(ns))
+    args = EngineArgs.from_cli_args(ns)
+    if not role.decodes:
+        args.enforce_eager = True  # decode CUDA graphs would never replay here: skip capturing them
+    engine = LLMEngine.from_engine_args(args)
     start_metrics_server(ns.metrics_port, ns.host)
     uvloop.run(serve(role, engine, ns.host, ns.port, ns.kv_transfer_timeout))
     return 0
