@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # One device call: engine checks on CUDA, then latency, throughput and the decode-step profile. Logs go to $OUT.
 #   TANDEM_COMMIT=<sha> bash bench/gpu_engine.sh [stage ...]
-# stages: parity latency perf profile (the default: these four), kvx (KV transfer paths), ttft (idle disaggregated
-# stack, through bench/gpu_serve.sh)
+# stages: parity latency perf profile (the default: these four), checks (kernel tests + parity side by side), kvx
+# (KV transfer paths), ttft (idle disaggregated stack, through bench/gpu_serve.sh)
 # Env: NP/OL/IL (throughput prompts, output and input length), BACKENDS ("tandem hf"), MNS (max_num_seqs list,
 # e.g. "256 512"), MBT (max_num_batched_tokens).
 set -uo pipefail
@@ -14,6 +14,13 @@ M="--model random:qwen2.5-7b --dtype bfloat16"
 for stage in $stages; do
   t0=$SECONDS
   case $stage in
+    checks)  # correctness only, side by side: the CUDA kernel tests (not the prefill candidates) and engine parity
+      timeout ${CHECKS_TIMEOUT:-200} python3 -m pytest -q -p no:cacheprovider tests/kernels -k "not candidates" \
+        > "$OUT/test_kernels.log" 2>&1 &
+      timeout ${CHECKS_TIMEOUT:-200} python3 -m pytest -q -s -p no:cacheprovider tests/engine/test_cuda_parity.py \
+        > "$OUT/parity.log" 2>&1 &
+      wait
+      tail -2 "$OUT/test_kernels.log"; grep -E "passed|failed|bf16 vs|agree|^E " "$OUT/parity.log" | tail -12 ;;
     parity)
       timeout 300 python3 -m pytest -q -s tests/engine/test_cuda_parity.py -p no:cacheprovider 2>&1 | tee "$OUT/parity.log" \
         | grep -E "passed|failed|Error|bf16 vs|agree|^E " | tail -25 ;;
@@ -31,14 +38,15 @@ for stage in $stages; do
           --out-dir "$OUT" 2>&1 | tee "$OUT/throughput-$mns-$mbt.log" | grep -v "^ *$" | tail -7
       done; done ;;
     kvx)  # both KV transfer paths (bench/kv_transfer.py's own defaults: 512 and 8192 tokens)
-      timeout ${KVX_TIMEOUT:-150} python3 bench/kv_transfer.py $M --device cuda --json "$OUT/kv_transfer.json" 2>&1 \
+      timeout ${KVX_TIMEOUT:-150} python3 bench/kv_transfer.py $M --device cuda ${KVX_ARGS:-} --json "$OUT/kv_transfer.json" 2>&1 \
         | tee "$OUT/kv_transfer.log" | tail -12 ;;
     ttft)  # the idle disaggregated stack: TTFT of 512-token prompts one at a time, and one short rate
       MODES=disaggregated RATES=${TTFT_RATES:-8} NUM_PROMPTS=${TTFT_PROMPTS:-40} IDLE_PROBES=10 DEADLINE=${TTFT_DEADLINE:-170} \
         OUT="$OUT/serve" COMMIT=${TANDEM_COMMIT:-unknown} bash bench/gpu_serve.sh 2>&1 | tail -8 ;;
     profile)
       for b in ${BATCH:-256}; do
-        timeout 300 python3 bench/profile_decode.py $M --batch $b --input-len 512 --steps 30 \
+        timeout ${PROFILE_TIMEOUT:-300} python3 bench/profile_decode.py $M --batch $b --input-len 512 \
+          --steps ${PROFILE_STEPS:-30} --prefill-tokens ${PREFILL_TOKENS:-8192} \
           --json "$OUT/profile-$b.json" 2>&1 | tee "$OUT/profile-$b.log" | grep -v "^ *$" | tail -${PROFILE_LINES:-40}
       done ;;
   esac
