@@ -8,7 +8,10 @@ The life of a request inside a decode instance:
    reservation, the cache layout field by field, prompt length, block count), then fills the reserved blocks, in
    the engine thread, which first checks that the reservation is still live so that a late write never lands in a
    freed block:
-   - gRPC path: each KvBlocks run's bytes are written (`kv_cache[block_ids] = payload`);
+   - gRPC path: each KvBlocks run's bytes are written (`kv_cache[block_ids] = payload`, `kv_layout.write_blocks`;
+     the servicer parses KvBlocks without copying the payload). The receiving loop does not wait for each write:
+     up to WRITE_WINDOW_BYTES of payload may be queued on the engine thread while the next messages arrive, and the
+     commit waits for all of them;
    - CUDA IPC path (same host; the path was agreed once per prefill instance by `handshake()`, which mapped the
      prefill's KV cache): the open carries the prefill cache's handle, looked up among the mapped caches, and each
      KvBlocksReady run is copied GPU to GPU from the prefill's blocks into the reserved ones (`kv_ipc.copy_blocks`).
@@ -25,6 +28,7 @@ The life of a request inside a decode instance:
 from __future__ import annotations
 
 import asyncio
+import collections
 import logging
 import time
 from dataclasses import dataclass, field
@@ -36,16 +40,29 @@ import torch
 from engine.metrics import Metrics
 from prefill_svc.engine_worker import EngineWorker
 from prefill_svc.kv_ipc import CUDA_IPC, GRPC, copy_blocks, host_identity, import_cache, ipc_refusal
-from prefill_svc.kv_layout import layout_mismatch, layout_of, write_blocks
+from prefill_svc.kv_layout import ReceivedBlocks, layout_mismatch, layout_of, write_blocks
 from prefill_svc.kv_metrics import KvPathMetrics
 from protos.runtime import ServiceError, delta_to_proto, sampling_from_proto
 from protos.tandem.v1 import common_pb2, decode_pb2, kv_transfer_pb2
 
 log = logging.getLogger("tandem.decode")
 
+# Payload of a transfer's KvBlocks queued on the engine thread and not yet written, at most (received messages past
+# it wait). Writes queue behind engine steps, so the window lets the transfer go on during a step.
+WRITE_WINDOW_BYTES = 64 << 20
+
 
 def cdiv(a: int, b: int) -> int:
     return -(-a // b)
+
+
+def _settle(fut: asyncio.Future, result, exc: Exception | None) -> None:
+    if fut.cancelled():
+        return
+    if exc is None:
+        fut.set_result(result)
+    else:
+        fut.set_exception(exc)
 
 
 @dataclass
@@ -59,6 +76,7 @@ class _Dec:
     block_ids: list[int] | None = None
     transfer_open: bool = False
     committed: bool = False
+    expired: bool = False  # the transfer deadline passed: the reservation is being freed
     timer: asyncio.TimerHandle | None = None
     last_token_time: float | None = None
 
@@ -76,6 +94,7 @@ class DecodeCore:
         self.path_metrics = KvPathMetrics(metrics, self.model_name, "decode")
         self._live: set[str] = set()  # engine thread: reservations that may still be written
         self._copied: dict[str, torch.cuda.Event] = {}  # engine thread: the last CUDA IPC copy of each transfer
+        self._broken: set[str] = set()  # engine thread: transfers with a failed block write (never committed)
         self._sources: dict[bytes, torch.Tensor] = {}  # written by the engine thread: mapped prefill caches
         self._reqs: dict[str, _Dec] = {}  # event loop only
         self.worker: EngineWorker | None = None
@@ -97,10 +116,28 @@ class DecodeCore:
             self._live.add(rid)
         return ids
 
-    def _write(self, engine, rid: str, block_ids: list[int], data: bytes) -> None:
+    def _queue(self, fn, *args) -> asyncio.Future:
+        """Like `worker.call(fn, *args)`, but fn is queued now, in order with whatever is queued after it, and its
+        future is returned, not awaited (block writes go on while the next messages arrive)."""
+        fut = self.worker.loop.create_future()
+        self.worker.submit(self._run_for, fut, fn, args)
+        return fut
+
+    def _run_for(self, engine, fut: asyncio.Future, fn, args) -> None:
+        try:
+            result, exc = fn(engine, *args), None
+        except Exception as e:  # noqa: BLE001 - the caller's, through the future
+            result, exc = None, e
+        self.worker.loop.call_soon_threadsafe(_settle, fut, result, exc)
+
+    def _write(self, engine, rid: str, block_ids: list[int], data: bytes | memoryview) -> None:
         if rid not in self._live:
             raise ServiceError(grpc.StatusCode.ABORTED, f"request_id={rid!r}: the reservation was freed")
-        write_blocks(engine.kv_cache, block_ids, data)
+        try:
+            write_blocks(engine.kv_cache, block_ids, data)
+        except Exception:
+            self._broken.add(rid)  # the commit, queued behind this write, refuses the request
+            raise
 
     def _map(self, engine, cache: kv_transfer_pb2.CudaIpcCache) -> torch.Tensor:
         """The rows of a prefill instance's cache, mapped on first use (ipc_refusal already said None)."""
@@ -121,6 +158,8 @@ class DecodeCore:
     def _commit(self, engine, rid: str, first_token_id: int):
         if rid not in self._live:
             raise ServiceError(grpc.StatusCode.ABORTED, f"request_id={rid!r}: the reservation was freed")
+        if rid in self._broken:
+            raise ServiceError(grpc.StatusCode.ABORTED, f"request_id={rid!r}: a block write failed")
         copied = self._copied.pop(rid, None)
         if copied is not None:
             copied.synchronize()  # the prefill instance frees the source blocks on our ack
@@ -129,6 +168,7 @@ class DecodeCore:
 
     def _end(self, engine, rid: str) -> None:
         self._live.discard(rid)
+        self._broken.discard(rid)
         self._copied.pop(rid, None)  # a copy still in flight is ordered before any reuse of its blocks (one stream)
         engine.abort(rid)  # frees a reservation, or the running request's blocks; no-op when already finished
 
@@ -171,6 +211,7 @@ class DecodeCore:
         d = self._reqs.get(rid)
         if d is None or d.committed:
             return
+        d.expired = True
         self.metrics.kv_transfer_failures.inc()
         log.warning("kv transfer for %s missed its %.1fs deadline; freeing the reservation", rid, d.timeout_s)
         self._fail(rid, ServiceError(grpc.StatusCode.DEADLINE_EXCEEDED,
@@ -239,8 +280,9 @@ class DecodeCore:
             first = await anext(messages)
         except StopAsyncIteration:
             raise ValueError("TransferKv: empty stream; the first message must be `open`") from None
-        if not first.HasField("open"):
-            raise ValueError(f"TransferKv: first message is `{first.WhichOneof('kind')}`; it must be `open`")
+        if isinstance(first, ReceivedBlocks) or not first.HasField("open"):
+            kind = "blocks" if isinstance(first, ReceivedBlocks) else first.WhichOneof("kind")
+            raise ValueError(f"TransferKv: first message is `{kind}`; it must be `open`")
         op = first.open
         rid = op.request_id
         d = self._reqs.get(rid)
@@ -253,6 +295,12 @@ class DecodeCore:
         received = bytearray(len(d.block_ids))  # 1 where a block arrived
         nbytes = 0
         path = op.path or GRPC
+        queued: collections.deque[tuple[asyncio.Future, int]] = collections.deque()  # block writes (bytes), commit
+        queued_bytes = 0
+
+        def check_live() -> None:  # the loop frees reservations (_end), so this holds until the next await
+            if self._reqs.get(rid) is not d or d.expired:
+                raise ServiceError(grpc.StatusCode.ABORTED, f"request_id={rid!r}: the reservation was freed")
 
         def run_of(first: int, n: int, field: str) -> list[int]:
             if n < 1 or first + n > len(d.block_ids):
@@ -286,23 +334,30 @@ class DecodeCore:
                     raise ServiceError(grpc.StatusCode.FAILED_PRECONDITION,
                                        f"open.cache: mapping the prefill KV cache failed: {exc}") from None
             block_bytes = self.layout.block_bytes
-            async for msg in messages:
-                kind = msg.WhichOneof("kind")
+            async for msg in messages:  # KvTransferMessage, or ReceivedBlocks (servicer.parse_transfer_message)
+                kind = "blocks" if isinstance(msg, ReceivedBlocks) else msg.WhichOneof("kind")
                 if kind in ("blocks", "ready") and (kind == "ready") != (path == CUDA_IPC):
                     raise ServiceError(grpc.StatusCode.INVALID_ARGUMENT,
                                        f"{kind}: this transfer opened with path="
                                        f"{kv_transfer_pb2.KvTransferPath.Name(path)}, which sends "
                                        f"`{'ready' if path == CUDA_IPC else 'blocks'}` messages")
                 if kind == "blocks":
-                    b = msg.blocks
-                    if len(b.data) != b.num_blocks * block_bytes:
+                    b = msg if isinstance(msg, ReceivedBlocks) else ReceivedBlocks.of(msg.blocks)
+                    size = len(b.data)
+                    if size != b.num_blocks * block_bytes:
                         raise ServiceError(grpc.StatusCode.INVALID_ARGUMENT,
-                                           f"blocks.data: {len(b.data)} bytes, must be num_blocks * block_bytes = "
+                                           f"blocks.data: {size} bytes, must be num_blocks * block_bytes = "
                                            f"{b.num_blocks * block_bytes}")
                     ids = run_of(b.first_block_index, b.num_blocks, "blocks")
-                    await self.worker.call(self._write, rid, ids, b.data)
-                    nbytes += len(b.data)
-                    self.path_metrics.add_bytes(path, len(b.data))
+                    while queued and (queued[0][0].done() or queued_bytes + size > WRITE_WINDOW_BYTES):
+                        done, n = queued.popleft()
+                        await done  # raises the write's error
+                        queued_bytes -= n
+                    check_live()
+                    queued.append((self._queue(self._write, rid, ids, b.data), size))
+                    queued_bytes += size
+                    nbytes += size
+                    self.path_metrics.add_bytes(path, size)
                 elif kind == "ready":
                     r = msg.ready
                     src_ids = list(r.block_ids)
@@ -320,7 +375,11 @@ class DecodeCore:
                     if missing:
                         raise ServiceError(grpc.StatusCode.INVALID_ARGUMENT,
                                            f"commit: {missing} of {len(received)} blocks never arrived")
-                    out = await self.worker.call(self._commit, rid, msg.commit.first_token_id)
+                    commit = self._queue(self._commit, rid, msg.commit.first_token_id)  # runs after every write
+                    queued.append((commit, 0))
+                    while len(queued) > 1:
+                        await queued.popleft()[0]  # a failed write raises here (and the commit refuses)
+                    out = await commit
                     d.committed = True
                     if d.timer is not None:
                         d.timer.cancel()
@@ -334,6 +393,11 @@ class DecodeCore:
                     raise ValueError(f"TransferKv: unexpected `{kind}` message after `open`")
             raise ServiceError(grpc.StatusCode.ABORTED, "TransferKv: stream ended without `commit`")
         except BaseException as exc:
+            for done, _ in queued:  # a queued write still runs, and writes only while the reservation lives
+                if not done.done():
+                    done.cancel()
+                elif not done.cancelled():
+                    done.exception()  # retrieved (this failure, or one after it)
             if not d.committed:
                 self.metrics.kv_transfer_failures.inc()
                 if isinstance(exc, asyncio.CancelledError):

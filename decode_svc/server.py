@@ -8,9 +8,9 @@ from __future__ import annotations
 import argparse
 
 from decode_svc.core import DecodeCore
-from decode_svc.servicer import DecodeServicer
+from decode_svc.servicer import add_to_server
 from protos import worker
-from protos.tandem.v1 import decode_pb2, decode_pb2_grpc
+from protos.tandem.v1 import decode_pb2
 
 ROLE = worker.WorkerRole(
     name="decode",
@@ -18,7 +18,7 @@ ROLE = worker.WorkerRole(
     default_port=50071,
     kv_timeout_help="seconds from a reservation to its KV commit when the router gives no deadline",
     make_core=DecodeCore,
-    add_servicer=lambda core, server: decode_pb2_grpc.add_DecodeServicer_to_server(DecodeServicer(core), server),
+    add_servicer=add_to_server,
 )
 
 

@@ -7,8 +7,15 @@
 2. `open_message`: the KvTransferOpen; on CUDA_IPC it carries the export again (the per-request handle exchange:
    a few hundred bytes; the decode instance finds its mapping by the handle).
 3. `block_messages` (engine thread, after the step that filled the blocks):
-   - GRPC: the blocks' bytes, `kv_cache[block_ids]` gathered and copied to the host, in messages of about
-     MESSAGE_BYTES (at least one block);
+   - GRPC: the blocks' bytes in messages of about MESSAGE_BYTES (at least one block), each a `KvBlocksOut`. A
+     CUDA cache's blocks are copied into pinned memory by copies queued on the current stream (one per run of
+     consecutive block ids; nothing waits for them here), and the message is serialized when gRPC sends it, after
+     its copy completed: the payload is copied once more, into the message's wire bytes (`kv_layout.encode_blocks`).
+     A CPU cache's blocks are encoded at once, straight from the cache (one copy; a preempted request's blocks may
+     be reused by the next step). Send them with `transfer_kv(channel)`, whose serializer takes KvBlocksOut as well
+     as protobuf messages; with `encoded=False` they come as KvTransferMessage protos instead, for the generated
+     DecodeStub (two more copies of the payload, and protobuf's large allocations: the bytes path then runs at about
+     a third of the speed);
    - CUDA_IPC: the cache's device is synchronized first (the step's KV writes are complete before any other process
      reads them), then only the block ids go, in one message; the decode instance copies the blocks GPU to GPU and
      must finish before its ack, after which the prefill frees them.
@@ -17,21 +24,47 @@
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 
 import grpc
 import torch
 
 from prefill_svc.kv_ipc import CUDA_IPC, GRPC, PATH_LABELS, PATHS, export_cache, host_identity
-from prefill_svc.kv_layout import layout_of, read_blocks
+from prefill_svc.kv_layout import StagedBlocks, encode_blocks, layout_of, stage_blocks
 from protos.runtime import ServiceError
-from protos.tandem.v1 import kv_transfer_pb2 as kv
+from protos.tandem.v1 import decode_pb2, kv_transfer_pb2 as kv
 
 log = logging.getLogger("tandem.prefill.kv")
 
 HANDSHAKE_TIMEOUT_S = 10.0
-# Payload per KvBlocks message. gRPC Python moves large messages slowly: loopback, 2-core dev machine, a server that
-# only counts bytes: 0.3 GB/s in 16 MiB messages, 0.65 in 2 MiB, 0.93 in 1 MiB, 0.87 in 512 KiB, 0.6 in 256 KiB.
+# Payload per KvBlocks message. gRPC Python, loopback, 2-core dev machine, a server that only counts bytes: protobuf
+# messages 0.3 GB/s in 16 MiB, 0.93 in 1 MiB, 0.6 in 256 KiB; pre-serialized bytes 1.2-1.4 GB/s from 512 KiB to
+# 8 MiB, 0.85 in 256 KiB.
 MESSAGE_BYTES = 1 << 20
+_TRANSFER_KV = "/{}/{}".format(*decode_pb2.DESCRIPTOR.services_by_name["Decode"].methods_by_name[
+    "TransferKv"].full_name.rsplit(".", 1))
+
+
+@dataclass
+class KvBlocksOut:
+    """A KvTransferMessage{blocks} of the GRPC path: its wire bytes, or the staged blocks they are made of when gRPC
+    sends it (`serialize`)."""
+    first_block_index: int
+    num_blocks: int
+    nbytes: int
+    staged: StagedBlocks | None
+    wire: bytes | None = None
+
+    def encode(self) -> bytes:
+        if self.wire is None:
+            self.wire = encode_blocks(self.first_block_index, self.num_blocks, self.staged)
+            self.staged = None  # (pinned memory back to torch's pool)
+        return self.wire
+
+
+def serialize(msg: kv.KvTransferMessage | KvBlocksOut) -> bytes:
+    """TransferKv's request serializer: KvBlocksOut encodes itself, anything else is a protobuf message."""
+    return msg.encode() if isinstance(msg, KvBlocksOut) else msg.SerializeToString()
 
 
 class KvSender:
@@ -76,6 +109,16 @@ class KvSender:
                                f"instance: {answer.reason}")
         return GRPC
 
+    @staticmethod
+    def transfer_kv(channel: grpc.aio.Channel) -> grpc.aio.StreamUnaryMultiCallable:
+        """Decode.TransferKv on `channel`, sending KvBlocksOut messages as their own bytes."""
+        return channel.stream_unary(_TRANSFER_KV, request_serializer=serialize,
+                                    response_deserializer=kv.KvTransferAck.FromString)
+
+    @staticmethod
+    def is_commit(msg: kv.KvTransferMessage | KvBlocksOut) -> bool:
+        return isinstance(msg, kv.KvTransferMessage) and msg.HasField("commit")
+
     def forget(self, address: str) -> None:
         """Ask again before the next transfer to `address` (a CUDA IPC transfer to it failed)."""
         self._answers.pop(address, None)
@@ -93,8 +136,10 @@ class KvSender:
         return kv.KvTransferMessage(commit=kv.KvTransferCommit(first_token_id=first_token_id,
                                                                num_cached_tokens=num_cached_tokens))
 
-    def payload_bytes(self, msg: kv.KvTransferMessage) -> tuple[int, int]:
+    def payload_bytes(self, msg: kv.KvTransferMessage | KvBlocksOut) -> tuple[int, int]:
         """(KV bytes, blocks) a message moves: the payload on GRPC, the blocks' size on CUDA_IPC."""
+        if isinstance(msg, KvBlocksOut):
+            return msg.nbytes, msg.num_blocks
         kind = msg.WhichOneof("kind")
         if kind == "blocks":
             return len(msg.blocks.data), msg.blocks.num_blocks
@@ -103,10 +148,11 @@ class KvSender:
         return 0, 0
 
     # ---- engine thread ----------------------------------------------------------------------------------------
-    def block_messages(self, kv_cache: torch.Tensor, path: int, first_block_index: int,
-                       block_ids: list[int]) -> list[kv.KvTransferMessage]:
+    def block_messages(self, kv_cache: torch.Tensor, path: int, first_block_index: int, block_ids: list[int],
+                       encoded: bool = False) -> list[kv.KvTransferMessage | KvBlocksOut]:
         """The messages that ship blocks `block_ids` (positions first_block_index.. of the request's block table),
-        complete in `kv_cache` once the current stream's work is done."""
+        complete in `kv_cache` once the current stream's work is done. GRPC: KvBlocksOut when `encoded` (send them
+        with transfer_kv), else KvTransferMessage protos."""
         if path == CUDA_IPC:
             torch.cuda.synchronize(self.device)  # every stream: the KV writes of the step are complete
             return [kv.KvTransferMessage(ready=kv.KvBlocksReady(first_block_index=first_block_index,
@@ -114,7 +160,11 @@ class KvSender:
         out = []
         for i in range(0, len(block_ids), self.blocks_per_message):
             run = block_ids[i:i + self.blocks_per_message]
-            # Initialized from a dict: a KvBlocks object passed here would be copied, payload and all.
-            out.append(kv.KvTransferMessage(blocks=dict(first_block_index=first_block_index + i, num_blocks=len(run),
-                                                        data=read_blocks(kv_cache, run))))
+            msg = KvBlocksOut(first_block_index + i, len(run), len(run) * self.layout.block_bytes,
+                              stage_blocks(kv_cache, run))
+            if not encoded:
+                msg = kv.KvTransferMessage.FromString(msg.encode())
+            elif kv_cache.device.type != "cuda":
+                msg.encode()  # now: the views are of blocks that the next step may reuse
+            out.append(msg)
         return out

@@ -28,10 +28,11 @@ except ImportError:  # pragma: no cover
 
 log = logging.getLogger("tandem.rpc")
 
-# A KV transfer message carries at most KV_CHUNK_BYTES of payload; the limits leave room for one block larger than
-# that (a 128k-token-per-block model would still fit) and for the public API's long prompts.
+# A KV transfer message carries about 1 MiB of payload but at least one block (prefill_svc/kv_sender.py); the limits
+# leave room for very large blocks and for the public API's long prompts. The HTTP/2 settings stay gRPC's defaults:
+# on loopback, a larger max frame size, initial window (lookahead_bytes, BDP probing off) or TCP read chunk made no
+# difference to the KV bytes path (bench/kv_transfer.py, 2-core dev machine).
 MAX_MESSAGE_BYTES = 512 * 1024 * 1024
-KV_CHUNK_BYTES = 16 * 1024 * 1024
 GRPC_OPTIONS = [
     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),

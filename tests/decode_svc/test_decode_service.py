@@ -7,12 +7,15 @@ import socket
 
 import grpc
 import pytest
+import torch
 
+import decode_svc.core as core_module
 from decode_svc.core import DecodeCore
-from decode_svc.servicer import DecodeServicer
+from decode_svc.servicer import DecodeServicer, add_to_server
 from engine import EngineArgs, LLMEngine
 from engine.metrics import Metrics
-from prefill_svc.kv_layout import layout_of
+from prefill_svc.kv_layout import StagedBlocks, block_rows, layout_of
+from prefill_svc.kv_sender import KvBlocksOut, KvSender
 from protos.runtime import new_server
 from protos.tandem.v1 import common_pb2, decode_pb2, decode_pb2_grpc, kv_transfer_pb2 as kv
 
@@ -23,12 +26,12 @@ def engine():
                                                  max_model_len=1024, block_size=16))
 
 
-def run(engine, scenario):
+def run(engine, scenario, register=add_to_server):
     async def main():
         core = DecodeCore(engine, Metrics("random:tiny", "decode"))
         await core.start()
         server = new_server()
-        decode_pb2_grpc.add_DecodeServicer_to_server(DecodeServicer(core), server)
+        register(core, server)
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
@@ -36,7 +39,9 @@ def run(engine, scenario):
         await server.start()
         try:
             async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as ch:
-                return await scenario(decode_pb2_grpc.DecodeStub(ch), core)
+                stub = decode_pb2_grpc.DecodeStub(ch)
+                stub.transfer_kv = KvSender.transfer_kv(ch)  # TransferKv that also sends pre-serialized KvBlocksOut
+                return await scenario(stub, core)
         finally:
             await server.stop(0)
             await core.close()
@@ -172,3 +177,75 @@ def test_full_transfer_commits_and_generates(engine):
         return await idle(stub)
 
     assert run(engine, scenario).num_used_blocks == 0
+
+
+def generated_registration(core, server):
+    decode_pb2_grpc.add_DecodeServicer_to_server(DecodeServicer(core), server)
+
+
+@pytest.mark.parametrize("register", [add_to_server, generated_registration])
+@pytest.mark.parametrize("window", [None, 1])  # the default write window; one write at a time
+def test_blocks_arrive_bit_exact(engine, monkeypatch, register, window):
+    """Blocks in any order and run length, as pre-serialized KvBlocks (parsed without a copy by add_to_server's
+    deserializer, or by protobuf under the generated registration) land bit-exact in the reserved blocks."""
+    if window is not None:
+        monkeypatch.setattr(core_module, "WRITE_WINDOW_BYTES", window)
+    layout = layout_of(engine.kv_cache)
+    data = torch.randint(0, 256, (4, layout.block_bytes), dtype=torch.uint8, generator=torch.Generator().manual_seed(1))
+
+    async def scenario(stub, core):
+        call = stub.Decode(decode_req("r", 64, max_tokens=40, ignore_eos=True))
+        assert (await call.read()).reserved.num_blocks == 4
+        ids = core._reqs["r"].block_ids
+
+        async def messages():
+            yield kv.KvTransferMessage(open=kv.KvTransferOpen(request_id="r", layout=layout, num_prompt_tokens=64,
+                                                              num_blocks=4))
+            for first, n in ((3, 1), (0, 2), (2, 1)):
+                yield KvBlocksOut(first, n, n * layout.block_bytes, StagedBlocks([data[first:first + n]]))
+            yield kv.KvTransferMessage(commit=kv.KvTransferCommit(first_token_id=65))
+
+        ack = await stub.transfer_kv(messages())
+        assert ack.num_blocks == 4 and ack.received_bytes == 4 * layout.block_bytes
+        got = await core.worker.call(lambda eng: block_rows(eng.kv_cache)[ids].clone())
+        while await call.read() is not grpc.aio.EOF:
+            pass
+        return got, await idle(stub)
+
+    got, load = run(engine, scenario, register)
+    assert torch.equal(got, data) and load.num_used_blocks == 0
+
+
+def test_a_failed_write_fails_the_transfer_and_frees(engine, monkeypatch):
+    calls = []
+
+    def write_blocks(kv_cache, block_ids, data):
+        calls.append(block_ids)
+        if len(calls) == 2:
+            raise RuntimeError("copy failed")
+
+    monkeypatch.setattr(core_module, "write_blocks", write_blocks)
+    layout = layout_of(engine.kv_cache)
+
+    async def scenario(stub, core):
+        call = stub.Decode(decode_req("r", 48))
+        await call.read()
+
+        async def messages():
+            yield kv.KvTransferMessage(open=kv.KvTransferOpen(request_id="r", layout=layout, num_prompt_tokens=48,
+                                                              num_blocks=3))
+            for i in range(3):
+                yield kv.KvTransferMessage(blocks=kv.KvBlocks(first_block_index=i, num_blocks=1,
+                                                              data=bytes(layout.block_bytes)))
+            yield kv.KvTransferMessage(commit=kv.KvTransferCommit(first_token_id=65))
+
+        with pytest.raises(grpc.aio.AioRpcError) as transfer_error:
+            await stub.TransferKv(messages())
+        with pytest.raises(grpc.aio.AioRpcError) as decode_error:
+            await call.read()
+        return transfer_error.value, decode_error.value, await idle(stub)
+
+    transfer_error, decode_error, load = run(engine, scenario)
+    assert transfer_error.code() == grpc.StatusCode.INTERNAL and "copy failed" in transfer_error.details()
+    assert decode_error.code() == grpc.StatusCode.ABORTED and "copy failed" in decode_error.details()
+    assert load.num_used_blocks == 0

@@ -10,7 +10,7 @@ import grpc
 import pytest
 
 from decode_svc.core import DecodeCore
-from decode_svc.servicer import DecodeServicer
+from decode_svc.servicer import add_to_server
 from engine import EngineArgs, LLMEngine
 from engine.metrics import Metrics
 from prefill_svc.kv_ipc import host_identity
@@ -30,7 +30,7 @@ def run(engine, scenario):
         core = DecodeCore(engine, Metrics("random:tiny", "decode"))
         await core.start()
         server = new_server()
-        decode_pb2_grpc.add_DecodeServicer_to_server(DecodeServicer(core), server)
+        add_to_server(core, server)
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]

@@ -8,15 +8,17 @@ import socket
 
 import grpc
 import pytest
+import torch
 from prometheus_client import REGISTRY
 
 from decode_svc.core import DecodeCore
-from decode_svc.servicer import DecodeServicer
+from decode_svc.servicer import add_to_server
 from engine import LLM, EngineArgs, LLMEngine, SamplingParams
 from engine.metrics import Metrics
 from prefill_svc.core import PrefillCore
 from prefill_svc.kv_ipc import CUDA_IPC, GRPC, host_identity
-from prefill_svc.kv_sender import KvSender
+from prefill_svc.kv_layout import block_rows
+from prefill_svc.kv_sender import KvBlocksOut, KvSender, serialize
 from prefill_svc.server import ROLE, build_parser
 from prefill_svc.servicer import PrefillServicer
 from protos.runtime import ServiceError, new_server
@@ -47,7 +49,7 @@ def run(engines, kv_transfer, scenario):
         await dcore.start()
         ps, ds = new_server(), new_server()
         prefill_pb2_grpc.add_PrefillServicer_to_server(PrefillServicer(pcore), ps)
-        decode_pb2_grpc.add_DecodeServicer_to_server(DecodeServicer(dcore), ds)
+        add_to_server(dcore, ds)
         pa, da = f"127.0.0.1:{free_port()}", f"127.0.0.1:{free_port()}"
         ps.add_insecure_port(pa)
         ds.add_insecure_port(da)
@@ -140,3 +142,78 @@ def test_negotiation_with_a_decode_that_cannot_map(engines):
         "cannot take CUDA IPC transfers from this instance: this instance's KV cache is on cpu, not a CUDA device")
     assert ncalls == 2  # once, then once more after forget()
     assert first.cache.mem_handle == b"\x01" * 64 and first.layout.block_size == 16
+
+
+def test_encoded_blocks_are_the_protobuf_messages_bytes(engines):
+    """KvBlocksOut (what transfer_kv sends) serializes to the bytes of the KvTransferMessage protos that
+    block_messages gives for the generated stub, and counts the same payload."""
+    cache = torch.randn(engines[0].kv_cache.shape, generator=torch.Generator().manual_seed(3)).to(
+        engines[0].kv_cache.dtype)
+    sender = KvSender(cache, "grpc")
+    sender.blocks_per_message = 3
+    ids = [9, 10, 11, 12, 40, 2, 3]
+    encoded = sender.block_messages(cache, GRPC, 5, ids, encoded=True)
+    protos = sender.block_messages(cache, GRPC, 5, ids)
+    assert [type(m) for m in encoded] == [KvBlocksOut] * 3 and [m.num_blocks for m in encoded] == [3, 3, 1]
+    assert [serialize(m) for m in encoded] == [m.SerializeToString() for m in protos]
+    assert [sender.payload_bytes(m) for m in encoded] == [sender.payload_bytes(m) for m in protos]
+    assert protos[1].blocks.first_block_index == 8 and protos[1].blocks.data == block_rows(cache)[[12, 40, 2]].numpy(
+        ).tobytes()
+    assert not any(sender.is_commit(m) for m in encoded + protos) and sender.is_commit(sender.commit_message(1, 0))
+
+
+def test_a_prompts_kv_arrives_bit_exact_through_transfer_kv(engines):
+    """The prefill engine's KV of a prompt, sent as KvBlocksOut through KvSender.transfer_kv to a real decode service,
+    lands bit-exact in decode's reserved blocks, and decode continues the prompt as the offline engine does."""
+    prefill, decode = engines
+    expected = LLM(**ARGS).generate({"prompt_token_ids": PROMPT}, SamplingParams(temperature=0, max_tokens=6))
+
+    async def main():
+        dcore = DecodeCore(decode, Metrics("random:tiny", "decode"))
+        await dcore.start()
+        server = new_server()
+        add_to_server(dcore, server)
+        address = f"127.0.0.1:{free_port()}"
+        server.add_insecure_port(address)
+        await server.start()
+        try:
+            async with grpc.aio.insecure_channel(address) as ch:
+                stub = decode_pb2_grpc.DecodeStub(ch)
+                call = stub.Decode(decode_pb2.DecodeRequest(request_id="b", prompt_token_ids=PROMPT, params=(
+                    common_pb2.SamplingParams(temperature=0.0, max_tokens=6))))
+                await call.read()
+                prefill.add_request("b", PROMPT, SamplingParams(temperature=0.0, max_tokens=1), kv_hold=True)
+                first = None
+                while first is None:
+                    first = next((o.new_token_ids[0] for o in prefill.step() if o.new_token_ids), None)
+                sender = KvSender(prefill.kv_cache, "grpc")
+                sender.blocks_per_message = 2
+                ids = prefill.get_block_ids("b")[:7]
+                sent = prefill.kv_cache[ids].clone()
+                decode_ids = dcore._reqs["b"].block_ids
+
+                async def messages():
+                    yield sender.open_message("b", len(PROMPT), 7, 10_000, GRPC)
+                    for m in sender.block_messages(prefill.kv_cache, GRPC, 0, ids, encoded=True):
+                        yield m
+                    yield sender.commit_message(first, 0)
+
+                ack = await sender.transfer_kv(ch)(messages())
+                received = await dcore.worker.call(lambda eng: eng.kv_cache[decode_ids].clone())
+                prefill.abort("b")
+                toks = [first]
+                while (r := await call.read()) is not grpc.aio.EOF:
+                    toks += r.delta.token_ids
+                return ack, sent, received, toks, await dcore.load()
+        finally:
+            await server.stop(0)
+            await dcore.close()
+
+    ack, sent, received, toks, load = asyncio.run(main())
+    assert ack.num_blocks == 7 and ack.received_bytes == sent.numel() * sent.element_size()
+    # [block, layer, k/v, token, ...]: 6 full blocks and the last one's 4 prompt tokens (decode writes the rest)
+    as_bytes = lambda t: t.contiguous().view(torch.uint8)  # noqa: E731
+    assert torch.equal(as_bytes(received[:6]), as_bytes(sent[:6]))
+    assert torch.equal(as_bytes(received[6, :, :, :4]), as_bytes(sent[6, :, :, :4]))
+    assert toks == expected[0].outputs[0].token_ids
+    assert load.num_used_blocks == 0

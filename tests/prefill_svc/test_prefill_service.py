@@ -9,7 +9,7 @@ import grpc
 import pytest
 
 from decode_svc.core import DecodeCore
-from decode_svc.servicer import DecodeServicer
+from decode_svc.servicer import add_to_server
 from engine import LLM, EngineArgs, LLMEngine, SamplingParams
 from engine.metrics import Metrics
 from prefill_svc.core import PrefillCore
@@ -40,7 +40,7 @@ def run(engines, scenario):
         await dcore.start()
         ps, ds = new_server(), new_server()
         prefill_pb2_grpc.add_PrefillServicer_to_server(PrefillServicer(pcore), ps)
-        decode_pb2_grpc.add_DecodeServicer_to_server(DecodeServicer(dcore), ds)
+        add_to_server(dcore, ds)
         pa, da = f"127.0.0.1:{port()}", f"127.0.0.1:{port()}"
         ps.add_insecure_port(pa)
         ds.add_insecure_port(da)
