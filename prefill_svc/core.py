@@ -8,7 +8,8 @@ The life of a request inside a prefill instance:
    cache layout and the path.
 2. The engine thread runs chunked prefill, batching chunks of many prompts under the token budget. After each step
    the `_after_step` hook (still in the engine thread) ships the blocks that became full (`KvSender.block_messages`:
-   their bytes, one gather and one device -> host copy; or, on CUDA IPC, their ids once the device is synchronized)
+   their bytes, staged in pinned memory by copies queued on the engine's stream and encoded once; or, on CUDA IPC,
+   their ids: the engine only reports steps whose device work is complete)
    and the loop queues the messages: the transfer of chunk k overlaps the compute of chunk k+1. The step that
    finishes the prompt also samples the first token; the hook then sends the last, partial block too.
 3. The first token is streamed back to the router at once (FirstToken): the engine thread hands it over before it
@@ -126,7 +127,7 @@ class PrefillCore:
             upto = cdiv(n, self.block_size) if final else min(out.num_computed_tokens, n) // self.block_size
             if upto > tx.sent_blocks:
                 ids = engine.get_block_ids(out.request_id)[tx.sent_blocks:upto]
-                for msg in self.sender.block_messages(engine.kv_cache, tx.path, tx.sent_blocks, ids):
+                for msg in self.sender.block_messages(engine.kv_cache, tx.path, tx.sent_blocks, ids, encoded=True):
                     payloads.append((out.request_id, msg))
                 tx.sent_blocks = upto
             if final:
@@ -237,7 +238,7 @@ class PrefillCore:
 
     async def _send(self, r: _Req, address: str, timeout: float) -> float:
         """Streams r's transfer to address; returns its duration in seconds once decode acknowledged."""
-        stub = decode_pb2_grpc.DecodeStub(self._channel(address))
+        transfer_kv = self.sender.transfer_kv(self._channel(address))
         t0 = time.monotonic()
         num_blocks = cdiv(r.num_prompt_tokens, self.block_size)
 
@@ -251,11 +252,11 @@ class PrefillCore:
                     r.sent_blocks += nblocks
                     self.path_metrics.add_bytes(r.path, nbytes)
                 yield msg
-                if msg.HasField("commit"):
+                if self.sender.is_commit(msg):
                     return
 
         try:
-            await stub.TransferKv(messages(), timeout=timeout)
+            await transfer_kv(messages(), timeout=timeout)
         except asyncio.CancelledError:
             raise
         except grpc.aio.AioRpcError as e:

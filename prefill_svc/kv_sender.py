@@ -16,8 +16,8 @@
      as protobuf messages; with `encoded=False` they come as KvTransferMessage protos instead, for the generated
      DecodeStub (two more copies of the payload, and protobuf's large allocations: the bytes path then runs at about
      a third of the speed);
-   - CUDA_IPC: the cache's device is synchronized first (the step's KV writes are complete before any other process
-     reads them), then only the block ids go, in one message; the decode instance copies the blocks GPU to GPU and
+   - CUDA_IPC: only the block ids go, in one message (the engine reports a step once its device work, the KV writes
+     included, is complete, so another process may read the blocks); the decode instance copies the blocks GPU to GPU and
      must finish before its ack, after which the prefill frees them.
 4. `commit_message`: the first token; all blocks were sent.
 """
@@ -154,7 +154,8 @@ class KvSender:
         complete in `kv_cache` once the current stream's work is done. GRPC: KvBlocksOut when `encoded` (send them
         with transfer_kv), else KvTransferMessage protos."""
         if path == CUDA_IPC:
-            torch.cuda.synchronize(self.device)  # every stream: the KV writes of the step are complete
+            # No wait: LLMEngine.step() reports only steps whose device work is complete (their KV writes
+            # included); synchronizing here would also wait for the step async scheduling launched after it.
             return [kv.KvTransferMessage(ready=kv.KvBlocksReady(first_block_index=first_block_index,
                                                                 block_ids=block_ids))]
         out = []
