@@ -474,8 +474,10 @@ def _num_sms(device: torch.device) -> int:
 # H200 sweep (docs/kernels.md: 54.5% vs 55.2% of 781 TFLOP/s on a fresh 4k chunk, 52.8% vs 58.2% after a 4k prefix).
 PREFILL_MAX_BLOCK_M = 128
 # Prefill launches read this step's keys from k/v (when the caller passes them): 0 no, 1 by pointers, 2 by TMA.
-# H200: +1-2% over the cache path (55.2% vs 54.1%, 58.2% vs 57.0%).
-PREFILL_NEW_KV = 2
+# H200: TMA is +1-2% in the kernel (55.2% vs 54.1% of 781 TFLOP/s on a fresh 4k chunk, 58.2% vs 57.0% after a 4k
+# prefix) but costs the host ~1.8 ms per 512-token prefill of a 28-layer model (descriptors per launch; TTFT 21.7 vs
+# 19.9 ms eager, bench/ttft_profile.py), where the host, not the GPU, bounds the step: off by default.
+PREFILL_NEW_KV = 0
 
 
 def default_config(

@@ -220,10 +220,10 @@ def test_default_config_splits_only_small_long_decodes():
     assert default_config(64, 64, 4, 7, 128, 1, 4096, 132)["num_segments"] == 1
     big = default_config(4096, 1, 4, 7, 128, 4096, 4096, 132)
     assert (big["block_m"], big["num_segments"], big["new_kv"]) == (PREFILL_MAX_BLOCK_M, 1, PREFILL_NEW_KV)
-    # the H200 sweep's best (tests below check it on CUDA): 128 rows, 8 warps, two programs per SM
+    # the H200 sweep's best without TMA (tests below check it on CUDA): 128 rows, 8 warps, two programs per SM
     assert {k: big[k] for k in ("tile_n", "num_warps", "num_stages", "maxnreg")} == dict(
         tile_n=64, num_warps=8, num_stages=2, maxnreg=128)
-    assert {k: big[k] for k in PREFILL_CANDIDATES[9]} == PREFILL_CANDIDATES[9]
+    assert {k: big[k] for k in PREFILL_CANDIDATES[10]} == PREFILL_CANDIDATES[10]
     assert default_config(4096, 1, 4, 7, 128, 4096, 4096, 132, kv_fp8=True)["maxnreg"] == 0  # not measured
     assert default_config(4096, 1, 4, 7, 128, 4096, 4096, 132, q_bytes=4)["maxnreg"] == 0
     assert default_config(4096, 1, 4, 7, 256, 4096, 4096, 132)["block_m"] == 128
