@@ -15,9 +15,10 @@ for stage in $stages; do
   t0=$SECONDS
   case $stage in
     checks)  # correctness only, side by side: the CUDA kernel tests (not the prefill candidates) and engine parity
-      timeout ${CHECKS_TIMEOUT:-200} python3 -m pytest -q -p no:cacheprovider tests/kernels -k "not candidates" \
+      # (in parallel the kernel tests take ~200 s on the H200: 113 of 121 ran in 150 s)
+      timeout ${CHECKS_TIMEOUT:-300} python3 -m pytest -q -p no:cacheprovider tests/kernels -k "not candidates" \
         > "$OUT/test_kernels.log" 2>&1 &
-      timeout ${CHECKS_TIMEOUT:-200} python3 -m pytest -q -s -p no:cacheprovider tests/engine/test_cuda_parity.py \
+      timeout ${CHECKS_TIMEOUT:-300} python3 -m pytest -q -s -p no:cacheprovider tests/engine/test_cuda_parity.py \
         > "$OUT/parity.log" 2>&1 &
       wait
       tail -2 "$OUT/test_kernels.log"; grep -E "passed|failed|bf16 vs|agree|^E " "$OUT/parity.log" | tail -12 ;;
