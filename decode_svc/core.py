@@ -56,15 +56,6 @@ def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-def _settle(fut: asyncio.Future, result, exc: Exception | None) -> None:
-    if fut.cancelled():
-        return
-    if exc is None:
-        fut.set_result(result)
-    else:
-        fut.set_exception(exc)
-
-
 @dataclass
 class _Dec:
     """Loop-side state of one request."""
@@ -115,20 +106,6 @@ class DecodeCore:
         if ids is not None:
             self._live.add(rid)
         return ids
-
-    def _queue(self, fn, *args) -> asyncio.Future:
-        """Like `worker.call(fn, *args)`, but fn is queued now, in order with whatever is queued after it, and its
-        future is returned, not awaited (block writes go on while the next messages arrive)."""
-        fut = self.worker.loop.create_future()
-        self.worker.submit(self._run_for, fut, fn, args)
-        return fut
-
-    def _run_for(self, engine, fut: asyncio.Future, fn, args) -> None:
-        try:
-            result, exc = fn(engine, *args), None
-        except Exception as e:  # noqa: BLE001 - the caller's, through the future
-            result, exc = None, e
-        self.worker.loop.call_soon_threadsafe(_settle, fut, result, exc)
 
     def _write(self, engine, rid: str, block_ids: list[int], data: bytes | memoryview) -> None:
         if rid not in self._live:
@@ -354,7 +331,7 @@ class DecodeCore:
                         await done  # raises the write's error
                         queued_bytes -= n
                     check_live()
-                    queued.append((self._queue(self._write, rid, ids, b.data), size))
+                    queued.append((self.worker.queue(self._write, rid, ids, b.data), size))
                     queued_bytes += size
                     nbytes += size
                     self.path_metrics.add_bytes(path, size)
@@ -375,7 +352,7 @@ class DecodeCore:
                     if missing:
                         raise ServiceError(grpc.StatusCode.INVALID_ARGUMENT,
                                            f"commit: {missing} of {len(received)} blocks never arrived")
-                    commit = self._queue(self._commit, rid, msg.commit.first_token_id)  # runs after every write
+                    commit = self.worker.queue(self._commit, rid, msg.commit.first_token_id)  # runs after every write
                     queued.append((commit, 0))
                     while len(queued) > 1:
                         await queued.popleft()[0]  # a failed write raises here (and the commit refuses)

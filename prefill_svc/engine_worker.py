@@ -38,11 +38,17 @@ class EngineWorker:
         self._q.put(_STOP)
         self._thread.join(timeout)
 
-    async def call(self, fn: Callable[..., Any], *args: Any) -> Any:
-        """Runs fn(engine, *args) in the engine thread; returns its result or raises its exception."""
+    def queue(self, fn: Callable[..., Any], *args: Any) -> asyncio.Future:
+        """Queues fn(engine, *args) for the engine thread now, in order with the commands queued after it; the
+        future (not awaited here) gets its result or exception. Callers that go on while it runs (the decode
+        service's pipelined block writes) keep the future; `call` awaits it."""
         fut = self.loop.create_future()
         self._q.put((fn, args, fut))
-        return await fut
+        return fut
+
+    async def call(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """Runs fn(engine, *args) in the engine thread; returns its result or raises its exception."""
+        return await self.queue(fn, *args)
 
     def submit(self, fn: Callable[..., Any], *args: Any) -> None:
         """Runs fn(engine, *args) in the engine thread without waiting (errors are logged)."""
