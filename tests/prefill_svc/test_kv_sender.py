@@ -4,7 +4,6 @@ on CPU caches must be the gRPC bytes path (the metrics by path say which one mov
 from __future__ import annotations
 
 import asyncio
-import socket
 
 import grpc
 import pytest
@@ -13,57 +12,22 @@ from prometheus_client import REGISTRY
 
 from decode_svc.core import DecodeCore
 from decode_svc.servicer import add_to_server
-from engine import LLM, EngineArgs, LLMEngine, SamplingParams
+from engine import LLM, SamplingParams
 from engine.metrics import Metrics
 from prefill_svc.core import PrefillCore
 from prefill_svc.kv_ipc import CUDA_IPC, GRPC, host_identity
 from prefill_svc.kv_layout import block_rows
 from prefill_svc.kv_sender import KvBlocksOut, KvSender, serialize
 from prefill_svc.server import ROLE, build_parser
-from prefill_svc.servicer import PrefillServicer
 from protos.runtime import ServiceError, new_server
 from protos.tandem.v1 import common_pb2, decode_pb2, decode_pb2_grpc, kv_transfer_pb2 as kv, prefill_pb2
-from protos.tandem.v1 import prefill_pb2_grpc
+from svc_pair import ARGS, free_port, run_pair
 
-ARGS = dict(model="random:tiny", device="cpu", num_gpu_blocks_override=256, max_model_len=1024, block_size=16,
-            max_num_batched_tokens=32)
 PROMPT = list(range(20, 120))  # 100 tokens: 7 blocks, prefilled in 4 chunks
 
 
-@pytest.fixture(scope="module")
-def engines():
-    return LLMEngine.from_engine_args(EngineArgs(**ARGS)), LLMEngine.from_engine_args(EngineArgs(**ARGS))
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def run(engines, kv_transfer, scenario):
-    async def main():
-        pcore = PrefillCore(engines[0], Metrics("random:tiny", "prefill"), 5, kv_transfer=kv_transfer)
-        dcore = DecodeCore(engines[1], Metrics("random:tiny", "decode"))
-        await pcore.start()
-        await dcore.start()
-        ps, ds = new_server(), new_server()
-        prefill_pb2_grpc.add_PrefillServicer_to_server(PrefillServicer(pcore), ps)
-        add_to_server(dcore, ds)
-        pa, da = f"127.0.0.1:{free_port()}", f"127.0.0.1:{free_port()}"
-        ps.add_insecure_port(pa)
-        ds.add_insecure_port(da)
-        await ps.start()
-        await ds.start()
-        try:
-            async with grpc.aio.insecure_channel(pa) as pch, grpc.aio.insecure_channel(da) as dch:
-                return await scenario(pcore, prefill_pb2_grpc.PrefillStub(pch), decode_pb2_grpc.DecodeStub(dch), da)
-        finally:
-            await ps.stop(0)
-            await ds.stop(0)
-            await pcore.close()
-            await dcore.close()
-    return asyncio.run(main())
+    return run_pair(engines, scenario, default_kv_timeout_s=5, kv_transfer=kv_transfer)
 
 
 def path_bytes(role: str, path: str) -> float:

@@ -3,58 +3,17 @@ same process: first tokens, freed blocks on every ending, transfer failures."""
 from __future__ import annotations
 
 import asyncio
-import socket
 
 import grpc
 import pytest
 
-from decode_svc.core import DecodeCore
-from decode_svc.servicer import add_to_server
-from engine import LLM, EngineArgs, LLMEngine, SamplingParams
-from engine.metrics import Metrics
-from prefill_svc.core import PrefillCore
-from prefill_svc.servicer import PrefillServicer
-from protos.runtime import new_server
-from protos.tandem.v1 import (common_pb2, decode_pb2, decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc)
-
-ARGS = dict(model="random:tiny", device="cpu", num_gpu_blocks_override=256, max_model_len=1024, block_size=16,
-            max_num_batched_tokens=32)
-
-
-@pytest.fixture(scope="module")
-def engines():
-    return LLMEngine.from_engine_args(EngineArgs(**ARGS)), LLMEngine.from_engine_args(EngineArgs(**ARGS))
-
-
-def port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from engine import LLM, SamplingParams
+from protos.tandem.v1 import common_pb2, decode_pb2, prefill_pb2
+from svc_pair import ARGS, free_port, run_pair
 
 
 def run(engines, scenario):
-    async def main():
-        pcore = PrefillCore(engines[0], Metrics("random:tiny", "prefill"), default_kv_timeout_s=5)
-        dcore = DecodeCore(engines[1], Metrics("random:tiny", "decode"))
-        await pcore.start()
-        await dcore.start()
-        ps, ds = new_server(), new_server()
-        prefill_pb2_grpc.add_PrefillServicer_to_server(PrefillServicer(pcore), ps)
-        add_to_server(dcore, ds)
-        pa, da = f"127.0.0.1:{port()}", f"127.0.0.1:{port()}"
-        ps.add_insecure_port(pa)
-        ds.add_insecure_port(da)
-        await ps.start()
-        await ds.start()
-        try:
-            async with grpc.aio.insecure_channel(pa) as pch, grpc.aio.insecure_channel(da) as dch:
-                return await scenario(prefill_pb2_grpc.PrefillStub(pch), decode_pb2_grpc.DecodeStub(dch), da)
-        finally:
-            await ps.stop(0)
-            await ds.stop(0)
-            await pcore.close()
-            await dcore.close()
-    return asyncio.run(main())
+    return run_pair(engines, lambda pcore, *stubs: scenario(*stubs), default_kv_timeout_s=5)
 
 
 async def idle(*stubs):
@@ -114,7 +73,7 @@ def test_unreachable_decode_fails_the_request_and_frees(engines):
     async def scenario(pstub, dstub, daddr):
         with pytest.raises(grpc.aio.AioRpcError) as ei:
             async for _ in pstub.Prefill(prefill_pb2.PrefillRequest(
-                    request_id="c", prompt_token_ids=PROMPT, params=params(), decode_address=f"127.0.0.1:{port()}")):
+                    request_id="c", prompt_token_ids=PROMPT, params=params(), decode_address=f"127.0.0.1:{free_port()}")):
                 pass
         return ei.value, await idle(pstub)
 
