@@ -3,49 +3,21 @@ and the router drive it: reservations, refusals, layout checks, deadlines. No bl
 from __future__ import annotations
 
 import asyncio
-import socket
 
 import grpc
 import pytest
 import torch
 
 import decode_svc.core as core_module
-from decode_svc.core import DecodeCore
 from decode_svc.servicer import DecodeServicer, add_to_server
-from engine import EngineArgs, LLMEngine
-from engine.metrics import Metrics
 from prefill_svc.kv_layout import StagedBlocks, block_rows, layout_of
-from prefill_svc.kv_sender import KvBlocksOut, KvSender
-from protos.runtime import new_server
+from prefill_svc.kv_sender import KvBlocksOut
 from protos.tandem.v1 import common_pb2, decode_pb2, decode_pb2_grpc, kv_transfer_pb2 as kv
-
-
-@pytest.fixture(scope="module")
-def engine():
-    return LLMEngine.from_engine_args(EngineArgs(model="random:tiny", device="cpu", num_gpu_blocks_override=64,
-                                                 max_model_len=1024, block_size=16))
+from decode_one import run_decode
 
 
 def run(engine, scenario, register=add_to_server):
-    async def main():
-        core = DecodeCore(engine, Metrics("random:tiny", "decode"))
-        await core.start()
-        server = new_server()
-        register(core, server)
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        server.add_insecure_port(f"127.0.0.1:{port}")
-        await server.start()
-        try:
-            async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as ch:
-                stub = decode_pb2_grpc.DecodeStub(ch)
-                stub.transfer_kv = KvSender.transfer_kv(ch)  # TransferKv that also sends pre-serialized KvBlocksOut
-                return await scenario(stub, core)
-        finally:
-            await server.stop(0)
-            await core.close()
-    return asyncio.run(main())
+    return run_decode(engine, scenario, register)
 
 
 def decode_req(rid, n_tokens, timeout_ms=10_000, **params):

@@ -4,45 +4,18 @@ two paths' messages cannot be mixed. No block may stay allocated."""
 from __future__ import annotations
 
 import asyncio
-import socket
 
 import grpc
 import pytest
 
-from decode_svc.core import DecodeCore
-from decode_svc.servicer import add_to_server
-from engine import EngineArgs, LLMEngine
-from engine.metrics import Metrics
 from prefill_svc.kv_ipc import host_identity
 from prefill_svc.kv_layout import layout_of
-from protos.runtime import new_server
-from protos.tandem.v1 import common_pb2, decode_pb2, decode_pb2_grpc, kv_transfer_pb2 as kv
-
-
-@pytest.fixture(scope="module")
-def engine():
-    return LLMEngine.from_engine_args(EngineArgs(model="random:tiny", device="cpu", num_gpu_blocks_override=64,
-                                                 max_model_len=1024, block_size=16))
+from protos.tandem.v1 import common_pb2, decode_pb2, kv_transfer_pb2 as kv
+from decode_one import run_decode
 
 
 def run(engine, scenario):
-    async def main():
-        core = DecodeCore(engine, Metrics("random:tiny", "decode"))
-        await core.start()
-        server = new_server()
-        add_to_server(core, server)
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        server.add_insecure_port(f"127.0.0.1:{port}")
-        await server.start()
-        try:
-            async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as ch:
-                return await scenario(decode_pb2_grpc.DecodeStub(ch))
-        finally:
-            await server.stop(0)
-            await core.close()
-    return asyncio.run(main())
+    return run_decode(engine, lambda stub, core: scenario(stub))
 
 
 def offer() -> kv.CudaIpcCache:
