@@ -11,7 +11,7 @@ from decode_svc.servicer import add_to_server
 from engine.metrics import Metrics
 from prefill_svc.kv_sender import KvSender
 from protos.runtime import new_server
-from protos.tandem.v1 import decode_pb2_grpc
+from protos.tandem.v1 import common_pb2, decode_pb2_grpc
 
 ARGS = dict(model="random:tiny", device="cpu", num_gpu_blocks_override=64, max_model_len=1024, block_size=16)
 
@@ -38,3 +38,13 @@ def run_decode(engine, scenario, register=add_to_server):
             await server.stop(0)
             await core.close()
     return asyncio.run(main())
+
+
+async def idle(stub):
+    """The decode instance's load once it holds no block and tracks no request (or after 2.5 s, for the assert)."""
+    for _ in range(50):
+        load = await stub.GetLoad(common_pb2.GetLoadRequest())
+        if load.num_used_blocks == 0 and load.num_tracked_requests == 0:
+            return load
+        await asyncio.sleep(0.05)
+    return load

@@ -13,7 +13,7 @@ from decode_svc.servicer import DecodeServicer, add_to_server
 from prefill_svc.kv_layout import StagedBlocks, block_rows, layout_of
 from prefill_svc.kv_sender import KvBlocksOut
 from protos.tandem.v1 import common_pb2, decode_pb2, decode_pb2_grpc, kv_transfer_pb2 as kv
-from decode_one import run_decode
+from decode_one import idle, run_decode
 
 
 def run(engine, scenario, register=add_to_server):
@@ -24,15 +24,6 @@ def decode_req(rid, n_tokens, timeout_ms=10_000, **params):
     return decode_pb2.DecodeRequest(request_id=rid, prompt_token_ids=[3] * n_tokens,
                                     params=common_pb2.SamplingParams(**{"temperature": 0.0, "max_tokens": 8, **params}),
                                     kv_transfer_timeout_ms=timeout_ms)
-
-
-async def idle(stub):
-    for _ in range(50):
-        load = await stub.GetLoad(common_pb2.GetLoadRequest())
-        if load.num_used_blocks == 0 and load.num_tracked_requests == 0:
-            return load
-        await asyncio.sleep(0.05)
-    return load
 
 
 def test_reserve_refuse_and_cancel(engine):

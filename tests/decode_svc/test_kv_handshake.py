@@ -3,7 +3,6 @@ the handshake answers GRPC with the reason, an open that insists on CUDA_IPC is 
 two paths' messages cannot be mixed. No block may stay allocated."""
 from __future__ import annotations
 
-import asyncio
 
 import grpc
 import pytest
@@ -11,7 +10,7 @@ import pytest
 from prefill_svc.kv_ipc import host_identity
 from prefill_svc.kv_layout import layout_of
 from protos.tandem.v1 import common_pb2, decode_pb2, kv_transfer_pb2 as kv
-from decode_one import run_decode
+from decode_one import idle, run_decode
 
 
 def run(engine, scenario):
@@ -24,15 +23,6 @@ def offer() -> kv.CudaIpcCache:
     peer.process_id, peer.gpu_uuids[:] = "another-process", ["GPU-test"]
     return kv.CudaIpcCache(host=peer, device_uuid="GPU-test", mem_handle=b"\x01" * 64, storage_size_bytes=1 << 20,
                            num_blocks=4)
-
-
-async def idle(stub):
-    for _ in range(50):
-        load = await stub.GetLoad(common_pb2.GetLoadRequest())
-        if load.num_used_blocks == 0 and load.num_tracked_requests == 0:
-            return load
-        await asyncio.sleep(0.05)
-    return load
 
 
 def reserve(stub, rid, n_tokens):
