@@ -3,7 +3,6 @@ the handshake answers GRPC with the reason, an open that insists on CUDA_IPC is 
 two paths' messages cannot be mixed. No block may stay allocated."""
 from __future__ import annotations
 
-
 import grpc
 import pytest
 

@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import socket
 import subprocess
 import sys
 import threading
@@ -17,6 +16,7 @@ import httpx
 import pytest
 
 from engine import LLM, SamplingParams
+from ports import free_port_block
 
 ROOT = Path(__file__).resolve().parents[2]
 PROMPTS = ["Once upon a time", "Hello, my name is", "The capital of France is"]
@@ -24,31 +24,10 @@ MAX_TOKENS = 12
 IDS = {"logprobs": 0, "return_tokens_as_token_ids": True}
 
 
-def _free_ports(n: int) -> int:
-    for _ in range(100):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            base = s.getsockname()[1]
-        if base + n >= 65536:
-            continue
-        socks = []
-        try:
-            for p in range(base, base + n):
-                socks.append(socket.socket())
-                socks[-1].bind(("127.0.0.1", p))
-            return base
-        except OSError:
-            continue
-        finally:
-            for s in socks:
-                s.close()
-    raise RuntimeError("no block of free ports")
-
-
 @pytest.fixture(scope="module")
 def colocated():
     """`tandem up --colocated --model random:tiny`, once ready: (base URL, process, its output lines)."""
-    base = _free_ports(2)
+    base = free_port_block(2)
     proc = subprocess.Popen([sys.executable, "-m", "engine.cli", "up", "--colocated", "--model", "random:tiny",
                              "--http-port", str(base), "--grpc-port", str(base + 1)],
                             cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,

@@ -6,7 +6,6 @@ from __future__ import annotations
 import asyncio
 import os
 import re
-import socket
 import subprocess
 import sys
 import time
@@ -19,25 +18,13 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from protos.tandem.v1 import common_pb2, decode_pb2, decode_pb2_grpc, generate_pb2, generate_pb2_grpc, prefill_pb2_grpc
+from ports import free_ports
 
 ROOT = Path(__file__).resolve().parents[2]
 READY_TIMEOUT_S = 240
 # Small KV pools and a small token budget: prompts longer than 48 tokens are prefilled (and shipped) in chunks.
 ENGINE_FLAGS = ["--device", "cpu", "--kv-cache-memory", "0.03125", "--max-num-batched-tokens", "48",
                 "--block-size", "16", "--max-model-len", "1024"]
-
-
-def free_ports(n: int) -> list[int]:
-    socks = []
-    try:
-        for _ in range(n):
-            s = socket.socket()
-            s.bind(("127.0.0.1", 0))
-            socks.append(s)
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
 
 
 class GrpcStack:

@@ -7,7 +7,6 @@ import json
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -18,32 +17,10 @@ import httpx
 import pytest
 
 from engine import LLM, SamplingParams
+from ports import free_port_block
 
 ROOT = Path(__file__).resolve().parents[2]
 READY_TIMEOUT_S = 240
-
-
-def free_port_block(n: int) -> int:
-    """The first of n consecutive free ports on 127.0.0.1."""
-    for _ in range(100):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            base = s.getsockname()[1]
-        if base + n >= 65536:
-            continue
-        socks = []
-        try:
-            for p in range(base, base + n):
-                s = socket.socket()
-                socks.append(s)
-                s.bind(("127.0.0.1", p))
-            return base
-        except OSError:
-            continue
-        finally:
-            for s in socks:
-                s.close()
-    raise RuntimeError("no block of free ports")
 
 
 class Stack:
