@@ -17,7 +17,7 @@ from engine.config import EngineConfig, parse_dtype
 from engine.loader import ResolvedModel, load_weights
 from engine.model import AttentionMetadata, LayerKV, LlamaForCausalLM
 from engine.request import Request
-from engine.sampler import DeviceSample, Sampler, SamplerOutput
+from engine.sampler import DeviceSample, Sampler, SamplerOutput, to_device_nowait
 from engine.scheduler import SchedulerOutput
 
 log = logging.getLogger(__name__)
@@ -134,13 +134,6 @@ class ModelRunner:
                  total / GiB, peak / GiB, budget / GiB)
         return max(budget, 0.0)
 
-    def _to_device(self, array: np.ndarray) -> torch.Tensor:
-        """One host -> device copy that does not wait for the device (pinned source on CUDA)."""
-        t = torch.from_numpy(array)
-        if self.device.type != "cuda":
-            return t
-        return t.pin_memory().to(self.device, non_blocking=True)
-
     def _pack(self, segments, dtype) -> list[torch.Tensor]:
         """The segments in one host buffer, copied to the device at once; returns their device views. Each segment
         starts 16-byte aligned: Triton specializes kernels on pointer alignment, and a view whose alignment changed
@@ -153,7 +146,7 @@ class ModelRunner:
         host = np.zeros(max(total, 1), dtype=dtype)
         for off, seg in zip(offsets, segments):
             host[off: off + len(seg)] = seg
-        dev = self._to_device(host)
+        dev = to_device_nowait(torch.from_numpy(host), self.device)
         return [dev[off: off + len(seg)] for off, seg in zip(offsets, segments)]
 
     def prepare_inputs(self, sched: SchedulerOutput, block_tables: list[list[int]],

@@ -186,12 +186,17 @@ class DeviceSample:
         return SamplerOutput(token_ids=out_ids, logprobs=out_lps)
 
 
-def _tensor(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """A small host list on the device, copied without waiting for the device's queued work."""
-    t = torch.tensor(values, dtype=dtype)
+def to_device_nowait(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host tensor on `device`, copied without waiting for the device's queued work (through pinned memory on
+    CUDA; a pageable source could make the copy wait). The engine's per-step inputs go this way too."""
     if torch.device(device).type != "cuda":
         return t.to(device)
     return t.pin_memory().to(device, non_blocking=True)
+
+
+def _tensor(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A small host list on the device (to_device_nowait)."""
+    return to_device_nowait(torch.tensor(values, dtype=dtype), device)
 
 
 def apply_penalties(logits: torch.Tensor, prompt_token_ids: list[list[int]],
