@@ -19,6 +19,7 @@ class EngineArgs:
     max_model_len: int | None = None
     seed: int = 0
     enforce_eager: bool = False
+    max_prefill_cudagraph_tokens: int = 1024
     block_size: int = 16
     kv_cache_memory: float | None = None
     gpu_memory_utilization: float = 0.9

@@ -30,11 +30,15 @@ class ModelConfig:
     seed: int = 0
     """Seed for random weights and for unseeded sampling."""
     enforce_eager: bool = False
-    """Never replay decode steps as CUDA graphs (vLLM's flag)."""
+    """Never replay steps as CUDA graphs (vLLM's flag)."""
+    max_prefill_cudagraph_tokens: int = 1024
+    """Steps with prompt tokens, up to this many tokens in all, replay as CUDA graphs padded to a captured size (0: eagerly). A short prompt's prefill is bound by the host's kernel launches, not the GPU."""
 
     def __post_init__(self) -> None:
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError(f"max_model_len={self.max_model_len}: must be >= 1")
+        if self.max_prefill_cudagraph_tokens < 0:
+            raise ValueError(f"max_prefill_cudagraph_tokens={self.max_prefill_cudagraph_tokens}: must be >= 0")
         if self.dtype != "auto":
             parse_dtype(self.dtype)
 
