@@ -91,7 +91,9 @@ class StepStats:
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig):
+    def __init__(self, config: EngineConfig, decode_graphs: bool = True):
+        """decode_graphs=False: a prefill worker, whose requests end at their first token, captures no decode
+        CUDA graphs (they would never replay)."""
         self.config = config
         resolved = resolve_model(config.model.model)
         if resolved.random_seed is not None:
@@ -122,7 +124,7 @@ class LLMEngine:
         if self.runner.device.type == "cuda":
             warm_up_attention(self.runner)
             if not config.model.enforce_eager:
-                self.runner.enable_cuda_graphs(max_model_len)
+                self.runner.enable_cuda_graphs(max_model_len, decode=decode_graphs)
         self.requests: dict[str, Request] = {}  # engine request id -> request (children of n > 1 included)
         self.children: dict[str, list[str]] = {}  # user request id -> engine request ids
         self.held: dict[str, Request] = {}  # finished kv_hold requests whose blocks are still allocated
@@ -138,8 +140,8 @@ class LLMEngine:
                  self.model_name, self.runner.dtype, self.runner.device, self.runner.num_blocks, bs, max_model_len)
 
     @classmethod
-    def from_engine_args(cls, args: EngineArgs) -> "LLMEngine":
-        return cls(args.create_engine_config())
+    def from_engine_args(cls, args: EngineArgs, decode_graphs: bool = True) -> "LLMEngine":
+        return cls(args.create_engine_config(), decode_graphs=decode_graphs)
 
     def _eos_token_ids(self) -> list[int]:
         ids = set()

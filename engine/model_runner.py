@@ -70,7 +70,9 @@ class ModelRunner:
         # fp8 KV stores x / scale: per-layer scales calibrated once here (see calibrate_kv_scales), 1.0 otherwise.
         self.k_scales, self.v_scales = (self.calibrate_kv_scales() if self.kv_dtype == torch.float8_e4m3fn
                                         else ([1.0] * self.num_layers, [1.0] * self.num_layers))
-        self.graphs = None  # DecodeGraphs, captured by enable_cuda_graphs() once the engine knows max_model_len
+        # DecodeGraphs and PrefillGraphs, captured by enable_cuda_graphs() once the engine knows max_model_len
+        self.graphs = None
+        self.prefill_graphs = None
         self.kv_layers = [LayerKV(self.kv_cache[:, l, 0], self.kv_cache[:, l, 1], self.k_scales[l], self.v_scales[l])
                           for l in range(self.num_layers)]
 
@@ -208,10 +210,18 @@ class ModelRunner:
             max_query_len=max(n for _, n in sched.scheduled), max_seq_len=max(seq_lens))
         return ModelInputs(ids, pos, meta, logits_idx, sampled)
 
-    def enable_cuda_graphs(self, max_model_len: int) -> None:
-        from engine.cuda_graphs import DecodeGraphs
+    def enable_cuda_graphs(self, max_model_len: int, decode: bool = True) -> None:
+        """decode=False (a prefill worker, whose steps never decode) captures only the graphs for prompt steps."""
+        from engine.cuda_graphs import DecodeGraphs, PrefillGraphs
 
-        self.graphs = DecodeGraphs(self, self.config.scheduler.max_num_seqs, max_model_len)
+        sched = self.config.scheduler
+        pool = None
+        if decode:
+            self.graphs = DecodeGraphs(self, sched.max_num_seqs, max_model_len)
+            pool = self.graphs.pool
+        max_tokens = min(self.config.model.max_prefill_cudagraph_tokens, sched.max_num_batched_tokens)
+        if max_tokens > 0:
+            self.prefill_graphs = PrefillGraphs(self, max_tokens, sched.max_num_seqs, max_model_len, pool)
 
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput, block_tables: list[list[int]],
@@ -220,21 +230,28 @@ class ModelRunner:
         inputs = self.prepare_inputs(sched, block_tables, prev)
         m = inputs.meta
         num_seqs = len(sched.scheduled)
-        if not inputs.sampled_requests:
-            self.model(inputs.input_ids, inputs.positions, self.kv_layers, m)
+        sampled = inputs.sampled_requests
+        key = None
+        if self.prefill_graphs is not None and m.max_query_len > 1:
+            key = self.prefill_graphs.key_for(inputs.input_ids.shape[0], num_seqs)
+        logits = None
+        if key is not None:
+            logits = self.prefill_graphs.run(key, inputs.input_ids, inputs.positions, m, inputs.logits_indices)
+        elif (self.graphs is not None and m.max_query_len == 1 and len(sampled) == num_seqs
+              and self.graphs.can_run(num_seqs)):
+            logits = self.graphs.run(inputs.input_ids, inputs.positions, m.slot_mapping, m.block_tables,
+                                     m.seq_lens)
+        else:
+            hidden = self.model(inputs.input_ids, inputs.positions, self.kv_layers, m)
+            if sampled:
+                logits = self.model.compute_logits(hidden[inputs.logits_indices])
+        if not sampled:
             done = None
             if self.device.type == "cuda":
                 done = torch.cuda.Event()
                 done.record()
             return StepHandle([], None, done)
-        if (self.graphs is not None and m.max_query_len == 1 and len(inputs.sampled_requests) == num_seqs
-                and self.graphs.can_run(num_seqs)):
-            logits = self.graphs.run(inputs.input_ids, inputs.positions, m.slot_mapping, m.block_tables,
-                                     m.seq_lens)
-        else:
-            hidden = self.model(inputs.input_ids, inputs.positions, self.kv_layers, m)
-            logits = self.model.compute_logits(hidden[inputs.logits_indices])
-        return StepHandle(inputs.sampled_requests, self.sampler.sample(logits.float(), inputs.sampled_requests))
+        return StepHandle(sampled, self.sampler.sample(logits.float(), sampled))
 
     @torch.inference_mode()
     def calibrate_kv_scales(self, token_ids: list[int] | None = None,

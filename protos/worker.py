@@ -74,10 +74,8 @@ def main(role: WorkerRole, argv: list[str] | None = None) -> int:
     logging.basicConfig(level=ns.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     from engine import LLMEngine
 
-    args = EngineArgs.from_cli_args(ns)
-    if not role.decodes:
-        args.enforce_eager = True  # decode CUDA graphs would never replay here: skip capturing them
-    engine = LLMEngine.from_engine_args(args)
+    # A prefill worker's decode CUDA graphs would never replay: it captures only the prompt steps' graphs.
+    engine = LLMEngine.from_engine_args(EngineArgs.from_cli_args(ns), decode_graphs=role.decodes)
     start_metrics_server(ns.metrics_port, ns.host)
     uvloop.run(serve(role, engine, ns.host, ns.port, ns.kv_transfer_timeout))
     return 0

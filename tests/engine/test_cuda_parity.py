@@ -256,3 +256,33 @@ def test_kernels_on_the_engine_cache_layout(kv_dtype):
                               d ** -0.5, ks, vs)
     rel = ((out.float() - ref.float()).norm() / ref.float().norm()).item()
     assert rel < 2e-2, f"relative error {rel:.3e}"
+
+
+def test_prefill_graphs_match_eager_on_cuda(tiny_qwen2_cuda_dir):
+    """Prompt steps replayed as CUDA graphs (padded tokens, a padding sequence, empty rows) against the same steps
+    run eagerly: same greedy tokens, logprobs within float32 GEMM reordering."""
+    from engine import LLM, SamplingParams
+
+    torch.backends.cuda.matmul.allow_tf32 = False
+    prompts = prompts_for(1000, lens=(5, 37, 130, 300, 16, 17, 64, 250))
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, logprobs=3)
+    outs = {}
+    for graphs in (0, 1024):
+        llm = LLM(str(tiny_qwen2_cuda_dir), dtype="float32", device="cuda", kv_cache_memory=1.0,
+                  max_num_batched_tokens=256, max_num_seqs=MAX_SEQS, max_prefill_cudagraph_tokens=graphs)
+        pg = llm.engine.runner.prefill_graphs
+        assert (pg is None) == (graphs == 0)
+        replays = []
+        if pg is not None:
+            run = pg.run
+            pg.run = lambda key, *a: replays.append(key) or run(key, *a)
+        outs[graphs] = llm.generate(prompt_token_ids=prompts, sampling_params=params)
+        if pg is not None:
+            assert len(replays) >= 3 and any(s > 2 for _, s in replays), replays
+        del llm
+        torch.cuda.empty_cache()
+    for a, b in zip(outs[0], outs[1024]):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        for la, lb in zip(a.outputs[0].logprobs, b.outputs[0].logprobs):
+            for tok, lp in la.items():
+                assert lb[tok] == pytest.approx(lp, abs=1e-3)
