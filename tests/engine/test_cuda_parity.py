@@ -264,12 +264,12 @@ def test_prefill_graphs_match_eager_on_cuda(tiny_qwen2_cuda_dir):
     from engine import LLM, SamplingParams
 
     torch.backends.cuda.matmul.allow_tf32 = False
-    prompts = prompts_for(1000, lens=(5, 37, 130, 300, 16, 17, 64, 250))
     params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, logprobs=3)
     outs = {}
     for graphs in (0, 1024):
         llm = LLM(str(tiny_qwen2_cuda_dir), dtype="float32", device="cuda", kv_cache_memory=1.0,
                   max_num_batched_tokens=256, max_num_seqs=MAX_SEQS, max_prefill_cudagraph_tokens=graphs)
+        prompts = prompts_for(llm.engine.runner.hf_config.vocab_size, lens=(5, 37, 130, 300, 16, 17, 64, 250))
         pg = llm.engine.runner.prefill_graphs
         assert (pg is None) == (graphs == 0)
         replays = []
