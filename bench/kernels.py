@@ -215,6 +215,22 @@ def sweep_attention(budget_s: float, full: bool):
     _sweep("sweep_decode", "batch=8 ctx=4096", [(1, 4096)] * 8, small, deadline)
 
 
+def sweep_short_decode(budget_s: float):
+    """Decode attention at the offline-throughput workload's contexts (512-token prompts, 256 outputs: ~640 keys per
+    sequence at batch 256-512), where each program's walk is a few tiles long, and at batch 1."""
+    deadline = time.time() + budget_s
+    configs = [dict(tile_n=t, num_segments=1, num_warps=w, num_stages=st)
+               for t in (32, 64, 128) for w in (2, 4, 8) for st in (2, 3, 4)]
+    for b in (256, 512):
+        _sweep("sweep_decode_short", f"batch={b} ctx=640", [(1, 640)] * b, configs, deadline)
+    fp8 = [dict(tile_n=t, num_segments=1, num_warps=w, num_stages=st) for t in (64, 128) for w in (4, 8)
+           for st in (2, 3)]
+    _sweep("sweep_decode_short_fp8", "batch=512 ctx=640", [(1, 640)] * 512, fp8, deadline, kv_fp8=True)
+    one = [dict(tile_n=t, num_segments=sg, num_warps=w, num_stages=3) for t in (32, 64) for sg in (4, 8, 16)
+           for w in (2, 4)]
+    _sweep("sweep_decode_short", "batch=1 ctx=640", [(1, 640)], one, deadline)
+
+
 def bench_pointwise(quick: bool):
     bf16 = torch.bfloat16
     for tokens in (64, 4096, 32768) if not quick else (4096, 32768):
@@ -259,7 +275,7 @@ def main() -> None:
     ap.add_argument("--sweep", action="store_true", help="also time attention config variants")
     ap.add_argument("--sweep-budget", type=float, default=150.0, help="seconds the sweep may take")
     ap.add_argument("--full-sweep", action="store_true", help="also the older cache-only prefill and decode sweeps")
-    ap.add_argument("--only", choices=["attention", "pointwise", "sweep"], help="one group only")
+    ap.add_argument("--only", choices=["attention", "pointwise", "sweep", "decode-sweep"], help="one group only")
     ap.add_argument("--compile-only", action="store_true", help="launch each timed configuration once, untimed")
     a = ap.parse_args()
     if not torch.cuda.is_available():
@@ -277,6 +293,8 @@ def main() -> None:
         bench_pointwise(a.quick)
     if a.sweep or a.only == "sweep":
         sweep_attention(a.sweep_budget, a.full_sweep)
+    if a.only == "decode-sweep":
+        sweep_short_decode(a.sweep_budget)
     print(f"done in {time.time() - t0:.0f} s")
     if a.json:
         try:
