@@ -38,7 +38,7 @@ import grpc
 import torch
 
 from engine.metrics import Metrics
-from prefill_svc.engine_worker import EngineWorker
+from prefill_svc.engine_worker import EngineWorker, hop
 from prefill_svc.kv_ipc import CUDA_IPC, GRPC, copy_blocks, host_identity, import_cache, ipc_refusal
 from prefill_svc.kv_layout import ReceivedBlocks, layout_mismatch, layout_of, write_blocks
 from prefill_svc.kv_metrics import KvPathMetrics
@@ -103,6 +103,7 @@ class DecodeCore:
     # ---- engine thread ----------------------------------------------------------------------------------------
     def _reserve(self, engine, rid: str, prompt: list[int], params) -> list[int] | None:
         ids = engine.reserve_prefilled(rid, prompt, params)
+        hop(rid, "decode.reserved")
         if ids is not None:
             self._live.add(rid)
         return ids
@@ -203,6 +204,7 @@ class DecodeCore:
             raise ValueError("request_id: must not be empty")
         if request_id in self._reqs:
             raise ServiceError(grpc.StatusCode.ALREADY_EXISTS, f"request_id={request_id!r}: already in flight")
+        hop(request_id, "decode.in")
         params = sampling_from_proto(params_msg, n=1)
         d = _Dec(request_id, len(prompt), kv_timeout_s or self.default_kv_timeout_s, time.monotonic())
         self._reqs[request_id] = d
@@ -213,6 +215,7 @@ class DecodeCore:
                                    f"decode has no room for {len(prompt)} prompt tokens "
                                    f"({cdiv(len(prompt), self.block_size)} blocks) now; try another instance")
             d.timer = asyncio.get_running_loop().call_later(d.timeout_s, self._expire, request_id)
+            hop(request_id, "decode.yield")
             yield decode_pb2.DecodeResponse(reserved=decode_pb2.Reserved(num_blocks=len(d.block_ids)))
             while True:
                 item = await d.out.get()
@@ -262,6 +265,7 @@ class DecodeCore:
             raise ValueError(f"TransferKv: first message is `{kind}`; it must be `open`")
         op = first.open
         rid = op.request_id
+        hop(rid, "decode.tx_open")
         d = self._reqs.get(rid)
         if d is None or d.block_ids is None:
             raise ServiceError(grpc.StatusCode.NOT_FOUND, f"open.request_id={rid!r}: no reservation here (never "

@@ -31,7 +31,7 @@ import grpc
 
 from engine.llm_engine import stop_holdback
 from engine.metrics import Metrics
-from prefill_svc.engine_worker import EngineWorker
+from prefill_svc.engine_worker import EngineWorker, hop
 from prefill_svc.kv_ipc import CUDA_IPC
 from prefill_svc.kv_metrics import KvPathMetrics
 from prefill_svc.kv_sender import KvSender
@@ -105,6 +105,7 @@ class PrefillCore:
 
     # ---- engine thread ----------------------------------------------------------------------------------------
     def _add(self, engine, rid: str, prompt: list[int], params, path: int | None) -> None:
+        hop(rid, "prefill.added")
         engine.add_request(rid, prompt, params, kv_hold=True)
         if path is not None:
             self._tx[rid] = _Tx(len(prompt), path)
@@ -116,6 +117,9 @@ class PrefillCore:
     def _after_step(self, engine, outs) -> tuple[list, object]:
         payloads = []
         for out in outs:
+            if out.new_token_ids:
+                hop(out.request_id, "prefill.step_start", self.worker.step_start_ns)
+                hop(out.request_id, "prefill.step_end", self.worker.step_end_ns)
             tx = self._tx.get(out.request_id)
             if tx is None:
                 continue
@@ -158,6 +162,7 @@ class PrefillCore:
         for out in outs:
             r = self._reqs.get(out.request_id)
             if r is not None and (out.new_token_ids or out.finished) and not r.first.done():
+                hop(out.request_id, "prefill.first_loop")
                 r.first.set_result(out)
         if stats is not None:
             self.metrics.observe_step(stats)
@@ -185,6 +190,7 @@ class PrefillCore:
             raise ServiceError(grpc.StatusCode.ALREADY_EXISTS, f"request_id={request_id!r}: already in flight")
         params = sampling_from_proto(params_msg, n=1)  # validates the request's own parameters
         first_params = sampling_from_proto(params_msg, n=1, max_tokens=1, min_tokens=min(params.min_tokens, 1))
+        hop(request_id, "prefill.in")
         timeout = kv_timeout_s or self.default_kv_timeout_s
         loop = asyncio.get_running_loop()
         r = _Req(request_id, len(prompt), time.monotonic(), loop.create_future())
@@ -216,6 +222,7 @@ class PrefillCore:
             if not done:  # the request goes on in decode: the first token is not the last
                 delta.finish_reason = common_pb2.FINISH_REASON_UNSPECIFIED
                 delta.text = handoff_text(out.new_text, params)
+            hop(request_id, "prefill.yield")
             yield prefill_pb2.PrefillResponse(first_token=prefill_pb2.FirstToken(
                 delta=delta, num_prompt_tokens=len(prompt), num_cached_tokens=out.num_cached_tokens))
             if sender is None or done:
@@ -243,6 +250,7 @@ class PrefillCore:
         num_blocks = cdiv(r.num_prompt_tokens, self.block_size)
 
         async def messages():
+            hop(r.request_id, "prefill.tx_open")
             yield self.sender.open_message(r.request_id, r.num_prompt_tokens, num_blocks, int(timeout * 1000), r.path)
             while True:
                 msg = await r.tx.get()

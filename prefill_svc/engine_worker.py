@@ -5,6 +5,10 @@ blocks, stepping) runs in this thread. The asyncio side sends commands through a
 `submit` does not); between commands the thread steps the engine whenever it has work, hands the step's outputs to
 the event loop (`loop.call_soon_threadsafe(on_step, outputs, None)`), then runs the service's `after_step` hook (in
 this thread, e.g. to read freshly filled KV blocks) and hands over what it returns (`on_step([], extra)`).
+
+`hop(rid, event)` writes one line of a request's timeline (logger `tandem.hops` at DEBUG, off by default;
+CLOCK_MONOTONIC nanoseconds, comparable across the processes of one host): bench/ttft_hops.py turns them into the
+per-hop table of a request's time to first token.
 """
 from __future__ import annotations
 
@@ -12,12 +16,21 @@ import asyncio
 import logging
 import queue
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
 log = logging.getLogger("tandem.engine_worker")
 
 _STOP = object()
+
+_hops = logging.getLogger("tandem.hops")
+
+
+def hop(rid: str, event: str, t_ns: int | None = None) -> None:
+    """Logs that request `rid` passed `event` at t_ns (default: now), when tandem.hops is at DEBUG."""
+    if _hops.isEnabledFor(logging.DEBUG):
+        _hops.debug("hop %s %s %d", rid, event, time.monotonic_ns() if t_ns is None else t_ns)
 
 
 class EngineWorker:
@@ -30,6 +43,8 @@ class EngineWorker:
         self._q: queue.SimpleQueue = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self.num_steps = 0
+        self.step_start_ns = 0  # CLOCK_MONOTONIC of the last step's start and end (for hop traces)
+        self.step_end_ns = 0
 
     def start(self) -> None:
         self._thread.start()
@@ -100,12 +115,14 @@ class EngineWorker:
                     item = None
             if not engine.has_unfinished_requests():
                 continue
+            self.step_start_ns = time.monotonic_ns()
             try:
                 outs = engine.step()
             except Exception:  # noqa: BLE001 - the engine aborts a failing batch itself; this is a last resort
                 log.exception("engine step failed")
                 continue
             self.num_steps += 1
+            self.step_end_ns = time.monotonic_ns()
             stats = getattr(engine, "last_stats", None)
             idle = not outs and (stats is None or stats.num_batched_tokens == 0)
             # Tokens first: the after_step hook's work (reading KV blocks) must not delay them.

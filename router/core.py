@@ -36,6 +36,13 @@ from protos.tandem.v1 import decode_pb2, prefill_pb2
 from router.instances import Instance, InstancePool
 
 log = logging.getLogger("tandem.router.core")
+_hops = logging.getLogger("tandem.hops")
+
+
+def hop(rid: str, event: str, t_ns: int | None = None) -> None:
+    """One line of a request's timeline at DEBUG (as prefill_svc/engine_worker.py:hop; bench/ttft_hops.py reads it)."""
+    if _hops.isEnabledFor(logging.DEBUG):
+        _hops.debug("hop %s %s %d", rid, event, time.monotonic_ns() if t_ns is None else t_ns)
 
 
 @dataclass
@@ -182,7 +189,9 @@ class RouterCore:
 
     # ---- generation -------------------------------------------------------------------------------------------
     async def generate(self, req: GenerateRequest) -> AsyncIterator[GenerateDelta]:
+        hop(req.request_id, "router.in")
         prompt = self._prompt_ids(req)
+        hop(req.request_id, "router.tokenized")
         n = req.params.n
         if not self.ready():
             raise RequestError("unavailable", None, "no healthy prefill or decode instance")
@@ -208,6 +217,7 @@ class RouterCore:
                     raise item
                 now = time.monotonic()
                 if first:
+                    hop(req.request_id, "router.first_out")
                     self.metrics.time_to_first_token_seconds.observe(now - t0)
                     first = False
                 elif item.token_ids:
@@ -247,6 +257,7 @@ class RouterCore:
         """Opens a Decode call on the first instance with room; returns (call, instance)."""
         exhausted = []
         for inst in self.decode.ordered():
+            hop(rid, "router.reserve_sent")
             call = inst.stub.Decode(decode_pb2.DecodeRequest(request_id=rid, prompt_token_ids=prompt,
                                                              params=params_msg, kv_transfer_timeout_ms=timeout_ms))
             try:
@@ -260,6 +271,7 @@ class RouterCore:
                     self.decode.mark_down(inst, e.details() or "unavailable")
                     continue
                 raise _rpc_error(e, inst) from None
+            hop(rid, "router.reserved")
             if first is grpc.aio.EOF or not first.HasField("reserved"):
                 call.cancel()
                 raise RequestError("internal", None, f"decode {inst.address}: no Reserved answer")
@@ -273,6 +285,7 @@ class RouterCore:
     async def _first_token(self, rid: str, prompt: list[int], params_msg, decode_address: str, timeout_ms: int):
         """Sends the prompt to the first reachable prefill instance; returns (call, instance, FirstToken)."""
         for inst in self.prefill.ordered():
+            hop(rid, "router.prefill_sent")
             call = inst.stub.Prefill(prefill_pb2.PrefillRequest(
                 request_id=rid, prompt_token_ids=prompt, params=params_msg, decode_address=decode_address,
                 kv_transfer_timeout_ms=timeout_ms))
@@ -288,6 +301,7 @@ class RouterCore:
             finally:
                 inst.inflight -= 1
                 inst.inflight_tokens -= len(prompt)
+            hop(rid, "router.first_token")
             if resp is grpc.aio.EOF or not resp.HasField("first_token"):
                 call.cancel()
                 raise RequestError("internal", None, f"prefill {inst.address}: no FirstToken answer")

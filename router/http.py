@@ -29,7 +29,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, Counter, generate_latest
 from pydantic import BaseModel, ValidationError
 
-from router.core import GenerateDelta, GenerateRequest, RequestError, RouterCore
+from router.core import GenerateDelta, GenerateRequest, RequestError, RouterCore, hop
 from router.openai_protocol import (DEFAULT_COMPLETION_MAX_TOKENS, AssistantMessage, ChatChoice,
                                     ChatCompletionChunk, ChatCompletionRequest, ChatCompletionResponse, ChatLogProbs,
                                     ChatStreamChoice, ChatTokenLogprob, CompletionChoice, CompletionChunk,
@@ -318,6 +318,7 @@ def create_app(core: RouterCore) -> FastAPI:
     # ------------------------------------------------------------------------------------------ completions
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
+        t_in = time.monotonic_ns()
         body: CompletionRequest = await _parse(request, CompletionRequest)
         model = check_model(body.model)
         params = _sampling_params(body, logprobs=body.logprobs, max_tokens=(
@@ -325,6 +326,7 @@ def create_app(core: RouterCore) -> FastAPI:
         batch = isinstance(body.prompt, list) and body.prompt and isinstance(body.prompt[0], (str, list))
         prompts = body.prompt if batch else [body.prompt]
         rid = random_id("cmpl")
+        hop(rid, "http.in", t_in)
         reqs = [GenerateRequest(request_id=f"{rid}-{i}" if len(prompts) > 1 else rid, model=model,
                                 prompt=p if isinstance(p, str) else None,
                                 prompt_token_ids=None if isinstance(p, str) else list(p), params=params)
@@ -354,6 +356,8 @@ def create_app(core: RouterCore) -> FastAPI:
                     if not (d.text or d.finish_reason or d.token_ids):
                         continue
                     idx = p * n + d.index
+                    if not offsets:  # the first chunk with a token
+                        hop(rid, "http.sse_first")
                     text = d.text if idx in offsets else echo[p] + d.text
                     lp = logprobs_of(offsets.get(idx, len(echo[p])), d.token_ids, d.logprobs or [])
                     offsets[idx] = offsets.get(idx, 0) + len(text)
@@ -405,6 +409,7 @@ def create_app(core: RouterCore) -> FastAPI:
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
+        t_in = time.monotonic_ns()
         body: ChatCompletionRequest = await _parse(request, ChatCompletionRequest)
         model = check_model(body.model)
         if body.top_logprobs is not None and not body.logprobs:
@@ -421,11 +426,13 @@ def create_app(core: RouterCore) -> FastAPI:
                 e.param = "max_completion_tokens"  # the name this client used
             raise
         rid, created = random_id("chatcmpl"), int(time.time())
+        hop(rid, "http.in", t_in)
         streams = await open_streams(request, [GenerateRequest(request_id=rid, model=model, prompt=None,
                                                                prompt_token_ids=prompt_ids, params=params)])
 
         if body.stream:
             async def events() -> AsyncIterator[str]:
+                hop(rid, "http.sse_first")  # the role chunks go out once the first token is here
                 for i in range(params.n):
                     yield _sse(ChatCompletionChunk(id=rid, created=created, model=model, choices=[
                         ChatStreamChoice(index=i, delta=DeltaMessage(role="assistant", content=""),
