@@ -5,7 +5,9 @@ The life of a request inside a decode instance:
    (`engine.reserve_prefilled`). No room: RESOURCE_EXHAUSTED, and the router tries another instance. Otherwise it
    answers Reserved and arms a timer for the transfer deadline.
 2. The prefill instance opens TransferKv with the same request id: `transfer()` checks the KvTransferOpen (a live
-   reservation, the cache layout field by field, prompt length, block count), then fills the reserved blocks, in
+   reservation: the router sends the prompt to prefill while it asks for the reservation, so an open that comes
+   first waits for its Decode call and reservation, `_reservation`; then the cache layout field by field, prompt
+   length, block count), then fills the reserved blocks, in
    the engine thread, which first checks that the reservation is still live so that a late write never lands in a
    freed block:
    - gRPC path: each KvBlocks run's bytes are written (`kv_cache[block_ids] = payload`, `kv_layout.write_blocks`;
@@ -47,6 +49,11 @@ from protos.tandem.v1 import common_pb2, decode_pb2, kv_transfer_pb2
 
 log = logging.getLogger("tandem.decode")
 
+# A transfer may open before the router's Decode call for its request arrives (the router sends the prompt to prefill
+# while this instance reserves: router/core.py). It waits this long for the call, then for as long as the reservation
+# takes; with no call by then it fails (NOT_FOUND), as it does at once when the reservation was refused.
+RESERVATION_WAIT_S = 2.0
+
 # Payload of a transfer's KvBlocks queued on the engine thread and not yet written, at most (received messages past
 # it wait). Writes queue behind engine steps, so the window lets the transfer go on during a step.
 WRITE_WINDOW_BYTES = 64 << 20
@@ -63,6 +70,7 @@ class _Dec:
     num_prompt_tokens: int
     timeout_s: float
     arrival: float
+    reserved: asyncio.Future  # True once block_ids are reserved, False if refused or the call ended first
     out: asyncio.Queue = field(default_factory=asyncio.Queue)  # StepOutput | Exception
     block_ids: list[int] | None = None
     transfer_open: bool = False
@@ -88,6 +96,7 @@ class DecodeCore:
         self._broken: set[str] = set()  # engine thread: transfers with a failed block write (never committed)
         self._sources: dict[bytes, torch.Tensor] = {}  # written by the engine thread: mapped prefill caches
         self._reqs: dict[str, _Dec] = {}  # event loop only
+        self._arrivals: dict[str, asyncio.Future] = {}  # event loop: transfers waiting for their Decode call
         self.worker: EngineWorker | None = None
 
     async def start(self) -> None:
@@ -206,10 +215,15 @@ class DecodeCore:
             raise ServiceError(grpc.StatusCode.ALREADY_EXISTS, f"request_id={request_id!r}: already in flight")
         hop(request_id, "decode.in")
         params = sampling_from_proto(params_msg, n=1)
-        d = _Dec(request_id, len(prompt), kv_timeout_s or self.default_kv_timeout_s, time.monotonic())
+        d = _Dec(request_id, len(prompt), kv_timeout_s or self.default_kv_timeout_s, time.monotonic(),
+                 asyncio.get_running_loop().create_future())
         self._reqs[request_id] = d
+        arrival = self._arrivals.pop(request_id, None)
+        if arrival is not None and not arrival.done():
+            arrival.set_result(d)
         try:
             d.block_ids = await self.worker.call(self._reserve, request_id, prompt, params)
+            d.reserved.set_result(d.block_ids is not None)
             if d.block_ids is None:
                 raise ServiceError(grpc.StatusCode.RESOURCE_EXHAUSTED,
                                    f"decode has no room for {len(prompt)} prompt tokens "
@@ -232,6 +246,8 @@ class DecodeCore:
                     self.metrics.finished(item.finish_reason)
                     return
         finally:
+            if not d.reserved.done():
+                d.reserved.set_result(False)
             if d.timer is not None:
                 d.timer.cancel()
             self._reqs.pop(request_id, None)
@@ -253,6 +269,25 @@ class DecodeCore:
         return kv_transfer_pb2.KvHandshakeResponse(host=self.host, path=GRPC if reason else CUDA_IPC,
                                                    reason=reason or "")
 
+    async def _reservation(self, rid: str) -> _Dec | None:
+        """rid's live reservation, once made: a transfer can open while its Decode call is on the way or reserving
+        (see RESERVATION_WAIT_S). None if there is none."""
+        d = self._reqs.get(rid)
+        if d is None:
+            arrival = self._arrivals.get(rid)
+            if arrival is None:
+                arrival = self._arrivals[rid] = asyncio.get_running_loop().create_future()
+            try:
+                d = await asyncio.wait_for(asyncio.shield(arrival), RESERVATION_WAIT_S)
+            except TimeoutError:
+                return None
+            finally:
+                if self._arrivals.get(rid) is arrival:
+                    del self._arrivals[rid]
+        if not await asyncio.shield(d.reserved) or self._reqs.get(rid) is not d or d.expired:
+            return None
+        return d
+
     async def transfer(self, messages) -> kv_transfer_pb2.KvTransferAck:
         """Receives one request's KV (see kv_transfer.proto); returns the ack once the request is in the batch."""
         t0 = time.monotonic()
@@ -266,10 +301,10 @@ class DecodeCore:
         op = first.open
         rid = op.request_id
         hop(rid, "decode.tx_open")
-        d = self._reqs.get(rid)
-        if d is None or d.block_ids is None:
+        d = await self._reservation(rid)
+        if d is None:
             raise ServiceError(grpc.StatusCode.NOT_FOUND, f"open.request_id={rid!r}: no reservation here (never "
-                                                          "made, expired, or cancelled)")
+                                                          "made, refused, expired, or cancelled)")
         if d.transfer_open or d.committed:
             raise ServiceError(grpc.StatusCode.ALREADY_EXISTS, f"open.request_id={rid!r}: transfer already open")
         d.transfer_open = True

@@ -7,10 +7,13 @@ The life of a request in the router:
    prompt), merged into one stream of deltas tagged with their index.
 2. Per sub-request, unless the first token is certainly the last (max_tokens = 1, or a full context): a decode
    instance is picked by the policy and asked to reserve blocks for the prompt (Decode RPC, first answer Reserved).
-   RESOURCE_EXHAUSTED or an unreachable instance: the next instance is tried; none left: RESOURCE_EXHAUSTED.
+   When its polled load leaves room, the prompt goes to prefill (step 3) at the same time, naming it, so that the
+   reservation's round trip is not on the way to the first token. RESOURCE_EXHAUSTED or an unreachable instance:
+   that prefill is cancelled and the next instances are tried, reservation first; none left: RESOURCE_EXHAUSTED
+   (`_reserve_and_prefill`).
 3. A prefill instance is picked and sent the prompt with the router-issued request id, the decode target's address
-   and the transfer deadline (Prefill RPC). Its first answer is the first token, which is yielded at once: the
-   client does not wait for the KV transfer.
+   and the transfer deadline (Prefill RPC). Its first answer is the first token, which is yielded once the
+   reservation stands: the client does not wait for the KV transfer.
 4. If the first token ended the request (a stop token, max_tokens = 1) the decode reservation is cancelled.
    Otherwise the rest comes from the decode instance's stream, while the prefill stream is drained in the
    background (TransferDone, or an error that cancels the decode side too).
@@ -253,29 +256,50 @@ class RouterCore:
             log.exception("request %s failed", rid)
             queue.put_nowait(RequestError("internal", None, f"{type(e).__name__}: {e}"))
 
-    async def _reserve(self, rid: str, prompt: list[int], params_msg, timeout_ms: int):
-        """Opens a Decode call on the first instance with room; returns (call, instance)."""
-        exhausted = []
-        for inst in self.decode.ordered():
-            hop(rid, "router.reserve_sent")
-            call = inst.stub.Decode(decode_pb2.DecodeRequest(request_id=rid, prompt_token_ids=prompt,
-                                                             params=params_msg, kv_transfer_timeout_ms=timeout_ms))
-            try:
-                first = await call.read()
-            except grpc.aio.AioRpcError as e:
-                if e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
-                    log.info("decode %s has no room for %s; trying the next", inst.address, rid)
-                    exhausted.append(inst.address)
-                    continue
-                if e.code() == grpc.StatusCode.UNAVAILABLE:
-                    self.decode.mark_down(inst, e.details() or "unavailable")
-                    continue
-                raise _rpc_error(e, inst) from None
-            hop(rid, "router.reserved")
-            if first is grpc.aio.EOF or not first.HasField("reserved"):
-                call.cancel()
-                raise RequestError("internal", None, f"decode {inst.address}: no Reserved answer")
-            return call, inst
+    def _room_likely(self, inst: Instance, prompt: list[int]) -> bool:
+        """Whether inst's polled load leaves room for the prompt's blocks twice over (the poll is up to
+        poll_interval_s old): only then does the prompt go to prefill before the reservation answers, since a
+        refusal wastes that prefill."""
+        load = inst.load
+        if load is None or not load.block_size or not load.num_total_blocks:
+            return True
+        need = -(-(len(prompt) + 1) // load.block_size)
+        return load.num_total_blocks - load.num_used_blocks >= 2 * need
+
+    async def _open_decode(self, inst: Instance, rid: str, prompt: list[int], params_msg, timeout_ms: int,
+                           exhausted: list[str]):
+        """Opens a Decode call on inst and reads its Reserved answer. Returns the call, or None when inst has no
+        room (its address goes to `exhausted`) or is unreachable (it leaves the rotation)."""
+        hop(rid, "router.reserve_sent")
+        call = inst.stub.Decode(decode_pb2.DecodeRequest(request_id=rid, prompt_token_ids=prompt,
+                                                         params=params_msg, kv_transfer_timeout_ms=timeout_ms))
+        try:
+            first = await call.read()
+        except grpc.aio.AioRpcError as e:
+            if e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
+                log.info("decode %s has no room for %s; trying the next", inst.address, rid)
+                exhausted.append(inst.address)
+                return None
+            if e.code() == grpc.StatusCode.UNAVAILABLE:
+                self.decode.mark_down(inst, e.details() or "unavailable")
+                return None
+            raise _rpc_error(e, inst) from None
+        except BaseException:
+            call.cancel()
+            raise
+        hop(rid, "router.reserved")
+        if first is grpc.aio.EOF or not first.HasField("reserved"):
+            call.cancel()
+            raise RequestError("internal", None, f"decode {inst.address}: no Reserved answer")
+        return call
+
+    async def _reserve(self, rid: str, prompt: list[int], params_msg, timeout_ms: int, order: list[Instance],
+                       exhausted: list[str]):
+        """Opens a Decode call on the first instance of `order` with room; returns (call, instance)."""
+        for inst in order:
+            call = await self._open_decode(inst, rid, prompt, params_msg, timeout_ms, exhausted)
+            if call is not None:
+                return call, inst
         if exhausted:
             raise RequestError("resource_exhausted", None,
                                f"no decode instance has room for {len(prompt)} prompt tokens "
@@ -298,6 +322,9 @@ class RouterCore:
                     self.prefill.mark_down(inst, e.details() or "unavailable")
                     continue
                 raise _rpc_error(e, inst) from None
+            except BaseException:
+                call.cancel()
+                raise
             finally:
                 inst.inflight -= 1
                 inst.inflight_tokens -= len(prompt)
@@ -307,6 +334,47 @@ class RouterCore:
                 raise RequestError("internal", None, f"prefill {inst.address}: no FirstToken answer")
             return call, inst, resp.first_token
         raise RequestError("unavailable", None, "no healthy prefill instance")
+
+    async def _reserve_and_prefill(self, rid: str, prompt: list[int], params_msg, timeout_ms: int):
+        """A decode reservation and the prefill that transfers its KV there: (Decode call, decode instance, Prefill
+        call, prefill instance, FirstToken). On an error, every call it opened is cancelled (freeing what it held).
+
+        When the policy's first decode instance likely has room, the prompt goes to prefill (naming that instance)
+        at once, while the instance reserves: the reservation's round trip overlaps the prefill instead of
+        preceding it (the decode instance holds a transfer that opens first until its reservation is made). If
+        that instance refuses (RESOURCE_EXHAUSTED) or is unreachable, the prefill is cancelled and the other
+        instances are tried one by one, reservation first, as sub-request `<rid>.2` (the cancelled prefill may
+        still hold `rid` for a moment)."""
+        order = self.decode.ordered()
+        exhausted: list[str] = []
+        if order and self._room_likely(order[0], prompt):
+            dinst = order.pop(0)
+            # Tasks start in order: the Prefill call (the first token's path) goes out before the Decode call.
+            prefill = asyncio.create_task(self._first_token(rid, prompt, params_msg, dinst.address, timeout_ms))
+            reserve = asyncio.create_task(self._open_decode(dinst, rid, prompt, params_msg, timeout_ms, exhausted))
+            try:
+                dcall = await reserve
+            except BaseException:
+                await _cancel(reserve)
+                await _cancel(prefill)
+                raise
+            if dcall is not None:
+                try:
+                    pcall, pinst, ft = await prefill
+                except BaseException:
+                    dcall.cancel()
+                    await _cancel(prefill)
+                    raise
+                return dcall, dinst, pcall, pinst, ft
+            await _cancel(prefill)
+            rid = f"{rid}.2"
+        dcall, dinst = await self._reserve(rid, prompt, params_msg, timeout_ms, order, exhausted)
+        try:
+            pcall, pinst, ft = await self._first_token(rid, prompt, params_msg, dinst.address, timeout_ms)
+        except BaseException:
+            dcall.cancel()
+            raise
+        return dcall, dinst, pcall, pinst, ft
 
     async def _serve_one(self, rid: str, index: int, prompt: list[int], params: SamplingParams,
                          queue: asyncio.Queue) -> None:
@@ -319,10 +387,10 @@ class RouterCore:
         dinst = None
         try:
             if needs_decode:
-                dcall, dinst = await self._reserve(rid, prompt, params_msg, timeout_ms)
+                dcall, dinst, pcall, pinst, ft = await self._reserve_and_prefill(rid, prompt, params_msg, timeout_ms)
                 dinst.inflight += 1
-            pcall, pinst, ft = await self._first_token(rid, prompt, params_msg,
-                                                       dinst.address if dinst else "", timeout_ms)
+            else:
+                pcall, pinst, ft = await self._first_token(rid, prompt, params_msg, "", timeout_ms)
             d = ft.delta
             reason = finish_from_proto(d.finish_reason)
             if dcall is None and reason is None:  # cannot happen: prefill ends a request without a decode target
@@ -375,3 +443,13 @@ class RouterCore:
             err = _rpc_error(e, pinst)
             dcall.cancel()
             raise err from None
+
+
+async def _cancel(task: asyncio.Task) -> None:
+    """Cancels a task that opens a call (`_first_token`, `_open_decode`) and the call it may have returned already:
+    the instance then frees what the call holds."""
+    task.cancel()
+    result = (await asyncio.gather(task, return_exceptions=True))[0]
+    call = result[0] if isinstance(result, tuple) else result
+    if isinstance(call, grpc.aio.Call):
+        call.cancel()
