@@ -1,22 +1,25 @@
 """The prefill service's core: one engine thread, the requests in flight, and their KV transfers.
 
 The life of a request inside a prefill instance:
-1. `prefill()` validates the sampling parameters and queues the prompt in the engine with max_tokens=1 and
-   kv_hold=True (the engine keeps the blocks after the first token), and, when the router named a decode target,
-   picks the transfer path to it (`KvSender.path_to`: CUDA IPC on the same host, else gRPC bytes; one handshake
-   per decode instance) and opens the KV transfer stream (Decode.TransferKv) with a KvTransferOpen describing the
-   cache layout and the path.
+1. `prefill()` validates the sampling parameters, picks the transfer path to the decode target the router named
+   (`KvSender.path_to`: CUDA IPC on the same host, else gRPC bytes; one handshake per decode instance) and queues
+   the prompt in the engine with max_tokens=1 and kv_hold=True (the engine keeps the blocks after the first token).
+   It queues it without waiting (`submit`: an error comes back through the request's `first` future) and does
+   nothing else until the first output: the event loop stays off the GIL while the engine thread steps.
 2. The engine thread runs chunked prefill, batching chunks of many prompts under the token budget. After each step
    the `_after_step` hook (still in the engine thread) ships the blocks that became full (`KvSender.block_messages`:
    their bytes, staged in pinned memory by copies queued on the engine's stream and encoded once; or, on CUDA IPC,
-   their ids: the engine only reports steps whose device work is complete)
-   and the loop queues the messages: the transfer of chunk k overlaps the compute of chunk k+1. The step that
+   their ids: the engine only reports steps whose device work is complete) and the loop queues the messages. The
+   first chunk's blocks open the KV transfer stream (Decode.TransferKv, a KvTransferOpen describing the cache
+   layout and the path, `_start_sender`): the transfer of chunk k overlaps the compute of chunk k+1. The step that
    finishes the prompt also samples the first token; the hook then sends the last, partial block too.
 3. The first token is streamed back to the router at once (FirstToken): the engine thread hands it over before it
-   reads the prompt's last blocks, and long before the transfer completes.
+   reads the prompt's last blocks, and long before the transfer completes. A prompt of one chunk opens its
+   transfer only now, after the FirstToken went out.
 4. If the request ended with that token (a stop token, max_tokens=1, a full context) there is nothing for decode
-   to do: the transfer is cancelled (decode frees its reservation). Otherwise a KvTransferCommit with the first
-   token closes the stream, and once decode acknowledges, TransferDone ends the RPC.
+   to do: a transfer already open is cancelled (decode frees its reservation when the router cancels the Decode
+   call). Otherwise a KvTransferCommit with the first token closes the stream, and once decode acknowledges,
+   TransferDone ends the RPC.
 5. Whatever happens (ack, transfer error, deadline, client cancellation), `finally` aborts the request in the engine,
    which frees the held blocks (`engine.abort` -> `release_kv`). Nothing else holds blocks.
 """
@@ -72,6 +75,9 @@ class _Req:
     tx: asyncio.Queue | None = None
     blocks_queued: asyncio.Future | None = None  # set once every block message of the prompt is in tx
     path: int = 0  # kv_transfer_pb2.KvTransferPath, once a decode target was named
+    address: str = ""  # the decode target
+    timeout: float = 0.0  # seconds the transfer may take
+    sender: asyncio.Task | None = None  # the transfer (PrefillCore._send), once started
     sent_bytes: int = 0
     sent_blocks: int = 0
 
@@ -105,8 +111,14 @@ class PrefillCore:
 
     # ---- engine thread ----------------------------------------------------------------------------------------
     def _add(self, engine, rid: str, prompt: list[int], params, path: int | None) -> None:
+        """Queued without a future (`submit`): the loop is not woken while the step that follows runs; an error
+        reaches the request's `first` future."""
         hop(rid, "prefill.added")
-        engine.add_request(rid, prompt, params, kv_hold=True)
+        try:
+            engine.add_request(rid, prompt, params, kv_hold=True)
+        except Exception as exc:  # noqa: BLE001 - e.g. a prompt the engine refuses: that request fails
+            self.worker.loop.call_soon_threadsafe(self._fail_first, rid, exc)
+            return
         if path is not None:
             self._tx[rid] = _Tx(len(prompt), path)
 
@@ -148,6 +160,23 @@ class PrefillCore:
             kv_cache_usage=st.kv_cache_usage, block_size=self.block_size, max_model_len=self.max_model_len)
 
     # ---- event loop -------------------------------------------------------------------------------------------
+    def _fail_first(self, rid: str, exc: BaseException) -> None:
+        r = self._reqs.get(rid)
+        if r is not None and not r.first.done():
+            r.first.set_exception(exc)
+
+    def _start_sender(self, r: _Req) -> None:
+        """Starts r's transfer (open, then the queued block messages) unless it runs already; its failure before
+        the first token fails the request."""
+        if r.sender is not None:
+            return
+        r.sender = asyncio.create_task(self._send(r))
+
+        def settled(task: asyncio.Task) -> None:
+            if not task.cancelled() and task.exception() is not None and not r.first.done():
+                r.first.set_exception(task.exception())
+        r.sender.add_done_callback(settled)
+
     def _on_step(self, outs, extra) -> None:
         payloads, stats = extra if extra else ([], None)
         for rid, msg in payloads:
@@ -159,6 +188,8 @@ class PrefillCore:
                     r.blocks_queued.set_result(None)
             else:
                 r.tx.put_nowait(msg)
+                if not r.first.done():  # a chunk of a longer prompt: its transfer overlaps the next chunks
+                    self._start_sender(r)
         for out in outs:
             r = self._reqs.get(out.request_id)
             if r is not None and (out.new_token_ids or out.finished) and not r.first.done():
@@ -191,26 +222,21 @@ class PrefillCore:
         params = sampling_from_proto(params_msg, n=1)  # validates the request's own parameters
         first_params = sampling_from_proto(params_msg, n=1, max_tokens=1, min_tokens=min(params.min_tokens, 1))
         hop(request_id, "prefill.in")
-        timeout = kv_timeout_s or self.default_kv_timeout_s
         loop = asyncio.get_running_loop()
         r = _Req(request_id, len(prompt), time.monotonic(), loop.create_future())
         self._reqs[request_id] = r
-        sender: asyncio.Task | None = None
         try:
             if decode_address:
                 r.tx = asyncio.Queue()
                 r.blocks_queued = loop.create_future()
+                r.address, r.timeout = decode_address, kv_timeout_s or self.default_kv_timeout_s
                 r.path = await self.sender.path_to(decode_address, decode_pb2_grpc.DecodeStub(
                     self._channel(decode_address)))
-            await self.worker.call(self._add, request_id, prompt, first_params, r.path if decode_address else None)
-            if decode_address:
-                sender = asyncio.create_task(self._send(r, decode_address, timeout))
-            waiters = [r.first] + ([sender] if sender else [])
-            await asyncio.wait(waiters, return_when=asyncio.FIRST_COMPLETED)
-            if not r.first.done():  # the transfer failed before the first token
-                sender.result()
-                raise ServiceError(grpc.StatusCode.INTERNAL, "kv transfer ended before the first token")
-            out = r.first.result()
+            # Nothing else runs on this loop for the request until its first token (or its first chunk's blocks):
+            # the engine thread's step does not share the GIL with loop work (submit, not call; the transfer opens
+            # after the step).
+            self.worker.submit(self._add, request_id, prompt, first_params, r.path if decode_address else None)
+            out = await r.first  # raises when the engine refused the prompt or the transfer failed before
             if out.finish_reason == "abort":
                 raise ServiceError(grpc.StatusCode.INTERNAL, "the engine aborted the request (model step failed)")
             t_first = time.monotonic()
@@ -225,13 +251,14 @@ class PrefillCore:
             hop(request_id, "prefill.yield")
             yield prefill_pb2.PrefillResponse(first_token=prefill_pb2.FirstToken(
                 delta=delta, num_prompt_tokens=len(prompt), num_cached_tokens=out.num_cached_tokens))
-            if sender is None or done:
+            if r.tx is None or done:
                 return
+            self._start_sender(r)
             # The engine thread hands over the first token before it reads the prompt's last blocks (the first
             # token must not wait for them): the commit goes after them.
             await r.blocks_queued
             r.tx.put_nowait(self.sender.commit_message(out.new_token_ids[0], out.num_cached_tokens))
-            seconds = await sender
+            seconds = await r.sender
             tail = time.monotonic() - t_first
             self.metrics.kv_transfer_tail_seconds.observe(tail)
             yield prefill_pb2.PrefillResponse(transfer_done=prefill_pb2.TransferDone(
@@ -239,12 +266,13 @@ class PrefillCore:
                 path=r.path))
         finally:
             self._reqs.pop(request_id, None)
-            if sender is not None and not sender.done():
-                sender.cancel()
+            if r.sender is not None and not r.sender.done():
+                r.sender.cancel()
             self.worker.submit(self._end, request_id)
 
-    async def _send(self, r: _Req, address: str, timeout: float) -> float:
-        """Streams r's transfer to address; returns its duration in seconds once decode acknowledged."""
+    async def _send(self, r: _Req) -> float:
+        """Streams r's transfer to its decode target; returns its duration in seconds once decode acknowledged."""
+        address, timeout = r.address, r.timeout
         transfer_kv = self.sender.transfer_kv(self._channel(address))
         t0 = time.monotonic()
         num_blocks = cdiv(r.num_prompt_tokens, self.block_size)

@@ -340,3 +340,38 @@ def test_a_transfer_without_any_decode_call_gives_up_after_the_wait(engines, mon
     err, waited, loads = run(engines, scenario)
     assert err.code() == grpc.StatusCode.NOT_FOUND and "no reservation here" in err.details()
     assert 0.3 <= waited < 3 and clean(loads)
+
+
+# ------------------------------------------------------------------ the prefill side: nothing on its loop mid-step
+def test_a_one_chunk_prompt_opens_its_transfer_after_the_first_token(engines, expected, hops):
+    async def scenario(stack):
+        return await generate(stack.router, "j"), await stack.idle()
+
+    toks, loads = run(engines, scenario)
+    assert toks == expected and clean(loads), loads
+    events = hops("j")
+    assert events.index("prefill.yield") < events.index("prefill.tx_open"), events
+
+
+def test_a_long_prompt_opens_its_transfer_after_its_first_chunk(engines, hops):
+    async def scenario(stack):  # 600 tokens: 3 steps of 256; the blocks of step 1 open the transfer
+        return await generate(stack.router, "k", prompt=[10 + i % 490 for i in range(600)]), await stack.idle()
+
+    toks, loads = run(engines, scenario)
+    assert len(toks) == MAX_TOKENS and clean(loads), loads
+    events = hops("k")
+    assert events.index("prefill.tx_open") < events.index("prefill.yield"), events
+
+
+def test_a_prompt_the_engine_refuses_fails_its_prefill_call(engines):
+    async def scenario(stack):
+        with pytest.raises(grpc.aio.AioRpcError) as ei:
+            async for _ in stack.pstub.Prefill(prefill_pb2.PrefillRequest(
+                    request_id="l", prompt_token_ids=[3] * 1100,
+                    params=common_pb2.SamplingParams(temperature=0.0, max_tokens=1))):
+                pass
+        return ei.value, await stack.idle()
+
+    err, loads = run(engines, scenario)
+    assert err.code() == grpc.StatusCode.INVALID_ARGUMENT and err.details().startswith("prompt: 1100 tokens")
+    assert clean(loads), loads
