@@ -29,8 +29,8 @@ def run_tandem(args, prompts) -> tuple[float, int]:
 
     llm = LLM(args.model, dtype=args.dtype, max_model_len=args.input_len + args.output_len + 16,
               max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-              kv_cache_dtype=args.kv_cache_dtype, enable_prefix_caching=False, seed=args.seed,
-              async_scheduling=args.async_scheduling)
+              kv_cache_dtype=args.kv_cache_dtype, quantization=args.quantization, enable_prefix_caching=False,
+              seed=args.seed, async_scheduling=args.async_scheduling)
     params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
     # Warm-up with full-size prefill steps: Triton compiles one kernel per launch configuration.
     warm = max(1, min(len(prompts), args.max_num_batched_tokens // args.input_len + 1))
@@ -119,6 +119,8 @@ def main(argv=None) -> int:
                         "tok/s at 256 on the H200 (bench/RESULTS.md). vLLM's offline default on such GPUs is 1024")
     p.add_argument("--max-num-batched-tokens", type=int, default=8192)
     p.add_argument("--kv-cache-dtype", default="auto")
+    p.add_argument("--quantization", default=None, choices=["fp8"],
+                   help="the engine's online weight quantization (engine/quant.py); transformers runs unquantized")
     p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
                    help="the engine's async scheduling (default: the engine's, on for CUDA)")
     p.add_argument("--hf-batch-size", type=int, default=256)
@@ -134,7 +136,8 @@ def main(argv=None) -> int:
     for backend in sorted(args.backend, key=lambda b: b != "hf"):
         elapsed, n_out = (run_tandem if backend == "tandem" else run_hf)(args, prompts)
         total = n_out + args.num_prompts * args.input_len
-        rec = dict(backend=backend, gpu=gpu, model=args.model, num_prompts=args.num_prompts,
+        rec = dict(backend=backend, gpu=gpu, model=args.model,
+                   quantization=args.quantization if backend == "tandem" else None, num_prompts=args.num_prompts,
                    input_len=args.input_len, output_len=args.output_len, elapsed_s=round(elapsed, 3),
                    output_tokens_per_s=round(n_out / elapsed, 1), total_tokens_per_s=round(total / elapsed, 1),
                    commit=git_commit()["sha"], date=time.strftime("%Y-%m-%d"), machine=machine_info())

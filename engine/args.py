@@ -20,6 +20,7 @@ class EngineArgs:
     seed: int = 0
     enforce_eager: bool = False
     max_prefill_cudagraph_tokens: int = 1024
+    quantization: str | None = None
     block_size: int = 16
     kv_cache_memory: float | None = None
     gpu_memory_utilization: float = 0.9

@@ -7,6 +7,7 @@ import torch
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
+QUANTIZATION_METHODS = ("fp8",)
 
 
 def parse_dtype(name: str) -> torch.dtype:
@@ -33,6 +34,8 @@ class ModelConfig:
     """Never replay steps as CUDA graphs (vLLM's flag)."""
     max_prefill_cudagraph_tokens: int = 1024
     """Steps with prompt tokens, up to this many tokens in all, replay as CUDA graphs padded to a captured size (0: eagerly). A short prompt's prefill is bound by the host's kernel launches, not the GPU."""
+    quantization: str | None = None
+    """Quantize the layers' linear weights at load (vLLM's flag): fp8 (e4m3, a scale per output channel; activations quantized per token; fp8 GEMMs need sm >= 89). Default: none."""
 
     def __post_init__(self) -> None:
         if self.max_model_len is not None and self.max_model_len < 1:
@@ -41,6 +44,9 @@ class ModelConfig:
             raise ValueError(f"max_prefill_cudagraph_tokens={self.max_prefill_cudagraph_tokens}: must be >= 0")
         if self.dtype != "auto":
             parse_dtype(self.dtype)
+        if self.quantization is not None and self.quantization not in QUANTIZATION_METHODS:
+            raise ValueError(f"quantization={self.quantization!r}: must be one of None, "
+                             f"{', '.join(QUANTIZATION_METHODS)}")
 
 
 @dataclass

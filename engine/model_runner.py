@@ -16,6 +16,7 @@ import torch
 from engine.config import EngineConfig, parse_dtype
 from engine.loader import ResolvedModel, load_weights
 from engine.model import AttentionMetadata, LayerKV, LlamaForCausalLM
+from engine.quant import quantize_model
 from engine.request import Request
 from engine.sampler import DeviceSample, Sampler, SamplerOutput, to_device_nowait
 from engine.scheduler import SchedulerOutput
@@ -53,6 +54,7 @@ class ModelRunner:
         model.tie_weights()
         load_weights(model, resolved)
         model.fuse_projections()
+        quantize_model(model, config.model.quantization)
         model.eval()
         self.model = model
         self.hf_config = hf_config
