@@ -15,7 +15,7 @@ when it sent each request and when its first token arrived on the same clock. Pr
 named hops (p50 and min of each, in ms), and every event's p50 offset from the client's send, in time order. The
 roles' own Prometheus TTFT means (router: validation to first delta; prefill: arrival to first token) are printed
 beside them. --offline also times the engine alone (LLMEngine in this process, same flags, add_request + step until
-the first token) after the stack stopped. JSON with machine, commit and date goes to --result-file.
+the first token) between the stack's requests. JSON with machine, commit and date goes to --result-file.
 
 --baseline DIR starts a second stack from another source tree (e.g. `git archive <commit> | tar -x -C DIR`; the
 same interpreter runs it) and alternates the requests between the two, one at a time, so that both see the same
@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import importlib.util
 import json
 import os
 import random
@@ -84,6 +85,21 @@ HOPS = [
 ]
 
 
+def http_deps(env: dict) -> None:
+    """The router needs fastapi and uvicorn. Where they are missing (the GPU image), installs the wheels in .whl/
+    into /tmp/site as bench/gpu_serve.sh does, and puts that on the children's PYTHONPATH."""
+    if all(importlib.util.find_spec(m) is not None for m in ("fastapi", "uvicorn")):
+        return
+    wheels = sorted(str(p) for p in (REPO_ROOT / ".whl").glob("*.whl"))
+    if not wheels:
+        raise SystemExit("ttft_hops: the router needs fastapi and uvicorn: install them or put their wheels in .whl/")
+    site = "/tmp/site"
+    if not (Path(site) / "fastapi").is_dir():
+        subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--no-compile",
+                        "--no-cache-dir", "--upgrade", "--target", site, *wheels], check=True)
+    env["PYTHONPATH"] = site + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+
+
 def free_ports(n: int) -> list[int]:
     socks = [socket.socket() for _ in range(n)]
     try:
@@ -109,8 +125,12 @@ class Stack:
             engine += ["--max-model-len", str(args.max_model_len)]
             model += ["--max-model-len", str(args.max_model_len)]
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        env.setdefault("HF_HUB_OFFLINE", "1")
+        http_deps(env)
         if args.device == "cpu":
             env.setdefault("OMP_NUM_THREADS", "1")
+        else:
+            env.setdefault("TANDEM_CACHE_DIR", "/tmp/tandem-cache")  # as bench/gpu_serve.sh
         cmds = {
             "prefill": ["prefill_svc.server", "--port", str(self.ports["prefill"]),
                         "--metrics-port", str(self.ports["pm"]), *engine],
@@ -214,11 +234,13 @@ def role_ttft(url: str) -> tuple[float, int]:
     return total, int(count)
 
 
-async def drive(stacks: dict[str, Stack], args: argparse.Namespace) -> dict[str, dict[str, list]]:
-    """label -> api -> the requests' client timestamps; the stacks take turns, one request at a time."""
+async def drive(stacks: dict[str, Stack], args: argparse.Namespace,
+                offline: Offline | None) -> dict[str, dict[str, list]]:
+    """label -> api -> the requests' client timestamps; the stacks (and the engine alone) take turns, one request
+    at a time."""
     from protos.tandem.v1 import generate_pb2_grpc
 
-    runs: dict[str, dict[str, list]] = {label: {} for label in stacks}
+    runs: dict = {label: {} for label in stacks}
     clients = {label: httpx.AsyncClient(base_url=st.http, timeout=120) for label, st in stacks.items()}
     channels = {label: grpc.aio.insecure_channel(st.grpc) for label, st in stacks.items()}
     try:
@@ -230,6 +252,11 @@ async def drive(stacks: dict[str, Stack], args: argparse.Namespace) -> dict[str,
                 "http": lambda p, c=client: one_http(c, model, p, args.output_len),
                 "grpc": lambda p, st=stub: one_grpc(st, p, args.output_len)}
         seed = args.seed
+        if offline is not None:
+            runs["offline"] = []
+            for _ in range(args.warmup):
+                seed += 1
+                offline.ttft_ms(prompt_ids(args.input_len, seed))
         for api in args.apis.split(","):
             for _ in range(args.warmup):
                 for label in stacks:
@@ -245,6 +272,9 @@ async def drive(stacks: dict[str, Stack], args: argparse.Namespace) -> dict[str,
                     seed += 1
                     runs[label][api].append(await senders[label][api](prompt_ids(args.input_len, seed)))
                     await asyncio.sleep(args.gap_ms / 1000)
+                if offline is not None:
+                    seed += 1
+                    runs["offline"].append(offline.ttft_ms(prompt_ids(args.input_len, seed)))
             for label, urls in metrics.items():
                 after = [role_ttft(u) for u in urls]
                 runs[label][api + ":roles"] = [
@@ -258,31 +288,34 @@ async def drive(stacks: dict[str, Stack], args: argparse.Namespace) -> dict[str,
     return runs
 
 
-def offline_ttft(args: argparse.Namespace) -> list[float]:
-    """The engine alone: add_request + step() until the first token, per prompt (ms)."""
-    from engine import EngineArgs, LLMEngine, SamplingParams
+class Offline:
+    """The engine alone, in this process with the workers' flags: add_request + step() until the first token."""
 
-    kw = dict(model=args.model, device=args.device, dtype=args.dtype, kv_cache_memory=args.offline_kv_cache_memory,
-              max_model_len=args.max_model_len or None)
-    engine = LLMEngine.from_engine_args(EngineArgs(**kw))
-    import torch
+    def __init__(self, args: argparse.Namespace):
+        import torch
 
-    sync = torch.cuda.synchronize if args.device.startswith("cuda") else (lambda: None)
-    if args.device == "cpu":
-        torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))  # as the workers run
-    params = SamplingParams(temperature=0.0, max_tokens=1)
-    times = []
-    for i in range(args.warmup + args.num_requests):
-        prompt = prompt_ids(args.input_len, 10_000 + i)
-        sync()
+        from engine import EngineArgs, LLMEngine, SamplingParams
+
+        if args.device == "cpu":
+            torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))  # as the workers run
+        self.sync = torch.cuda.synchronize if args.device.startswith("cuda") else (lambda: None)
+        self.engine = LLMEngine.from_engine_args(EngineArgs(
+            model=args.model, device=args.device, dtype=args.dtype, kv_cache_memory=args.offline_kv_cache_memory,
+            max_model_len=args.max_model_len or None))
+        self.params = SamplingParams(temperature=0.0, max_tokens=1)
+        self.n = 0
+
+    def ttft_ms(self, prompt: list[int]) -> float:
+        self.n += 1
+        self.sync()
         t0 = time.perf_counter()
-        engine.add_request(f"off-{i}", prompt, params)
-        while not any(o.new_token_ids for o in engine.step()):
+        self.engine.add_request(f"offline-{self.n}", prompt, self.params)
+        while not any(o.new_token_ids for o in self.engine.step()):
             pass
-        times.append((time.perf_counter() - t0) * 1e3)
-        while engine.has_unfinished_requests():
-            engine.step()
-    return times[args.warmup:]
+        ms = (time.perf_counter() - t0) * 1e3
+        while self.engine.has_unfinished_requests():
+            self.engine.step()
+        return ms
 
 
 def summarize(runs: list[dict], hops: dict[str, dict[str, int]]) -> tuple[list[list], list[list], dict]:
@@ -363,7 +396,9 @@ def main(argv: list[str] | None = None) -> int:
         for st in stacks.values():
             st.wait_ready(args.ready_timeout)
         print(f"ready after {time.monotonic() - t0:.1f}s (logs in {log_dir})", flush=True)
-        runs = asyncio.run(drive(stacks, args))
+        offline = Offline(args) if args.offline else None
+        runs = asyncio.run(drive(stacks, args, offline))
+        del offline
     except BaseException:
         for st in stacks.values():
             st.stop()
@@ -398,10 +433,18 @@ def main(argv: list[str] | None = None) -> int:
                              *(results["stacks"][lb]["apis"][api]["ttft_min_ms"] for lb in stacks)]
                             for api in args.apis.split(",")]))
     if args.offline:
-        times = offline_ttft(args)
-        print(f"\nengine alone (LLMEngine in this process): TTFT p50 {statistics.median(times):.2f} ms, "
+        times = runs["offline"]
+        print(f"\nengine alone (LLMEngine here, between the stack's requests): TTFT p50 {statistics.median(times):.2f} ms, "
               f"min {min(times):.2f} ms")
         results["offline"] = {"ttft_p50_ms": statistics.median(times), "ttft_min_ms": min(times), "ttft_ms": times}
+    main_stack = results["stacks"]["this tree"]["apis"]
+    summary = [f"{api} TTFT p50 {v['ttft_p50_ms']:.2f} ms" for api, v in main_stack.items()]
+    engine = [v["hops"].get("engine: added -> token (all steps)", {}).get("p50_ms") for v in main_stack.values()]
+    if any(e is not None for e in engine):
+        summary.append(f"prefill engine (added -> token) p50 {statistics.median(e for e in engine if e):.2f} ms")
+    if "offline" in results:
+        summary.append(f"engine alone p50 {results['offline']['ttft_p50_ms']:.2f} ms")
+    print("\nsummary: " + "; ".join(summary))
     if args.result_file:
         write_json(args.result_file, results)
     return 0
