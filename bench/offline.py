@@ -142,7 +142,8 @@ def main(argv: list[str] | None = None) -> dict:
         if resolved.weights_dir is None:
             raise SystemExit(f"--model={args.model}: --backend hf needs a checkpoint directory; random models "
                              "have none (use --backend tandem)")
-        dtype = ModelRunner._resolve_dtype(args.dtype, resolved.config)
+        dtype = ModelRunner._resolve_dtype(args.dtype, resolved.config,
+                                            torch.device("cuda" if torch.cuda.is_available() else "cpu"))
         pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
         results["hf"], tokens["hf"] = run_hf(args, prompts, warmup, resolved.weights_dir, dtype, pad_id)
 

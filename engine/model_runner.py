@@ -45,7 +45,7 @@ class ModelRunner:
         self.config = config
         self.device = config.device.torch_device
         hf_config = resolved.config
-        self.dtype = self._resolve_dtype(config.model.dtype, hf_config)
+        self.dtype = self._resolve_dtype(config.model.dtype, hf_config, self.device)
         torch.manual_seed(config.model.seed)
         with torch.device(self.device):
             model = LlamaForCausalLM(hf_config)
@@ -79,10 +79,10 @@ class ModelRunner:
                           for l in range(self.num_layers)]
 
     @staticmethod
-    def _resolve_dtype(name: str, hf_config) -> torch.dtype:
+    def _resolve_dtype(name: str, hf_config, device: torch.device) -> torch.dtype:
         if name != "auto":
             return parse_dtype(name)
-        if not torch.cuda.is_available():
+        if device.type != "cuda":  # (not "no GPU here": --device cpu on a GPU host is float32 too)
             return torch.float32
         d = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None)
         if isinstance(d, str):
