@@ -20,7 +20,7 @@ CONFIGS = [
     GemvConfig(block_n=8, block_k=32, split_k=1, num_stages=1, mode="fma"),  # no register prefetch
     GemvConfig(block_n=4, block_k=16, split_k=3, mode="fma"),
     GemvConfig(block_n=8, block_k=32, split_k=1, mode="fma_late"),
-    GemvConfig(block_n=2, block_k=16, split_k=4, mode="fma_late"),
+    GemvConfig(block_n=4, block_k=16, split_k=4, mode="fma_late"),
     GemvConfig(block_n=16, block_k=32, split_k=1, mode="dot"),
     GemvConfig(block_n=16, block_k=16, split_k=5, mode="dot"),
 ]
@@ -41,7 +41,7 @@ def assert_close(y, ref):
 
 
 @pytest.mark.parametrize("cfg", CONFIGS, ids=lambda c: c.short())
-@pytest.mark.parametrize("M", [1, 3, 4, 8])
+@pytest.mark.parametrize("M", [1, 3, 8])  # 3: padding rows (BLOCK_M 4, all four fma_late accumulators)
 @pytest.mark.parametrize("bias", [False, True])
 def test_matches_reference_odd_shapes(cfg, M, bias):
     if cfg.mode == "fma_late" and M > 4:
@@ -58,8 +58,8 @@ def test_matches_reference_odd_shapes(cfg, M, bias):
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-@pytest.mark.parametrize("M", [1, 2, 4, 5, 8])
-def test_half_dtypes_every_m(dtype, M):
+@pytest.mark.parametrize("M", [1, 2, 5])
+def test_half_dtypes_split_k(dtype, M):
     x, w, b = data(M, 48, 96, dtype, True, seed=M)
     split_configs = [c for c in CONFIGS if c.split_k > 1 and (c.mode != "fma_late" or M <= 4)]
     for cfg in split_configs:
