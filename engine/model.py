@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 import kernels
+from kernels.gemv import linear as small_batch_linear
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
 
@@ -68,6 +69,14 @@ def build_cos_sin_cache(config, head_dim: int, max_position: int) -> torch.Tenso
     return torch.cat((freqs.cos(), freqs.sin()), dim=-1)
 
 
+class Linear(nn.Linear):
+    """nn.Linear whose products of a few rows (decode at batch 1-16, on CUDA) take kernels/gemv.py's GEMV where the
+    H200 measured it faster than cuBLAS for this weight's shape and row count; F.linear everywhere else."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return small_batch_linear(x, self.weight, self.bias)
+
+
 class RMSNorm(nn.Module):
     def __init__(self, hidden_size: int, eps: float):
         super().__init__()
@@ -89,10 +98,10 @@ class Attention(nn.Module):
         self.scale = self.head_dim ** -0.5
         hidden = config.hidden_size
         bias = getattr(config, "attention_bias", False) or config.architectures[0] == "Qwen2ForCausalLM"
-        self.q_proj = nn.Linear(hidden, self.num_heads * self.head_dim, bias=bias)
-        self.k_proj = nn.Linear(hidden, self.num_kv_heads * self.head_dim, bias=bias)
-        self.v_proj = nn.Linear(hidden, self.num_kv_heads * self.head_dim, bias=bias)
-        self.o_proj = nn.Linear(self.num_heads * self.head_dim, hidden, bias=False)
+        self.q_proj = Linear(hidden, self.num_heads * self.head_dim, bias=bias)
+        self.k_proj = Linear(hidden, self.num_kv_heads * self.head_dim, bias=bias)
+        self.v_proj = Linear(hidden, self.num_kv_heads * self.head_dim, bias=bias)
+        self.o_proj = Linear(self.num_heads * self.head_dim, hidden, bias=False)
 
         self.qkv_proj: nn.Linear | None = None  # set by fuse(): one GEMM instead of three
 
@@ -100,8 +109,8 @@ class Attention(nn.Module):
     def fuse(self) -> None:
         qkv = [self.q_proj, self.k_proj, self.v_proj]
         w = torch.cat([m.weight for m in qkv])
-        self.qkv_proj = nn.Linear(w.shape[1], w.shape[0], bias=self.q_proj.bias is not None,
-                                  device=w.device, dtype=w.dtype)
+        self.qkv_proj = Linear(w.shape[1], w.shape[0], bias=self.q_proj.bias is not None,
+                               device=w.device, dtype=w.dtype)
         self.qkv_proj.weight.copy_(w)
         if self.q_proj.bias is not None:
             self.qkv_proj.bias.copy_(torch.cat([m.bias for m in qkv]))
@@ -118,8 +127,8 @@ class Attention(nn.Module):
         q = q.reshape(T, self.num_heads, self.head_dim)
         k = k.reshape(T, self.num_kv_heads, self.head_dim)
         v = v.reshape(T, self.num_kv_heads, self.head_dim)
-        q, k = kernels.rotary_embedding(positions, q, k, cos_sin_cache)
-        kernels.write_kv(k, v, kv.k_cache, kv.v_cache, meta.slot_mapping, kv.k_scale, kv.v_scale)
+        q, k = kernels.rotary_embedding_write_kv(positions, q, k, v, cos_sin_cache, kv.k_cache, kv.v_cache,
+                                                 meta.slot_mapping, kv.k_scale, kv.v_scale)
         o = kernels.paged_attention(q, kv.k_cache, kv.v_cache, meta.block_tables, meta.seq_lens,
                                     meta.query_start_loc, meta.max_query_len, meta.max_seq_len, self.scale,
                                     kv.k_scale, kv.v_scale, k=k, v=v)  # [T, H, D]
@@ -130,15 +139,15 @@ class MLP(nn.Module):
     def __init__(self, config):
         super().__init__()
         hidden, inter = config.hidden_size, config.intermediate_size
-        self.gate_proj = nn.Linear(hidden, inter, bias=False)
-        self.up_proj = nn.Linear(hidden, inter, bias=False)
-        self.down_proj = nn.Linear(inter, hidden, bias=False)
+        self.gate_proj = Linear(hidden, inter, bias=False)
+        self.up_proj = Linear(hidden, inter, bias=False)
+        self.down_proj = Linear(inter, hidden, bias=False)
         self.gate_up_proj: nn.Linear | None = None  # set by fuse()
 
     @torch.no_grad()
     def fuse(self) -> None:
         w = torch.cat([self.gate_proj.weight, self.up_proj.weight])
-        self.gate_up_proj = nn.Linear(w.shape[1], w.shape[0], bias=False, device=w.device, dtype=w.dtype)
+        self.gate_up_proj = Linear(w.shape[1], w.shape[0], bias=False, device=w.device, dtype=w.dtype)
         self.gate_up_proj.weight.copy_(w)
         del self.gate_proj, self.up_proj
 
@@ -200,7 +209,7 @@ class LlamaForCausalLM(nn.Module):
         self.model = LlamaModel(config)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         if not self.tie_word_embeddings:
-            self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+            self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         self.head_dim = head_dim
         self.register_buffer("cos_sin_cache", build_cos_sin_cache(config, head_dim, config.max_position_embeddings),
@@ -222,4 +231,4 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [n, vocab]
         weight = self.model.embed_tokens.weight if self.tie_word_embeddings else self.lm_head.weight
-        return torch.nn.functional.linear(hidden, weight)
+        return small_batch_linear(hidden, weight)

@@ -11,7 +11,8 @@ from kernels.activation import silu_and_mul_ref, silu_and_mul_triton
 from kernels.kv_write import write_kv_ref, write_kv_triton
 from kernels.norm import fused_add_rms_norm_ref, fused_add_rms_norm_triton, rms_norm_ref, rms_norm_triton
 from kernels.paged_attention import paged_attention_ref, paged_attention_torch, paged_attention_triton
-from kernels.rotary import rotary_embedding_ref, rotary_embedding_triton
+from kernels.rotary import (rotary_embedding_ref, rotary_embedding_triton, rotary_embedding_write_kv_ref,
+                            rotary_embedding_write_kv_triton)
 
 
 def paged_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, max_query_len, max_seq_len,
@@ -42,12 +43,20 @@ def rotary_embedding(positions, q, k, cos_sin_cache):
     return (rotary_embedding_triton if q.is_cuda else rotary_embedding_ref)(positions, q, k, cos_sin_cache)
 
 
+def rotary_embedding_write_kv(positions, q, k, v, cos_sin_cache, k_cache, v_cache, slot_mapping, k_scale=1.0,
+                              v_scale=1.0):
+    """rotary_embedding, then write_kv of the rotated k and v (one launch on CUDA); returns the rotated (q, k)."""
+    fn = rotary_embedding_write_kv_triton if q.is_cuda else rotary_embedding_write_kv_ref
+    return fn(positions, q, k, v, cos_sin_cache, k_cache, v_cache, slot_mapping, k_scale, v_scale)
+
+
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     return (silu_and_mul_triton if x.is_cuda else silu_and_mul_ref)(x)
 
 
 __all__ = [
-    "paged_attention", "write_kv", "rms_norm", "fused_add_rms_norm", "rotary_embedding", "silu_and_mul",
+    "paged_attention", "write_kv", "rms_norm", "fused_add_rms_norm", "rotary_embedding", "rotary_embedding_write_kv",
+    "silu_and_mul",
     "paged_attention_ref", "write_kv_ref", "rms_norm_ref", "fused_add_rms_norm_ref", "rotary_embedding_ref",
     "silu_and_mul_ref",
 ]

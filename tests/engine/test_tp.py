@@ -52,6 +52,9 @@ def _worker(rank: int, world: int, store: str, model_dir: str, tokens: list[int]
         logits = _logits(model, tokens, model.config.num_key_value_heads // world)
         if rank == 0:
             queue.put(logits.numpy())  # by value: a shared-memory tensor dies with this process
+        # Both ranks leave together: a rank tearing gloo down while its peer's pair thread still runs aborted that
+        # peer once ("terminate called without an active exception", exit code -6) in a loaded full-suite run.
+        dist.barrier()
     finally:
         dist.destroy_process_group()
 
