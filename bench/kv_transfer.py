@@ -31,6 +31,12 @@ $TANDEM_CACHE_DIR; with --random-kv that measures the 7B's transfers on a laptop
 
 --protobuf-messages sends the gRPC path's blocks as KvTransferMessage protos through the generated stub (what
 prefill_svc/core.py does until it sends through KvSender.transfer_kv), for comparison.
+
+--profile (gRPC path) says which stage caps the transfer (bench/kv_profile.py): per request, the sender's staging,
+wait for the copies to the host and encoding, the receiver's parsing and writes, each side's CPU time by thread, the
+transit of a message between the processes, page faults; the gRPC ceiling of the host (pre-made messages of the
+same size to a receiver that only counts them); and the top cProfile entries of the sender's main thread and of the
+decode service's loop and engine threads. The timed numbers then include cProfile's overhead.
 """
 from __future__ import annotations
 
@@ -49,11 +55,12 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from bench import kv_profile  # noqa: E402
 from bench.common import REPO_ROOT, format_table, write_json  # noqa: E402
 from engine import EngineArgs, LLMEngine, SamplingParams  # noqa: E402
 from prefill_svc.kv_ipc import GRPC, PATH_LABELS  # noqa: E402
 from prefill_svc.kv_layout import block_rows  # noqa: E402
-from prefill_svc.kv_sender import KvSender  # noqa: E402
+from prefill_svc.kv_sender import KvSender, serialize  # noqa: E402
 from protos.runtime import GRPC_OPTIONS, ServiceError  # noqa: E402
 from protos.tandem.v1 import common_pb2, decode_pb2, decode_pb2_grpc  # noqa: E402
 
@@ -80,6 +87,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--protobuf-messages", action="store_true",
                    help="gRPC path: send KvTransferMessage protos through the generated stub (the slower way) instead "
                         "of KvSender.transfer_kv's pre-serialized blocks")
+    p.add_argument("--message-bytes", type=int, default=None,
+                   help="gRPC path: KV payload per message, rounded down to whole blocks (at least one; default: "
+                        "prefill_svc.kv_sender.MESSAGE_BYTES)")
+    p.add_argument("--profile", action="store_true",
+                   help="gRPC path: per-stage times, CPU by thread, the host's gRPC ceiling and cProfiles of both "
+                        "sides (see above)")
     return p.parse_args(argv)
 
 
@@ -172,9 +185,10 @@ def same_decode(r: dict) -> bool:
 
 
 async def one_request(engine, sender: KvSender, stub, transfer_kv, path: int, rid: str, prompt: list[int],
-                      compute: bool = True, encoded: bool = True) -> dict:
+                      compute: bool = True, encoded: bool = True, profile=None, timed: bool = True) -> dict:
     """One request: reserve, compute (or fill) the KV, transfer it, read decode's tokens and decode the same here.
-    transfer_kv: the TransferKv callable, KvSender.transfer_kv for `encoded` blocks, else the generated stub's."""
+    transfer_kv: the TransferKv callable, KvSender.transfer_kv for `encoded` blocks, else the generated stub's.
+    profile: a kv_profile.SenderProfile that times this transfer's stages (when `timed`)."""
     call = stub.Decode(decode_pb2.DecodeRequest(request_id=rid, prompt_token_ids=prompt, kv_transfer_timeout_ms=120_000,
                                                 params=common_pb2.SamplingParams(**DECODE_PARAMS)))
     reserved = await call.read()
@@ -206,7 +220,10 @@ async def one_request(engine, sender: KvSender, stub, transfer_kv, path: int, ri
         yield sender.commit_message(first, 0)
 
     t0 = time.perf_counter()
-    ack = await transfer_kv(messages())
+    if profile is None:
+        ack = await transfer_kv(messages())
+    else:
+        ack = await profile.transfer(rid, timed, lambda: transfer_kv(messages()))
     seconds = time.perf_counter() - t0
     tokens, logprobs = [first], []
     while (r := await call.read()) is not grpc.aio.EOF:
@@ -232,7 +249,7 @@ async def wait_ready(stub, proc: subprocess.Popen, log: Path, timeout_s: float =
     raise SystemExit(f"the decode service did not start in {timeout_s:.0f} s:\n{log.read_text()[-3000:]}")
 
 
-async def run(args, engine, channel, proc, log, context_len: int) -> tuple[list[dict], dict]:
+async def run(args, engine, channel, proc, log, context_len: int, profile=None) -> tuple[list[dict], dict]:
     stub = decode_pb2_grpc.DecodeStub(channel)
     transfer_kv = stub.TransferKv if args.protobuf_messages else KvSender.transfer_kv(channel)
     await wait_ready(stub, proc, log)
@@ -248,17 +265,22 @@ async def run(args, engine, channel, proc, log, context_len: int) -> tuple[list[
     tokens: dict[tuple[int, int], list[int]] = {}
     for name in args.paths:
         sender = KvSender(engine.kv_cache, name)  # the --kv-transfer value
+        if args.message_bytes:
+            sender.blocks_per_message = max(1, args.message_bytes // sender.layout.block_bytes)
         try:
             path = await sender.path_to(address, stub)  # the handshake; on CUDA IPC the one-time mapping
         except ServiceError as e:
             notes[name] = f"not measured: {e.message}"
             print(f"{name}: {e.message}", flush=True)
             continue
+        profiled = profile is not None and path == GRPC and not args.protobuf_messages
+        send = KvSender.transfer_kv(channel, profile.serializer(serialize)) if profiled else transfer_kv
         for n, batch in prompts.items():
             runs = []
             for i, prompt in enumerate(batch):
-                r = await one_request(engine, sender, stub, transfer_kv, path, f"{name}-{n}-{i}", prompt,
-                                      not args.random_kv, not args.protobuf_messages)
+                r = await one_request(engine, sender, stub, send, path, f"{name}-{n}-{i}", prompt,
+                                      not args.random_kv, not args.protobuf_messages,
+                                      profile if profiled else None, i >= args.warmup)
                 if i >= args.warmup:
                     runs.append(r)
                 first_path = tokens.setdefault((n, i), r["tokens"])
@@ -277,6 +299,11 @@ async def run(args, engine, channel, proc, log, context_len: int) -> tuple[list[
                              logprob_max_diff=max(logprob_diff(r) for r in runs)))
             print(f"{name} {n:6d} tokens: {runs[0]['bytes'] / 1e6:9.1f} MB  median {med * 1e3:8.3f} ms  "
                   f"{rows[-1]['gb_per_s']:8.2f} GB/s", flush=True)
+            if profiled:
+                profile.lengths[n] = [f"{name}-{n}-{i}" for i in range(args.warmup, len(batch))]
+    if profile is not None:
+        profile.message_bytes = sender.blocks_per_message * sender.layout.block_bytes
+        profile.ceiling = await kv_profile.grpc_ceiling(channel, profile.message_bytes)
     return rows, notes
 
 
@@ -300,8 +327,15 @@ def main(argv: list[str] | None = None) -> int:
     max_model_len = min(context_len, max(args.input_lens) + 64)
     log = Path(args.decode_log or tempfile.mkstemp(prefix="kv-transfer-decode-", suffix=".log")[1])
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    proc = subprocess.Popen([sys.executable, "-m", "decode_svc.server", "--port", str(args.port), "--log-level",
-                             "WARNING", *engine_flags(args, max_model_len)], cwd=REPO_ROOT, env=env,
+    decode = [sys.executable, "-m", "decode_svc.server"]
+    profile = None
+    if args.profile:
+        profile = kv_profile.SenderProfile(Path(tempfile.mkdtemp(prefix="kv-transfer-profile-")))
+        profile.install()
+        decode = [sys.executable, "-m", "bench.kv_profile", "decode", "--out", str(profile.out), "--warmup",
+                  str(args.warmup), "--"]
+    proc = subprocess.Popen([*decode, "--port", str(args.port), "--log-level", "WARNING",
+                             *engine_flags(args, max_model_len)], cwd=REPO_ROOT, env=env,
                             stdout=log.open("w"), stderr=subprocess.STDOUT)
     try:
         blocks = -(-max_model_len // args.block_size) + 1 if args.random_kv else None  # one reserved prompt
@@ -314,7 +348,7 @@ def main(argv: list[str] | None = None) -> int:
 
         async def go():
             async with grpc.aio.insecure_channel(f"127.0.0.1:{args.port}", options=GRPC_OPTIONS) as ch:
-                return await run(args, engine, ch, proc, log, context_len)
+                return await run(args, engine, ch, proc, log, context_len, profile)
 
         rows, notes = asyncio.run(go())
     finally:
@@ -323,11 +357,15 @@ def main(argv: list[str] | None = None) -> int:
             proc.wait(10)
         except subprocess.TimeoutExpired:
             proc.kill()
-    layout = KvSender(engine.kv_cache, "grpc").layout
+    sender = KvSender(engine.kv_cache, "grpc")
+    layout = sender.layout
     bytes_per_token = layout.block_bytes // layout.block_size
+    blocks_per_message = max(1, args.message_bytes // layout.block_bytes) if args.message_bytes else \
+        sender.blocks_per_message
     print(f"\nmodel {args.label}  kv dtype {layout.dtype}  {layout.num_layers} layers x {layout.num_kv_heads} kv heads "
           f"x {layout.head_dim}  {bytes_per_token} KV bytes/token  device {args.device}"
-          + (f" ({torch.cuda.get_device_name()})" if args.device == "cuda" else ""))
+          + (f" ({torch.cuda.get_device_name()})" if args.device == "cuda" else "")
+          + f"  gRPC messages of {blocks_per_message} block(s): {blocks_per_message * layout.block_bytes >> 10} KiB")
     print("timed: open handed to gRPC -> decode's ack (decode committed); median of "
           f"{args.num_iters} after {args.warmup} warm-up" + (" (random KV, no prompt compute)" if args.random_kv
                                                               else "") + "\n")
@@ -338,11 +376,16 @@ def main(argv: list[str] | None = None) -> int:
                          f"{r['logprob_max_diff']:.2g}"] for r in rows]))
     for k, v in notes.items():
         print(f"note: {k}: {v}")
+    profiled = None
+    if profile is not None:
+        text, profiled = kv_profile.summarize(profile)
+        print(text)
     out = args.json or REPO_ROOT / "bench" / "results" / f"kv_transfer-{args.device}.json"
     write_json(out, dict(model=args.label, dtype=layout.dtype, device=args.device, block_size=layout.block_size,
                          num_layers=layout.num_layers, num_kv_heads=layout.num_kv_heads, head_dim=layout.head_dim,
                          kv_bytes_per_token=bytes_per_token, random_kv=args.random_kv,
-                         protobuf_messages=args.protobuf_messages,
+                         message_bytes=blocks_per_message * layout.block_bytes,
+                         protobuf_messages=args.protobuf_messages, profile=profiled,
                          timed=__doc__.split("\n\n")[3].replace("\n", " "),
                          results=rows, notes=notes))
     print(f"wrote {out}")

@@ -42,7 +42,7 @@ import torch
 from engine.metrics import Metrics
 from prefill_svc.engine_worker import EngineWorker, hop
 from prefill_svc.kv_ipc import CUDA_IPC, GRPC, copy_blocks, host_identity, import_cache, ipc_refusal
-from prefill_svc.kv_layout import ReceivedBlocks, layout_mismatch, layout_of, write_blocks
+from prefill_svc.kv_layout import ReceivedBlocks, layout_mismatch, layout_of, retain_freed_memory, write_blocks
 from prefill_svc.kv_metrics import KvPathMetrics
 from protos.runtime import ServiceError, delta_to_proto, sampling_from_proto
 from protos.tandem.v1 import common_pb2, decode_pb2, kv_transfer_pb2
@@ -291,6 +291,7 @@ class DecodeCore:
     async def transfer(self, messages) -> kv_transfer_pb2.KvTransferAck:
         """Receives one request's KV (see kv_transfer.proto); returns the ack once the request is in the batch."""
         t0 = time.monotonic()
+        retain_freed_memory()  # once per process: the received messages' buffers are then reused, not faulted in
         try:
             first = await anext(messages)
         except StopAsyncIteration:

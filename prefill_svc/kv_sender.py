@@ -30,7 +30,7 @@ import grpc
 import torch
 
 from prefill_svc.kv_ipc import CUDA_IPC, GRPC, PATH_LABELS, PATHS, export_cache, host_identity
-from prefill_svc.kv_layout import StagedBlocks, encode_blocks, layout_of, stage_blocks
+from prefill_svc.kv_layout import StagedBlocks, encode_blocks, layout_of, retain_freed_memory, stage_blocks
 from protos.runtime import ServiceError
 from protos.tandem.v1 import decode_pb2, kv_transfer_pb2 as kv
 
@@ -75,6 +75,7 @@ class KvSender:
             raise ValueError(f"kv_transfer='ipc': CUDA IPC needs the KV cache on a CUDA device, this one is on "
                              f"{kv_cache.device.type}; use auto or grpc")
         self.kv_transfer = kv_transfer
+        retain_freed_memory()  # (this process sends the messages)
         self.device = kv_cache.device
         self.layout = layout_of(kv_cache)
         self.host = host_identity()
@@ -110,9 +111,10 @@ class KvSender:
         return GRPC
 
     @staticmethod
-    def transfer_kv(channel: grpc.aio.Channel) -> grpc.aio.StreamUnaryMultiCallable:
-        """Decode.TransferKv on `channel`, sending KvBlocksOut messages as their own bytes."""
-        return channel.stream_unary(_TRANSFER_KV, request_serializer=serialize,
+    def transfer_kv(channel: grpc.aio.Channel, serializer=serialize) -> grpc.aio.StreamUnaryMultiCallable:
+        """Decode.TransferKv on `channel`, sending KvBlocksOut messages as their own bytes (`serializer`: `serialize`
+        or a wrapper of it, e.g. bench/kv_profile.py's, which times it)."""
+        return channel.stream_unary(_TRANSFER_KV, request_serializer=serializer,
                                     response_deserializer=kv.KvTransferAck.FromString)
 
     @staticmethod
