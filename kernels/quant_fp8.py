@@ -1,6 +1,8 @@
 """Per-token fp8 (e4m3) quantization of activations: x[m, :] = x_q[m, :] * scale[m].
 
-scale[m] = max(amax(|x[m, :]|) / 448, MIN_SCALE) in float32, x_q = clamp(x / scale, -448, 448) rounded to nearest
+scale[m] = max(amax(|x[m, :]|) * float32(1 / 448), MIN_SCALE) in float32 (a product, not a quotient: torch on CUDA
+divides a tensor by a scalar as a product with its reciprocal, so a quotient would differ from the CUDA reference
+by an ulp), x_q = clamp(x / scale, -448, 448) rounded to nearest
 even in float8_e4m3fn. This is the activation side of the fp8 GEMM (engine/quant.py): torch._scaled_mm takes x_q
 with scale_a = scale [M, 1].
 
@@ -19,13 +21,14 @@ from kernels.kv_write import _round_to_e4m3_grid
 
 # A row of all zeros gets this scale instead of 0 (x / 0 would be NaN); vLLM's minimum for dynamic fp8 scales.
 MIN_SCALE = 1.0 / (FP8_MAX * 512.0)
+INV_FP8_MAX = 1.0 / FP8_MAX
 SINGLE_PASS_MAX = 8192
 
 
 def per_token_quant_fp8_ref(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """x [M, K] float -> (x_q [M, K] float8_e4m3fn, scale [M, 1] float32)."""
     xf = x.float()
-    scale = (xf.abs().amax(dim=-1, keepdim=True) / FP8_MAX).clamp(min=MIN_SCALE)
+    scale = (xf.abs().amax(dim=-1, keepdim=True) * INV_FP8_MAX).clamp(min=MIN_SCALE)
     return (xf / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE), scale
 
 
@@ -39,6 +42,7 @@ def _per_token_quant_fp8_kernel(
     K,
     MIN_SCALE: tl.constexpr,
     FP8_MAX: tl.constexpr,
+    INV_FP8_MAX: tl.constexpr,
     SINGLE_PASS: tl.constexpr,
     BLOCK_K: tl.constexpr,
     ROUND_IN_FP32: tl.constexpr,  # the interpreter's float -> fp8 conversion is inexact (kernels/kv_write.py)
@@ -50,7 +54,7 @@ def _per_token_quant_fp8_kernel(
         cols = tl.arange(0, BLOCK_K)
         mask = cols < K
         x = tl.load(x_row + cols, mask=mask, other=0.0).to(tl.float32)
-        scale = tl.maximum(tl.div_rn(tl.max(tl.abs(x), axis=0), FP8_MAX), MIN_SCALE)
+        scale = tl.maximum(tl.max(tl.abs(x), axis=0) * INV_FP8_MAX, MIN_SCALE)
         q = tl.clamp(tl.div_rn(x, scale), -FP8_MAX, FP8_MAX)
         if ROUND_IN_FP32:
             q = _round_to_e4m3_grid(q)
@@ -61,7 +65,7 @@ def _per_token_quant_fp8_kernel(
             cols = k0 + tl.arange(0, BLOCK_K)
             x = tl.load(x_row + cols, mask=cols < K, other=0.0).to(tl.float32)
             amax = tl.maximum(amax, tl.abs(x))
-        scale = tl.maximum(tl.div_rn(tl.max(amax, axis=0), FP8_MAX), MIN_SCALE)
+        scale = tl.maximum(tl.max(amax, axis=0) * INV_FP8_MAX, MIN_SCALE)
         for k0 in range(0, K, BLOCK_K):
             cols = k0 + tl.arange(0, BLOCK_K)
             mask = cols < K
@@ -92,6 +96,6 @@ def per_token_quant_fp8_triton(x: torch.Tensor, *, out: torch.Tensor | None = No
     block_k = triton.next_power_of_2(K) if single else 2048
     num_warps = 4 if block_k <= 1024 else 8
     _per_token_quant_fp8_kernel[(M,)](out, scale, x, out.stride(0), x.stride(0), K, MIN_SCALE=MIN_SCALE,
-                                      FP8_MAX=FP8_MAX, SINGLE_PASS=single, BLOCK_K=block_k,
+                                      FP8_MAX=FP8_MAX, INV_FP8_MAX=INV_FP8_MAX, SINGLE_PASS=single, BLOCK_K=block_k,
                                       ROUND_IN_FP32=interpreting(), num_warps=num_warps)
     return out, scale
