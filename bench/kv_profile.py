@@ -174,11 +174,18 @@ class _ReceiverProbes:
         def on_engine(stage: str, fn):
             def timed(*args):  # engine thread: wall and CPU time, under the engine thread's cProfile
                 t0, cpu0 = now(), time.thread_time()
-                probes.engine_profile.enable()
+                # Python >= 3.12 runs cProfile on sys.monitoring, one profiler per process: while the loop thread's
+                # is on, the engine thread's cannot be (its stage times and CPU are still taken).
+                try:
+                    probes.engine_profile.enable()
+                    on = True
+                except ValueError:
+                    on = False
                 try:
                     return fn(*args)
                 finally:
-                    probes.engine_profile.disable()
+                    if on:
+                        probes.engine_profile.disable()
                     probes.events.append((stage, t0, now(), -1))
                     probes.engine_cpu.append((t0, time.thread_time() - cpu0))
             return timed
@@ -192,11 +199,16 @@ class _ReceiverProbes:
                         rid.append(m.open.request_id)
                     yield m
             cpu0, thread0, faults0, t0 = time.process_time(), time.thread_time(), _faults(), now()
-            probes.loop_profile.enable()
+            try:
+                probes.loop_profile.enable()
+                on = True
+            except ValueError:  # the engine thread's is on (one cProfile per process from Python 3.12)
+                on = False
             try:
                 return await transfer(self, grpc_receive())
             finally:
-                probes.loop_profile.disable()
+                if on:
+                    probes.loop_profile.disable()
                 probes.transfers.append(dict(rid=rid[0] if rid else "", start=t0, end=now(),
                                              loop_cpu=time.thread_time() - thread0,
                                              process_cpu=time.process_time() - cpu0, faults=_faults() - faults0))
