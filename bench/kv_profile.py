@@ -266,7 +266,10 @@ def decode_main(argv: list[str]) -> int:
 
 # ---- the summary --------------------------------------------------------------------------------------------------
 def _load_stats(path: Path) -> pstats.Stats | None:
-    return pstats.Stats(str(path)) if path.is_file() and path.stat().st_size else None
+    try:
+        return pstats.Stats(str(path)) if path.is_file() and path.stat().st_size else None
+    except TypeError:  # a profile that never ran (Python >= 3.12: the other thread's was on) holds no stats
+        return None
 
 
 def summarize(sender: SenderProfile) -> tuple[str, dict]:

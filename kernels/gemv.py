@@ -189,6 +189,7 @@ def _gemv_kernel(
     SPLIT: tl.constexpr,  # more than one program along K
     HAS_BIAS: tl.constexpr,
     EVEN_K: tl.constexpr,  # K % BLOCK_K == 0: no column masks
+    INTERPRET: tl.constexpr,  # Triton >= 3.9's interpreter rejects a scalar load mask: the (same) column mask there
     DOT_FP32: tl.constexpr,  # float32 dot operands, exact products: float32 inputs, and the interpreter (whose
                              # bf16 dot is wrong)
 ):
@@ -236,7 +237,7 @@ def _gemv_kernel(
             if PREFETCH:
                 w = w_next
                 ncols = cols + BLOCK_K
-                if EVEN_K:  # a row-uniform predicate keeps the loads vectorized
+                if EVEN_K and not INTERPRET:  # a row-uniform predicate keeps the loads vectorized
                     w_next = tl.load(w_rows + ncols[None, :], mask=k0 + BLOCK_K < k_hi, other=0.0,
                                      eviction_policy="evict_first")
                 else:
@@ -352,7 +353,7 @@ def gemv_triton(
         M, N, K, x.stride(0), weight.stride(0), out.stride(0), k_per_split,
         BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, MODE=cfg.mode,
         PREFETCH=cfg.mode != "dot" and cfg.num_stages > 1, SPLIT=num_splits > 1,
-        HAS_BIAS=bias is not None, EVEN_K=K % cfg.block_k == 0,
+        HAS_BIAS=bias is not None, EVEN_K=K % cfg.block_k == 0, INTERPRET=_INTERPRET,
         DOT_FP32=x.dtype == torch.float32 or _INTERPRET,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )

@@ -205,7 +205,8 @@ def _rotary_write_kv_kernel(
 
     slot = tl.load(slot_mapping_ptr + tok).to(tl.int64)
     block, off = slot // BLOCK_SIZE, slot % BLOCK_SIZE
-    wmask = mask & (slot >= 0)
+    # (slot >= 0 as a tensor: Triton >= 3.9's interpreter turns a tensor & scalar-bool mask into int32 and rejects it)
+    wmask = mask & ((tl.zeros_like(heads + d) + slot) >= 0)
     kc_row = k_cache_ptr + block * stride_kc_b + off * stride_kc_s + heads * stride_kc_h + d
     tl.store(kc_row, _to_cache(r1, k_scale, QUANT, FP8, ROUND_IN_FP32).to(k_cache_ptr.dtype.element_ty), mask=wmask)
     tl.store(kc_row + HALF, _to_cache(r2, k_scale, QUANT, FP8, ROUND_IN_FP32).to(k_cache_ptr.dtype.element_ty),

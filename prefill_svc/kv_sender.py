@@ -39,8 +39,10 @@ log = logging.getLogger("tandem.prefill.kv")
 HANDSHAKE_TIMEOUT_S = 10.0
 # Payload per KvBlocks message. gRPC Python, loopback, 2-core dev machine, a server that only counts bytes: protobuf
 # messages 0.3 GB/s in 16 MiB, 0.93 in 1 MiB, 0.6 in 256 KiB; pre-serialized bytes 1.2-1.4 GB/s from 512 KiB to
-# 8 MiB, 0.85 in 256 KiB.
-MESSAGE_BYTES = 1 << 20
+# 8 MiB, 0.85 in 256 KiB. The H200 host, the service's path (`bench/kv_transfer.py --narrow --random-kv --device
+# cuda --paths grpc --message-bytes N`, 0224342): 512 / 8192-token prompts at 1.03 / 0.95 GB/s in 256 KiB, 1.26 /
+# 0.85 in 1 MiB, 1.34 / 1.03 in 4 MiB (four 7B blocks of 896 KiB per message).
+MESSAGE_BYTES = 4 << 20
 _TRANSFER_KV = "/{}/{}".format(*decode_pb2.DESCRIPTOR.services_by_name["Decode"].methods_by_name[
     "TransferKv"].full_name.rsplit(".", 1))
 
