@@ -77,6 +77,23 @@ def _rotary_embedding_kernel(
                   HALF, BLOCK_HK, BLOCK_HALF)
 
 
+def _check_positions_and_head_dim(positions: torch.Tensor, num_tokens: int, head_dim: int) -> None:
+    if positions.shape[0] != num_tokens:
+        raise ValueError(f"positions: {positions.shape[0]} entries, expected num_tokens={num_tokens}")
+    if head_dim % 2:
+        raise ValueError(f"q: head_dim={head_dim} must be even")
+
+
+def _outputs(q: torch.Tensor, k: torch.Tensor, q_out: torch.Tensor | None,
+             k_out: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The rotated q and k's buffers: the caller's (checked) or new ones."""
+    q_out = torch.empty(q.shape, dtype=q.dtype, device=q.device) if q_out is None else q_out
+    k_out = torch.empty(k.shape, dtype=k.dtype, device=k.device) if k_out is None else k_out
+    check_out("q_out", q_out, tuple(q.shape), q.dtype, q.device)
+    check_out("k_out", k_out, tuple(k.shape), k.dtype, k.device)
+    return q_out, k_out
+
+
 def rotary_embedding_triton(
     positions: torch.Tensor,  # [num_tokens] int32/int64
     q: torch.Tensor,  # [num_tokens, num_heads, head_dim], any strides with a contiguous last dim
@@ -94,14 +111,8 @@ def rotary_embedding_triton(
     check_tensor("k", k, ndim=3, dtypes=(q.dtype,), shape=(num_tokens, None, head_dim))
     check_tensor("cos_sin_cache", cos_sin_cache, ndim=2, dtypes=FLOAT_DTYPES, shape=(None, head_dim))
     check_same_device(positions=positions, q=q, k=k, cos_sin_cache=cos_sin_cache)
-    if positions.shape[0] != num_tokens:
-        raise ValueError(f"positions: {positions.shape[0]} entries, expected num_tokens={num_tokens}")
-    if head_dim % 2:
-        raise ValueError(f"q: head_dim={head_dim} must be even")
-    q_out = torch.empty(q.shape, dtype=q.dtype, device=q.device) if q_out is None else q_out
-    k_out = torch.empty(k.shape, dtype=k.dtype, device=k.device) if k_out is None else k_out
-    check_out("q_out", q_out, tuple(q.shape), q.dtype, q.device)
-    check_out("k_out", k_out, tuple(k.shape), k.dtype, k.device)
+    _check_positions_and_head_dim(positions, num_tokens, head_dim)
+    q_out, k_out = _outputs(q, k, q_out, k_out)
     if num_tokens == 0:
         return q_out, k_out
     half = head_dim // 2
@@ -252,17 +263,11 @@ def rotary_embedding_write_kv_triton(
                  last_dim_contiguous=False)
     check_same_device(positions=positions, q=q, k=k, v=v, cos_sin_cache=cos_sin_cache, k_cache=k_cache,
                       v_cache=v_cache, slot_mapping=slot_mapping)
-    if positions.shape[0] != num_tokens:
-        raise ValueError(f"positions: {positions.shape[0]} entries, expected num_tokens={num_tokens}")
-    if head_dim % 2:
-        raise ValueError(f"q: head_dim={head_dim} must be even")
+    _check_positions_and_head_dim(positions, num_tokens, head_dim)
     for name, s in (("k_scale", k_scale), ("v_scale", v_scale)):
         if not float(s) > 0:
             raise ValueError(f"{name}={s}: must be > 0")
-    q_out = torch.empty(q.shape, dtype=q.dtype, device=q.device) if q_out is None else q_out
-    k_out = torch.empty(k.shape, dtype=k.dtype, device=k.device) if k_out is None else k_out
-    check_out("q_out", q_out, tuple(q.shape), q.dtype, q.device)
-    check_out("k_out", k_out, tuple(k.shape), k.dtype, k.device)
+    q_out, k_out = _outputs(q, k, q_out, k_out)
     if num_tokens == 0:
         return q_out, k_out
     fp8 = k_cache.dtype == FP8_DTYPE
