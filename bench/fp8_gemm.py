@@ -1,11 +1,13 @@
 """bf16 F.linear against the fp8 path of `--quantization fp8` (engine/quant.py) at Qwen2.5-7B's linear shapes.
 
   python bench/fp8_gemm.py [--m 1 16 256 512 2048 8192] [--json out.json]
+  python3 bench/fp8_gemm.py --sweep [--m 1 2 4 8 16] [--budget 75] [--workers 16]   (small-M GEMV, below)
 
 Shapes (N x K, the fused projections the engine runs): qkv 4608 x 3584 (with Qwen2's bias), o 3584 x 3584,
 gate_up 37888 x 3584, down 3584 x 18944; lm_head stays bf16 and is not timed. For each token count M, columns:
   bf16       F.linear(x, W, b), W bf16
-  fp8        Fp8Linear: per-token activation quantization (Triton) + torch._scaled_mm, what the engine runs
+  fp8        Fp8Linear, what the engine runs: per-token activation quantization (Triton) + torch._scaled_mm, or
+             the fp8-weight GEMV (x unquantized) at the row counts kernels/gemv.py's CONFIGS_FP8 holds
   mm         torch._scaled_mm alone on pre-quantized x (fast accumulation, the engine's setting)
   mm_acc     the same with use_fast_accum=False (exact fp32 accumulation)
   quant      the activation quantizer alone, with the bytes it moves (K*2 read + K write + 4 per row)
@@ -13,10 +15,25 @@ Each time is the median of triton.testing.do_bench (the L2 is cleared before eve
 TB/s = the bytes the GEMM must move at least (x, W, out, once each). The closing table sums the four linears of one
 layer: the GEMM time of a decoder layer, bf16 vs fp8, per M, and each as a fraction of this GPU's own square
 8192^3 matmul rate in its dtype (measured first). Needs a CUDA device with sm >= 89.
+
+--sweep: the fp8-weight GEMV (kernels/gemv.py, x unquantized) at decode's row counts, timed as bench/gemv.py does
+(one CUDA graph of back-to-back launches over enough weight copies that none is found in L2). For each shape and M,
+every candidate config is checked against the float32 dequantized reference and timed; the baseline is Fp8Linear's
+other path (the activation quantizer + torch._scaled_mm, in the same graph way). Then one decode token's linears at
+M=1 (--layer-m) as one graph: 28 layers (qkv+bias, o, gate_up, down on distinct weights) + the bf16 lm_head, for
+  bf16 cuBLAS      F.linear everywhere
+  bf16 linear()    kernels.gemv.linear with the shipped bf16 CONFIGS (the engine's bf16 decode)
+  fp8 _scaled_mm   Fp8Linear with CONFIGS_FP8 empty (quantizer + _scaled_mm), lm_head through linear()
+  fp8 GEMV         Fp8Linear with this sweep's CONFIGS_FP8, lm_head through linear()
+and prints the CONFIGS_FP8 table to paste into kernels/gemv.py (None: _scaled_mm was faster). ~60-90 s on an H200,
+most of it compiling the candidates in a pool of processes (--workers); --budget trims the timing loop.
 """
 from __future__ import annotations
 
 import argparse
+import math
+import os
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -27,7 +44,10 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.common import write_json  # noqa: E402
-from engine.quant import Fp8Linear, check_fp8_support, fp8_linear_ref, scaled_mm_fp8  # noqa: E402
+import kernels.gemv as gemv  # noqa: E402
+from engine.quant import (Fp8Linear, check_fp8_support, fp8_linear_ref, quantize_weight_fp8,  # noqa: E402
+                          scaled_mm_fp8)
+from kernels.gemv import MAX_M, GemvConfig, gemv_ref, gemv_triton  # noqa: E402
 from kernels.quant_fp8 import per_token_quant_fp8_triton  # noqa: E402
 
 SHAPES = {  # name: (N, K, bias)
@@ -104,16 +124,274 @@ def run_shape(name: str, n: int, k: int, has_bias: bool, ms: list[int]) -> list[
     return rows
 
 
+# ----------------------------------------------------------------------------------------------- --sweep
+NUM_LAYERS = 28
+LM_HEAD = (152064, 3584)
+ROTATION_BYTES = 256e6  # bytes of other weight copies read between two uses of one copy (>> the 50 MB L2)
+
+
+def gemv_candidates(M: int, N: int) -> list[GemvConfig]:
+    """fp8 configs for M rows: the bf16 winners' tiles with BLOCK_K doubled (same bytes per slab) and as they were,
+    tensor cores from 4 rows on; split-K only where N is small. A short list: it must compile and time in ~60 s."""
+    splits = (1, 2, 4) if N <= 8192 else (1,)
+    out = []
+    if M <= 4:
+        fma = [(8, 1024, 4, 1), (8, 1024, 4, 2), (8, 512, 4, 2), (16, 512, 4, 2), (4, 1024, 4, 2)]
+        out += [GemvConfig(bn, bk, s, w, st, "fma") for bn, bk, w, st in fma for s in splits]
+    if M <= 2:
+        late = [(8, 1024, 4, 1), (8, 1024, 4, 2), (8, 512, 4, 2)]
+        out += [GemvConfig(bn, bk, s, w, st, "fma_late") for bn, bk, w, st in late for s in splits]
+    if M >= 2:
+        dot = [(64, 128, 4, 3), (64, 256, 4, 3), (128, 128, 8, 4), (32, 256, 4, 4)]
+        out += [GemvConfig(bn, bk, s, w, st, "dot") for bn, bk, w, st in dot for s in splits]
+    return out
+
+
+def _compile_key(cfg: GemvConfig, M: int, K: int, bias: bool) -> tuple:
+    k_per_split = math.ceil(math.ceil(K / cfg.split_k) / cfg.block_k) * cfg.block_k
+    block_m = max(16 if cfg.mode == "dot" else 1, 1 << (M - 1).bit_length())
+    return (cfg.mode, cfg.block_n, cfg.block_k, cfg.num_warps, cfg.num_stages, block_m, math.ceil(K / k_per_split) > 1,
+            bias, K % cfg.block_k == 0)
+
+
+def _compile_worker(jobs: list[tuple[dict, int, int, bool]]) -> list[str]:
+    """In a child process: launch each (config, M, K, bias) once on a small fp8 weight (N=256, the real K), which
+    compiles it into Triton's on-disk cache."""
+    errors = []
+    for cfg_d, M, K, bias in jobs:
+        cfg = GemvConfig(**cfg_d)
+        try:
+            x = torch.randn(M, K, dtype=torch.bfloat16, device="cuda")
+            w = torch.randn(256, K, device="cuda").to(torch.float8_e4m3fn)
+            b = torch.randn(256, dtype=torch.bfloat16, device="cuda") if bias else None
+            gemv_triton(x, w, b, weight_scale=torch.ones(256, device="cuda"), config=cfg)
+        except Exception as e:  # reported; the sweep skips what fails
+            errors.append(f"{cfg.short()} M={M}: {type(e).__name__}: {str(e)[:200]}")
+    torch.cuda.synchronize()
+    return errors
+
+
+def precompile(jobs: list[tuple[GemvConfig, int, int, bool]], workers: int) -> None:
+    import multiprocessing as mp
+    from concurrent.futures import ProcessPoolExecutor
+    from dataclasses import asdict
+
+    unique = {}
+    for cfg, M, K, bias in jobs:
+        unique.setdefault(_compile_key(cfg, M, K, bias), (asdict(cfg), M, K, bias))
+    items = list(unique.values())
+    t0 = time.time()
+    chunks = [c for c in (items[i::workers] for i in range(max(1, workers))) if c]
+    with ProcessPoolExecutor(len(chunks), mp_context=mp.get_context("spawn")) as ex:
+        for errors in ex.map(_compile_worker, chunks):
+            for e in errors[:3]:
+                print("  compile error:", e, flush=True)
+    print(f"compiled {len(items)} fp8 GEMV variants in {time.time() - t0:.1f} s with {len(chunks)} processes",
+          flush=True)
+
+
+def fp8_copies(n: int, k: int, has_bias: bool, seed: int) -> list[Fp8Linear]:
+    """Fp8Linear modules of one random bf16 weight, enough copies that consecutive launches miss the L2."""
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    lin = torch.nn.Linear(k, n, bias=has_bias, device="cuda", dtype=torch.bfloat16)
+    with torch.no_grad():
+        lin.weight.copy_(torch.randn(n, k, device="cuda", generator=g, dtype=torch.bfloat16) / k**0.5)
+        if has_bias:
+            lin.bias.copy_(torch.randn(n, device="cuda", generator=g, dtype=torch.bfloat16) * 0.02)
+    first = Fp8Linear.from_linear(lin)
+    copies = max(2, math.ceil(ROTATION_BYTES / (n * k)) + 1)
+    return [first] + [Fp8Linear(first.weight.clone(), first.weight_scale.clone(), first.bias) for _ in
+                      range(copies - 1)]
+
+
+def graph_ms(run, reps: int = 5) -> float:
+    """Milliseconds per replay of one CUDA graph of run() (run once before, outside the capture)."""
+    run()
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        run()
+    g.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record()
+        g.replay()
+        e.record()
+        e.synchronize()
+        times.append(s.elapsed_time(e))
+    return statistics.median(times)
+
+
+def whole_token(M: int, table: dict) -> dict[str, float]:
+    """One decode token's linears at M rows, ms per graph replay, for the four variants of the module docstring."""
+    gen = torch.Generator(device="cuda").manual_seed(1000 + M)
+    layers = []  # per layer: {name: (bf16 weight, bias, Fp8Linear)}
+    with torch.no_grad():
+        for _ in range(NUM_LAYERS):
+            lw = {}
+            for name, (n, k, has_bias) in SHAPES.items():
+                w = torch.randn(n, k, device="cuda", generator=gen, dtype=torch.bfloat16) / k**0.5
+                b = torch.randn(n, device="cuda", generator=gen, dtype=torch.bfloat16) * 0.02 if has_bias else None
+                w_q, s = quantize_weight_fp8(w)
+                lw[name] = (w, b, Fp8Linear(w_q, s, b))
+                del w_q, s
+            layers.append(lw)
+    head = torch.randn(*LM_HEAD, device="cuda", generator=gen, dtype=torch.bfloat16) / LM_HEAD[1]**0.5
+    xs = {k: torch.randn(M, k, device="cuda", generator=gen, dtype=torch.bfloat16) for k in {k for _, k, _ in
+                                                                                            SHAPES.values()}}
+
+    def run(kind: str):
+        def go():
+            for lw in layers:
+                for name, (n, k, _) in SHAPES.items():
+                    w, b, f = lw[name]
+                    if kind == "bf16 cuBLAS":
+                        F.linear(xs[k], w, b)
+                    elif kind == "bf16 linear()":
+                        gemv.linear(xs[k], w, b)
+                    else:
+                        f(xs[k])
+            (F.linear if kind == "bf16 cuBLAS" else gemv.linear)(xs[LM_HEAD[1]], head)
+        return go
+
+    out = {}
+    saved = gemv.CONFIGS_FP8
+    try:
+        with torch.inference_mode():
+            for kind in ("bf16 cuBLAS", "bf16 linear()", "fp8 _scaled_mm", "fp8 GEMV"):
+                gemv.CONFIGS_FP8 = table if kind == "fp8 GEMV" else {}
+                out[kind] = graph_ms(run(kind))
+    finally:
+        gemv.CONFIGS_FP8 = saved
+    del layers, head
+    torch.cuda.empty_cache()
+    return out
+
+
+def table_source(table: dict) -> str:
+    lines = ["CONFIGS_FP8: dict[tuple[int, int], tuple[tuple[int, GemvConfig | None], ...]] = {"]
+    for (n, k), entries in table.items():
+        items = [f"({m}, None)" if c is None else
+                 f"({m}, GemvConfig({c.block_n}, {c.block_k}, {c.split_k}, {c.num_warps}, {c.num_stages}, {c.mode!r}))"
+                 for m, c in entries]
+        lines.append(f"    ({n}, {k}): ({', '.join(items)},),")
+    lines.append("}")
+    return "\n".join(lines)
+
+
+def sweep_main(args) -> int:
+    from bench.gemv import close, time_rotation
+
+    t0 = time.time()
+    ms = sorted(set(args.m))
+    if ms[-1] > MAX_M:
+        print(f"--m {ms[-1]}: the GEMV takes at most MAX_M={MAX_M} rows", file=sys.stderr)
+        return 2
+    import triton
+    props = torch.cuda.get_device_properties(0)
+    print(f"{props.name}, {props.multi_processor_count} SMs; torch {torch.__version__}, triton {triton.__version__}",
+          flush=True)
+    jobs = [(c, m, k, b) for name in args.shapes for n, k, b in [SHAPES[name]] for m in ms
+            for c in gemv_candidates(m, n)]
+    precompile(jobs, args.workers)
+
+    rows, table, bad_all = [], {}, []
+    items = [(name, m) for name in args.shapes for m in ms]
+    reserve = 15.0 * len(args.layer_m)  # seconds kept for the whole-token graphs
+    done = 0
+    for name in args.shapes:
+        n, k, has_bias = SHAPES[name]
+        mods = fp8_copies(n, k, has_bias, seed=n + k)
+        est_us = n * k / 4e12 * 1e6
+        for m in ms:
+            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+            y = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
+            f0 = mods[0]
+            ref = gemv_ref(x, f0.weight, f0.bias, weight_scale=f0.weight_scale)
+            with torch.inference_mode():
+                saved, gemv.CONFIGS_FP8 = gemv.CONFIGS_FP8, {}
+                try:
+                    base = time_rotation(lambda i: mods[i](x), len(mods), est_us)  # quantizer + _scaled_mm
+                finally:
+                    gemv.CONFIGS_FP8 = saved
+            left = t0 + args.budget - reserve - time.time()
+            deadline = time.time() + max(2.0, left / (len(items) - done))  # an equal share of what is left
+            done += 1
+            results, cands = [], gemv_candidates(m, n)
+            for cfg in cands:
+                if time.time() > deadline:
+                    break
+                try:
+                    y.fill_(float("nan"))
+                    gemv_triton(x, f0.weight, f0.bias, weight_scale=f0.weight_scale, out=y, config=cfg)
+                    if not close(y, ref):
+                        bad_all.append(f"{name} M={m} {cfg.short()}: wrong result")
+                        continue
+                    us = time_rotation(lambda i: gemv_triton(x, mods[i].weight, mods[i].bias,
+                                                             weight_scale=mods[i].weight_scale, out=y, config=cfg),
+                                       len(mods), est_us)
+                    results.append((us, cfg))
+                except Exception as e:
+                    bad_all.append(f"{name} M={m} {cfg.short()}: {type(e).__name__}: {str(e)[:120]}")
+            results.sort(key=lambda r: r[0])
+            byts = n * k + 2 * m * (k + n) + (2 * n if has_bias else 0) + 4 * n
+            if not results:
+                print(f"{name:8s} M={m:2d}: no candidate ran", flush=True)
+                table.setdefault((n, k), []).append((m, None))
+                continue
+            us, cfg = results[0]
+            table.setdefault((n, k), []).append((m, cfg if us < base else None))
+            rows.append(dict(shape=name, n=n, k=k, m=m, gemv_us=us, scaled_mm_us=base, config=cfg.short(),
+                             gemv_TBps=byts / us / 1e6, ran=len(results), of=len(cands),
+                             top3=[(u, c.short()) for u, c in results[:3]]))
+            print(f"{name:8s} M={m:2d}: GEMV {us:7.2f} us {byts / us / 1e6:5.2f} TB/s  {cfg.short():28s} | quant + "
+                  f"_scaled_mm {base:7.2f} us | {base / us:5.2f}x  ({len(results)}/{len(cands)} ran, "
+                  f"{time.time() - t0:.0f} s)", flush=True)
+        del mods
+        torch.cuda.empty_cache()
+    table = {key: tuple(v) for key, v in table.items()}
+    token = {m: whole_token(m, table) for m in args.layer_m}
+
+    print("\n===== fp8-weight GEMV vs quantizer + _scaled_mm (us per launch, L2-cold) =====")
+    for r in rows:
+        print(f"{r['shape']:8s} M={r['m']:2d} GEMV {r['gemv_us']:7.2f}  _scaled_mm {r['scaled_mm_us']:7.2f}  "
+              f"{r['scaled_mm_us'] / r['gemv_us']:5.2f}x  {r['config']}")
+    for m, t in token.items():
+        print(f"whole token M={m} ({NUM_LAYERS} layers + bf16 lm_head, one graph): "
+              + ", ".join(f"{kind} {v:.3f} ms" for kind, v in t.items()))
+    if bad_all:
+        print(f"{len(bad_all)} candidate(s) failed or were wrong; first: " + " | ".join(bad_all[:4]))
+    print(f"total {time.time() - t0:.0f} s")
+    print("\n# kernels/gemv.py CONFIGS_FP8 from this run (None: quantizer + _scaled_mm was faster)")
+    print(table_source(table))
+    out = Path(args.json) if args.json else (Path(__file__).resolve().parent / "results"
+                                             / f"fp8_gemv-{time.strftime('%Y%m%d-%H%M%S')}.json")
+    write_json(out, dict(rows=rows, whole_token_ms=token, failed=bad_all, table=table_source(table)))
+    print(f"wrote {out}")
+    return 0
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--m", type=int, nargs="+", default=[1, 16, 256, 512, 2048, 8192], help="token counts")
+    p.add_argument("--m", type=int, nargs="+", default=None,
+                   help="token counts (default 1 16 256 512 2048 8192; with --sweep 1 2 4 8 16)")
     p.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
     p.add_argument("--json", default=None, help="output file (default bench/results/fp8_gemm-<time>.json)")
+    p.add_argument("--sweep", action="store_true", help="sweep the fp8-weight GEMV at small M (see above)")
+    p.add_argument("--budget", type=float, default=75.0, help="--sweep: seconds for the whole run (trims timing)")
+    p.add_argument("--workers", type=int, default=min(16, os.cpu_count() or 1), help="--sweep: compile processes")
+    p.add_argument("--layer-m", type=int, nargs="*", default=[1], help="--sweep: rows for the whole-token graphs")
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
         print("bench/fp8_gemm.py needs a CUDA device", file=sys.stderr)
         return 2
     check_fp8_support(torch.device("cuda"), torch.bfloat16)
+    if args.sweep:
+        args.m = args.m or [1, 2, 4, 8, 16]
+        return sweep_main(args)
+    args.m = args.m or [1, 16, 256, 512, 2048, 8192]
     print(f"{torch.cuda.get_device_name()}  torch {torch.__version__}  cuda {torch.version.cuda}")
     ceil = ceilings()
     print(f"square 8192^3 matmul on this GPU: bf16 {ceil['bf16_TFLOP_s']:.0f} TFLOP/s, "

@@ -10,6 +10,11 @@ What `quantize_model(model, "fp8")` does, once, after load_weights and fuse_proj
    bias and the model dtype's output fused in: Hopper's fp8 tensor cores run at twice the bf16 rate, and a decode
    step reads half the weight bytes.
 
+At batch 1..16 (x with at most as many rows as kernels/gemv.py's CONFIGS_FP8 holds for this weight's (N, K), on
+CUDA), step 2 is the fp8-weight GEMV instead: x stays 16-bit, each fp8 weight is converted exactly and multiplied in
+float32, y = (x @ W_q^T) * s_w + b. There the step reads the weights (half of bf16's bytes) and little else;
+_scaled_mm is poor at M=1, and the activation quantizer costs a launch per linear.
+
 On the CPU (tests) the same quantized operands are multiplied in float32: (x_q @ W_q^T) * s_x * s_w + b, the math
 of the GPU's GEMM but for its accumulation order. The forward has no host syncs, so CUDA graphs capture it.
 Accuracy: docs/quantization.md.
@@ -21,6 +26,7 @@ from torch import nn
 
 from engine.config import QUANTIZATION_METHODS
 from kernels._checks import FP8_DTYPE, FP8_MAX
+from kernels.gemv import MAX_M, gemv_triton, table_config
 from kernels.quant_fp8 import MIN_SCALE, per_token_quant_fp8_ref, per_token_quant_fp8_triton
 
 FP8_MIN_CAPABILITY = (8, 9)  # Ada and Hopper: the first GPUs with fp8 tensor cores
@@ -57,7 +63,8 @@ def scaled_mm_fp8(x_q: torch.Tensor, x_scale: torch.Tensor, w_q: torch.Tensor, w
 
 
 class Fp8Linear(nn.Module):
-    """y = x W^T + b with W in float8_e4m3fn (a float32 scale per output channel), x quantized per token."""
+    """y = x W^T + b with W in float8_e4m3fn (a float32 scale per output channel), x quantized per token (or, at the
+    row counts CONFIGS_FP8 holds, x unquantized through the fp8-weight GEMV)."""
 
     def __init__(self, weight: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None):
         super().__init__()
@@ -77,7 +84,12 @@ class Fp8Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x2 = x.reshape(-1, self.in_features)  # [M, K]
-        if x.is_cuda:
+        M = x2.shape[0]
+        cfg = (table_config(M, self.out_features, self.in_features, fp8=True)
+               if x.is_cuda and 0 < M <= MAX_M and x.dtype != torch.float32 else None)
+        if cfg is not None:  # small M: read the fp8 weights once, x unquantized (no quantizer launch)
+            y = gemv_triton(x2, self.weight, self.bias, weight_scale=self.weight_scale, config=cfg)
+        elif x.is_cuda:
             x_q, x_scale = per_token_quant_fp8_triton(x2)
             y = scaled_mm_fp8(x_q, x_scale, self.weight, self.weight_scale, self.bias, x.dtype)
         else:

@@ -18,9 +18,17 @@ so a launch can be captured in a CUDA graph. Counters live in one zeroed buffer 
 split launch (not inside a graph capture: warm up outside first, as the engine's capture does). Two split launches
 on different streams running at the same time would share counters: launches on one stream only.
 
-Configs per (N, K) and M live in CONFIGS (filled from `python3 bench/gemv.py` on the H200). `linear` is the
-drop-in for F.linear: this kernel where CONFIGS says it beat cuBLAS for that weight and row count, F.linear
-everywhere else (other shapes, larger batches, CPU).
+fp8 weights (`--quantization fp8`, engine/quant.py's Fp8Linear): W float8_e4m3fn [N, K] with a float32 scale per
+output channel, y = (x @ W^T) * scale + bias. x stays 16-bit (no activation quantization: at small M the step is
+bound by reading W, which is half the bytes of bf16); each fp8 element is converted exactly to float32 (fma modes)
+or to x's dtype (dot: e4m3 fits bf16 and fp16 exactly), and the scale multiplies each output once, after the K
+reduction (after the split-K sum). The same slabs hold twice the elements per byte, so BLOCK_K tunes separately.
+
+Configs per (N, K) and M live in CONFIGS (filled from `python3 bench/gemv.py` on the H200) and, for fp8 weights,
+CONFIGS_FP8 (from `python3 bench/fp8_gemm.py --sweep`). `linear` is the drop-in for F.linear: this kernel where
+CONFIGS says it beat cuBLAS for that weight and row count, F.linear everywhere else (other shapes, larger batches,
+CPU). Fp8Linear calls gemv_triton itself where CONFIGS_FP8 has a config (else per-token quantization and
+torch._scaled_mm).
 """
 from __future__ import annotations
 
@@ -31,7 +39,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from kernels._checks import FLOAT_DTYPES, check_out, check_same_device, check_tensor, interpreting
+from kernels._checks import FLOAT_DTYPES, FP8_DTYPE, check_out, check_same_device, check_tensor, interpreting
 
 MAX_M = 16  # rows the kernel takes: past that the matmul is no longer bandwidth-bound at these widths (cuBLAS)
 MODES = ("fma", "fma_late", "dot")
@@ -39,9 +47,13 @@ COUNTERS_PER_DEVICE = 1 << 16  # N tiles a split launch may have (one int32 tick
 _INTERPRET = interpreting()  # read once: triton.jit read it when the kernel below was decorated
 
 
-def gemv_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x [M, K], weight [N, K], bias [N] or None -> [M, N] in x.dtype: float32 products and sums, rounded once."""
-    y = x.float() @ weight.float().t()
+def gemv_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+             weight_scale: torch.Tensor | None = None) -> torch.Tensor:
+    """x [M, K], weight [N, K], bias [N] or None -> [M, N] in x.dtype: float32 products and sums, rounded once.
+    weight_scale (fp8 weights: N float32 values, [N] or [1, N]) multiplies each output after the K sum."""
+    y = x.float() @ weight.float().t()  # fp8 -> float32 is exact
+    if weight_scale is not None:
+        y = y * weight_scale.float().reshape(1, -1)
     if bias is not None:
         y = y + bias.float()
     return y.to(x.dtype)
@@ -102,10 +114,23 @@ CONFIGS: dict[tuple[int, int], tuple[tuple[int, GemvConfig | None], ...]] = {
     (152064, 3584): ((1, GemvConfig(8, 512, 1, 4, 1, 'fma')), (2, GemvConfig(128, 256, 1, 8, 3, 'dot')), (4, GemvConfig(128, 128, 1, 8, 4, 'dot')), (8, GemvConfig(128, 128, 1, 8, 4, 'dot')),),
 }
 
+# The same for float8_e4m3fn weights (Fp8Linear), against per-token quantization + torch._scaled_mm: None there means
+# _scaled_mm was faster; shapes and M past the table take _scaled_mm. BLOCK_K counts elements (1 byte each here).
+# Filled from the H200 sweep: `python3 bench/fp8_gemm.py --sweep` prints this table for Qwen2.5-7B's layer linears.
+# PROVISIONAL until that sweep: the bf16 table's M=1 configs with BLOCK_K doubled (the same bytes per slab), not
+# measured with fp8 weights.
+CONFIGS_FP8: dict[tuple[int, int], tuple[tuple[int, GemvConfig | None], ...]] = {
+    (4608, 3584): ((1, GemvConfig(8, 1024, 1, 4, 1, 'fma_late')),),
+    (3584, 3584): ((1, GemvConfig(8, 1024, 1, 4, 2, 'fma_late')),),
+    (37888, 3584): ((1, GemvConfig(8, 1024, 1, 4, 1, 'fma')),),
+    (3584, 18944): ((1, GemvConfig(8, 1024, 2, 4, 1, 'fma_late')),),
+}
 
-def table_config(M: int, N: int, K: int) -> GemvConfig | None:
-    """The measured config for M rows of an (N, K) weight, None where the table has none (or says cuBLAS)."""
-    for max_m, cfg in CONFIGS.get((N, K), ()):
+
+def table_config(M: int, N: int, K: int, fp8: bool = False) -> GemvConfig | None:
+    """The measured config for M rows of an (N, K) weight (CONFIGS_FP8 for fp8 weights), None where the table has
+    none (or says cuBLAS / _scaled_mm)."""
+    for max_m, cfg in (CONFIGS_FP8 if fp8 else CONFIGS).get((N, K), ()):
         if M <= max_m:
             return cfg
     return None
@@ -123,11 +148,13 @@ def _num_sms(device: torch.device) -> int:
     return _NUM_SMS[idx]
 
 
-def default_config(M: int, N: int, K: int, num_sms: int = 132) -> GemvConfig:
+def default_config(M: int, N: int, K: int, num_sms: int = 132, fp8: bool = False) -> GemvConfig:
     """A guess for shapes the table lacks: tensor cores from 4 rows on, else per-step FMA reduction; row tiles
-    small enough that the grid fills every SM a few times over, split-K only where N alone cannot."""
+    small enough that the grid fills every SM a few times over, split-K only where N alone cannot. fp8 weights:
+    twice the fma slab's columns (the same bytes)."""
     mode = "dot" if M >= 4 else "fma"
-    block_k = 256 if K >= 256 else max(16, triton.next_power_of_2(K))
+    want_k = 512 if fp8 and mode == "fma" else 256
+    block_k = want_k if K >= want_k else max(16, triton.next_power_of_2(K))
     block_n = 64 if mode == "dot" else 16
     target = 4 * num_sms  # programs: a few per SM keep enough loads in flight
     tiles = triton.cdiv(N, block_n)
@@ -140,8 +167,8 @@ def default_config(M: int, N: int, K: int, num_sms: int = 132) -> GemvConfig:
     return GemvConfig(block_n=block_n, block_k=block_k, split_k=split_k, num_warps=4, num_stages=3, mode=mode)
 
 
-def pick_config(M: int, N: int, K: int, num_sms: int = 132) -> GemvConfig:
-    return table_config(M, N, K) or default_config(M, N, K, num_sms)
+def pick_config(M: int, N: int, K: int, num_sms: int = 132, fp8: bool = False) -> GemvConfig:
+    return table_config(M, N, K, fp8) or default_config(M, N, K, num_sms, fp8)
 
 
 @triton.jit
@@ -173,7 +200,8 @@ def _fma_late_row(acc_m, w, x_rows, cols, kmask, m: tl.constexpr, M, stride_xm, 
 @triton.jit
 def _gemv_kernel(
     x_ptr,  # [M, K]
-    w_ptr,  # [N, K]
+    w_ptr,  # [N, K] x's dtype, or float8e4nv (W_FP8)
+    scale_ptr,  # [N] float32 per-output weight scale (only when W_FP8)
     bias_ptr,  # [N] (only when HAS_BIAS)
     y_ptr,  # [M, N]
     part_ptr,  # [num_splits, M, N] float32 partial sums (only when SPLIT)
@@ -188,6 +216,7 @@ def _gemv_kernel(
     PREFETCH: tl.constexpr,  # fma modes: load the next slab of W before reducing this one
     SPLIT: tl.constexpr,  # more than one program along K
     HAS_BIAS: tl.constexpr,
+    W_FP8: tl.constexpr,  # W is float8_e4m3fn: converted exactly after the load, scaled per output after the K sum
     EVEN_K: tl.constexpr,  # K % BLOCK_K == 0: no column masks
     INTERPRET: tl.constexpr,  # Triton >= 3.9's interpreter rejects a scalar load mask: the (same) column mask there
     DOT_FP32: tl.constexpr,  # float32 dot operands, exact products: float32 inputs, and the interpreter (whose
@@ -220,6 +249,8 @@ def _gemv_kernel(
                 x = tl.load(x_rows + cols[None, :], mask=mrow & kmask, other=0.0)
             if DOT_FP32:
                 acc += tl.dot(w.to(tl.float32), tl.trans(x.to(tl.float32)), input_precision="ieee")
+            elif W_FP8:
+                acc += tl.dot(w.to(x.dtype), tl.trans(x))  # e4m3 -> bf16/fp16 is exact
             else:
                 acc += tl.dot(w, tl.trans(x))  # [BLOCK_N, BLOCK_M]
     else:
@@ -281,11 +312,15 @@ def _gemv_kernel(
             total = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
             for s in range(0, num_splits):  # in split order, whichever program came last
                 total += tl.load(part_ptr + s * split_stride + tile, mask=out_mask, other=0.0, cache_modifier=".cg")
+            if W_FP8:
+                total *= tl.load(scale_ptr + rn, mask=rn < N, other=0.0)[:, None]
             if HAS_BIAS:
                 total += tl.load(bias_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)[:, None]
             tl.store(y_ptrs, total.to(y_ptr.dtype.element_ty), mask=out_mask)
             tl.atomic_xchg(count_ptr + pid_n, 0, sem="relaxed", scope="gpu")  # ready for the next launch
     else:
+        if W_FP8:
+            acc *= tl.load(scale_ptr + rn, mask=rn < N, other=0.0)[:, None]
         if HAS_BIAS:
             acc += tl.load(bias_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)[:, None]
         tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=out_mask)
@@ -306,18 +341,31 @@ def _counters(device: torch.device) -> torch.Tensor:
 
 def gemv_triton(
     x: torch.Tensor,  # [M, K], M <= MAX_M
-    weight: torch.Tensor,  # [N, K], as nn.Linear stores it
+    weight: torch.Tensor,  # [N, K], as nn.Linear stores it; x's dtype, or float8_e4m3fn with weight_scale
     bias: torch.Tensor | None = None,  # [N]
     *,
+    weight_scale: torch.Tensor | None = None,  # fp8 weight: [N] or [1, N] float32, contiguous (Fp8Linear's [1, N])
     out: torch.Tensor | None = None,  # [M, N] in x.dtype
     config: GemvConfig | None = None,
 ) -> torch.Tensor:
-    """x @ weight.T + bias for M <= MAX_M rows, in x.dtype (float32 sums). No host sync, no data-dependent
-    allocation: capturable in a CUDA graph."""
+    """x @ weight.T + bias for M <= MAX_M rows, in x.dtype (float32 sums); for an fp8 weight,
+    (x @ weight.T) * weight_scale + bias with x unquantized. No host sync, no data-dependent allocation: capturable
+    in a CUDA graph."""
     check_tensor("x", x, ndim=2, dtypes=FLOAT_DTYPES)
     M, K = x.shape
-    check_tensor("weight", weight, ndim=2, dtypes=(x.dtype,), shape=(None, K))
+    check_tensor("weight", weight, ndim=2, dtypes=(x.dtype, FP8_DTYPE), shape=(None, K))
     N = weight.shape[0]
+    fp8 = weight.dtype == FP8_DTYPE
+    if fp8:
+        if weight_scale is None:
+            raise ValueError("weight_scale: None for a float8_e4m3fn weight; pass its [N] float32 per-output scales")
+        check_tensor("weight_scale", weight_scale, dtypes=(torch.float32,))
+        if weight_scale.numel() != N or not weight_scale.is_contiguous() or weight_scale.dim() > 2:
+            raise ValueError(f"weight_scale: shape {tuple(weight_scale.shape)} "
+                             f"(contiguous={weight_scale.is_contiguous()}), expected [{N}] or [1, {N}] contiguous")
+        check_same_device(x=x, weight=weight, weight_scale=weight_scale)
+    elif weight_scale is not None:
+        raise ValueError(f"weight_scale: given for a {weight.dtype} weight; only float8_e4m3fn weights take a scale")
     if bias is not None:
         check_tensor("bias", bias, ndim=1, dtypes=(x.dtype,), shape=(N,))
         check_same_device(x=x, weight=weight, bias=bias)
@@ -333,7 +381,7 @@ def gemv_triton(
         return out
     if K == 0:
         return out.copy_(bias.expand(M, N) if bias is not None else torch.zeros_like(out))
-    cfg = config or pick_config(M, N, K, _num_sms(x.device))
+    cfg = config or pick_config(M, N, K, _num_sms(x.device), fp8)
     block_m = max(16 if cfg.mode == "dot" else 1, triton.next_power_of_2(M))
     if cfg.mode == "fma_late" and block_m > 4:
         raise ValueError(f"x: {M} rows, mode='fma_late' takes at most 4 (config {cfg.short()})")
@@ -349,11 +397,11 @@ def gemv_triton(
     else:
         part = counters = out  # unused
     _gemv_kernel[(tiles, num_splits)](
-        x, weight, bias if bias is not None else out, out, part, counters,
+        x, weight, weight_scale if fp8 else out, bias if bias is not None else out, out, part, counters,
         M, N, K, x.stride(0), weight.stride(0), out.stride(0), k_per_split,
         BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, MODE=cfg.mode,
         PREFETCH=cfg.mode != "dot" and cfg.num_stages > 1, SPLIT=num_splits > 1,
-        HAS_BIAS=bias is not None, EVEN_K=K % cfg.block_k == 0, INTERPRET=_INTERPRET,
+        HAS_BIAS=bias is not None, W_FP8=fp8, EVEN_K=K % cfg.block_k == 0, INTERPRET=_INTERPRET,
         DOT_FP32=x.dtype == torch.float32 or _INTERPRET,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )

@@ -5,6 +5,8 @@ import pytest
 import torch
 from torch import nn
 
+import engine.quant as quant
+import kernels.gemv as gemv
 from engine import LLM, EngineArgs, SamplingParams
 from engine.quant import (Fp8Linear, check_fp8_support, fp8_linear_ref, quantize_model, quantize_weight_fp8,
                           scaled_mm_fp8)
@@ -194,8 +196,9 @@ def test_fp8_next_token_agrees_on_smollm2(smollm2_dir):
 @cuda_only
 @pytest.mark.gpu
 @pytest.mark.parametrize("shape", [(1, 3584, 4608), (300, 18944, 3584), (17, 64, 48)])
-def test_cuda_fp8_linear_matches_the_reference(shape):
+def test_cuda_fp8_linear_matches_the_reference(shape, monkeypatch):
     """torch._scaled_mm + the Triton activation quantizer against the float32 reference on the same operands."""
+    monkeypatch.setattr(gemv, "CONFIGS_FP8", {})  # no GEMV at small M: the quantizer + _scaled_mm path at every M
     m, k, n = shape
     lin = linear(k, n, bias=True).to("cuda", torch.bfloat16)
     f = Fp8Linear.from_linear(lin)
@@ -212,15 +215,66 @@ def test_cuda_fp8_linear_matches_the_reference(shape):
 
 @cuda_only
 @pytest.mark.gpu
-def test_cuda_llm_fp8_runs_with_graphs_and_agrees(tmp_path):
+@pytest.mark.parametrize("m", [1, 3, 8, 16])
+@pytest.mark.parametrize("bias", [False, True])
+def test_cuda_fp8_linear_small_m_uses_the_gemv(m, bias, monkeypatch):
+    """Where CONFIGS_FP8 has a config, Fp8Linear runs the fp8-weight GEMV on unquantized x: no activation quantizer,
+    and the result matches the dequantized-weight reference at bf16 output rounding; against the unquantized linear
+    it is closer than the quantizer + _scaled_mm path (weights rounded to e4m3, activations not)."""
+    k, n = 3584, 4608
+    lin = linear(k, n, bias=bias).to("cuda", torch.bfloat16)
+    f = Fp8Linear.from_linear(lin)
+    split, dot = gemv.GemvConfig(8, 512, 3, 4, 2, "fma"), gemv.GemvConfig(64, 128, 2, 4, 3, "dot")
+    monkeypatch.setattr(gemv, "CONFIGS_FP8", {(n, k): ((2, split), (16, dot))})
+    calls = []
+
+    def spy(*args, **kw):
+        calls.append(kw["config"])
+        return gemv.gemv_triton(*args, **kw)
+
+    monkeypatch.setattr(quant, "gemv_triton", spy)
+    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+    with torch.no_grad():
+        y = f(x)
+        exact = lin(x).float()
+        monkeypatch.setattr(gemv, "CONFIGS_FP8", {})
+        y_mm = f(x).float()  # the quantizer + _scaled_mm on the same module
+    assert calls == [split if m <= 2 else dot]
+    assert y.dtype == torch.bfloat16 and y.shape == (m, n)
+    ref = gemv.gemv_ref(x, f.weight, f.bias, weight_scale=f.weight_scale).float()  # float32 dequantized, x unquantized
+    rel = ((y.float() - ref).norm() / ref.norm()).item()
+    assert rel < 1e-2, rel  # bf16 output rounding (~0.3%): the large-M path's tolerance against its own reference
+    rel_lin = ((y.float() - exact).norm() / exact.norm()).item()
+    rel_mm = ((y_mm - exact).norm() / exact.norm()).item()
+    assert rel_lin < 0.05 and rel_lin < rel_mm, (rel_lin, rel_mm)
+
+
+@cuda_only
+@pytest.mark.gpu
+@pytest.mark.parametrize("use_gemv", [False, True])
+def test_cuda_llm_fp8_runs_with_graphs_and_agrees(tmp_path, use_gemv, monkeypatch):
     """The engine on CUDA with fp8 GEMMs (decode and prefill steps replayed as CUDA graphs): greedy generation runs,
-    and teacher-forced next tokens agree with bf16 weights about as on the CPU (78.7% there, fp8 against fp32)."""
+    and teacher-forced next tokens agree with bf16 weights about as on the CPU (78.7% there, fp8 against fp32).
+    use_gemv: CONFIGS_FP8 holds tiny-qwen2's four linears at 1..16 rows (split-K for two of them), so the decode
+    graphs capture the fp8-weight GEMV (its split-K counters made in the warm-up before capture)."""
     import sys
     from pathlib import Path
 
     sys.path.insert(0, str(Path(__file__).parent))
     from test_cuda_parity import build_random_dir
 
+    calls = []
+    if use_gemv:  # tiny-qwen2: hidden 64, intermediate 128, 4 + 2 * 2 heads of 16
+        fma_split, dot = gemv.GemvConfig(8, 32, 2, 4, 2, "fma"), gemv.GemvConfig(16, 64, 1, 4, 3, "dot")
+        monkeypatch.setattr(gemv, "CONFIGS_FP8", {
+            (128, 64): ((4, gemv.GemvConfig(8, 64, 1, 4, 1, "fma_late")), (16, dot)),
+            (64, 64): ((16, dot),), (256, 64): ((2, fma_split), (16, dot)), (64, 128): ((16, fma_split),)})
+
+        def spy(*args, **kw):
+            calls.append(args[0].shape[0])
+            return gemv.gemv_triton(*args, **kw)
+
+        monkeypatch.setattr(quant, "gemv_triton", spy)
     model_dir = str(build_random_dir(tmp_path, "tiny-qwen2", seed=1, std=0.1))
     kw = dict(dtype="bfloat16", max_model_len=512, kv_cache_memory=1.0)
     base, fp8 = LLM(model_dir, **kw), LLM(model_dir, quantization="fp8", **kw)
@@ -234,5 +288,6 @@ def test_cuda_llm_fp8_runs_with_graphs_and_agrees(tmp_path):
         agree += (a.argmax(-1) == b.argmax(-1)).sum().item()
         total += a.shape[0]
     assert agree / total >= 0.7, f"teacher-forced agreement {agree}/{total}"
+    assert bool(calls) == use_gemv and all(m <= 16 for m in calls)
     with pytest.raises(ValueError, match="quantization='fp8' with dtype=float32"):
         LLM(model_dir, dtype="float32", quantization="fp8", max_model_len=512, kv_cache_memory=1.0)
