@@ -2,6 +2,7 @@
 
     usable      = memory * gpu_memory_utilization
     weights     = parameters counted from the config * bytes of --dtype
+                  (--quantization fp8: the layers' linear weights at 1 byte, plus a float32 scale per output channel)
     KV / token  = 2 (K and V) * layers * kv_heads * head_dim * bytes of --kv-cache-dtype
     blocks      = (usable - weights) // (block_size * KV / token)
     tokens      = blocks * block_size
@@ -39,13 +40,13 @@ class Plan:
     architecture: str
     """config.architectures[0]."""
     dtype: str
-    """Weight dtype (resolved; never 'auto')."""
+    """Weight dtype (resolved; never 'auto'): with quantization, the dtype of what is not quantized."""
     kv_cache_dtype: str
     """KV cache dtype (resolved; never 'auto')."""
     num_params: int
     """Parameters counted from the config (tied embeddings counted once)."""
     weight_bytes: int
-    """num_params * bytes of dtype."""
+    """num_params * bytes of dtype (quantization='fp8': the layers' linears at 1 byte + their scales)."""
     num_layers: int
     num_kv_heads: int
     head_dim: int
@@ -67,6 +68,8 @@ class Plan:
     """Context length of one sequence."""
     max_num_seqs_at_max_len: int
     """Sequences of max_model_len tokens whose KV fits at once."""
+    quantization: str | None = None
+    """The weights' quantization (None or 'fp8')."""
 
     @property
     def fits(self) -> bool:
@@ -110,6 +113,29 @@ def count_params(config: PretrainedConfig) -> int:
     return embed + config.num_hidden_layers * per_layer + h + head
 
 
+def linear_shapes(config: PretrainedConfig) -> list[tuple[int, int]]:
+    """(out_features, in_features) of one decoder layer's linears as the engine runs them (q/k/v and gate/up fused):
+    what `--quantization fp8` stores in fp8."""
+    h, inter = config.hidden_size, config.intermediate_size
+    hd, nh = _head_dim(config), config.num_attention_heads
+    nkv = getattr(config, "num_key_value_heads", None) or nh
+    return [(nh * hd + 2 * nkv * hd, h), (h, nh * hd), (2 * inter, h), (h, inter)]
+
+
+def weight_bytes_of(config: PretrainedConfig, dtype: str, quantization: str | None = None) -> int:
+    """Bytes of the weights in `dtype`; with quantization='fp8' the layers' linear weights take 1 byte each plus a
+    float32 scale per output channel (engine/quant.py), everything else stays in `dtype`."""
+    total = count_params(config) * _DTYPE_BYTES[dtype]
+    if quantization is None:
+        return total
+    if quantization != "fp8":
+        raise ValueError(f"quantization={quantization!r}: must be one of None, fp8")
+    shapes = linear_shapes(config)
+    linear = config.num_hidden_layers * sum(n * k for n, k in shapes)
+    scales = config.num_hidden_layers * sum(n for n, _ in shapes)
+    return total - linear * _DTYPE_BYTES[dtype] + linear + 4 * scales
+
+
 def _resolve_dtype(dtype: str, config: PretrainedConfig) -> str:
     if dtype == "auto":
         cfg = getattr(config, "dtype", None)
@@ -143,6 +169,7 @@ def plan(
     kv_cache_dtype: str = "auto",
     gpu_memory_utilization: float = 0.9,
     block_size: int = 16,
+    quantization: str | None = None,
 ) -> Plan:
     """Size the KV cache of `model_spec` in `memory_bytes` of device memory. Reads only the config."""
     if not isinstance(memory_bytes, int) or memory_bytes <= 0:
@@ -165,7 +192,7 @@ def plan(
     kvdtype = _resolve_kv_dtype(kv_cache_dtype, wdtype)
     kv_elem = _KV_DTYPE_BYTES.get(kvdtype) or _DTYPE_BYTES[kvdtype]
     num_params = count_params(config)
-    weight_bytes = num_params * _DTYPE_BYTES[wdtype]
+    weight_bytes = weight_bytes_of(config, wdtype, quantization)
     nkv = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
     hd = _head_dim(config)
     kv_per_token = 2 * config.num_hidden_layers * nkv * hd * kv_elem
@@ -177,7 +204,7 @@ def plan(
         head_dim=hd, kv_bytes_per_token=kv_per_token, memory_bytes=memory_bytes,
         gpu_memory_utilization=gpu_memory_utilization, kv_memory_bytes=kv_memory, block_size=block_size,
         num_blocks=num_blocks, max_kv_tokens=num_blocks * block_size, max_model_len=max_model_len,
-        max_num_seqs_at_max_len=num_blocks // math.ceil(max_model_len / block_size),
+        max_num_seqs_at_max_len=num_blocks // math.ceil(max_model_len / block_size), quantization=quantization,
     )
 
 
@@ -190,7 +217,8 @@ def format_plan(p: Plan) -> str:
     rows = [
         ("model", f"{p.model} ({p.architecture})"),
         ("parameters", f"{p.num_params:,}"),
-        (f"weights ({p.dtype})", f"{p.weight_bytes:,} B = {_gib(p.weight_bytes)}"),
+        (f"weights ({p.dtype}{', layer linears fp8' if p.quantization else ''})",
+         f"{p.weight_bytes:,} B = {_gib(p.weight_bytes)}"),
         (f"KV bytes per token ({p.kv_cache_dtype})",
          f"{p.kv_bytes_per_token:,} = 2 x {p.num_layers} layers x {p.num_kv_heads} kv heads x {p.head_dim} head_dim "
          f"x {kv_elem} B"),
@@ -222,6 +250,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--kv-cache-dtype", default="auto", help="auto (the weight dtype), fp8, or a float dtype")
     parser.add_argument("--gpu-memory-utilization", default="0.9", help="fraction of the memory to use, in (0, 1]")
     parser.add_argument("--block-size", default="16", help="tokens per KV block")
+    parser.add_argument("--quantization", default=None, help="fp8: the layers' linear weights in fp8 (as the engine's flag)")
     return parser
 
 
@@ -252,10 +281,10 @@ def main(argv: list[str] | None = None) -> int:
     if not 0.0 < util <= 1.0:
         parser.error(f"--gpu-memory-utilization={ns.gpu_memory_utilization!r}: must be a number in (0, 1], e.g. 0.9")
     flags = {"memory_bytes": "--memory", "max_model_len": "--max-model-len", "dtype": "--dtype",
-             "kv_cache_dtype": "--kv-cache-dtype", "model": "--model"}
+             "kv_cache_dtype": "--kv-cache-dtype", "model": "--model", "quantization": "--quantization"}
     try:
         p = plan(ns.model, memory, max_model_len, dtype=ns.dtype, kv_cache_dtype=ns.kv_cache_dtype,
-                 gpu_memory_utilization=util, block_size=block_size)
+                 gpu_memory_utilization=util, block_size=block_size, quantization=ns.quantization)
     except ValueError as e:
         msg = str(e)
         for field, flag in flags.items():  # name the flag the user typed, not the Python field

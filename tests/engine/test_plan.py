@@ -126,3 +126,37 @@ def test_cli_prints_the_table(capsys):
 def test_cli_exit_status_when_nothing_fits(capsys):
     assert main(["--model", "random:qwen2.5-7b", "--memory", "8GiB", "--max-model-len", "4096"]) == 1
     assert "DOES NOT FIT" in capsys.readouterr().out
+
+
+def test_fp8_weights_qwen2_5_7b():
+    p = plan("random:qwen2.5-7b", 80 * GiB, 4096, quantization="fp8")
+    linear = 28 * (4608 * 3584 + 3584 * 3584 + 37888 * 3584 + 3584 * 18944)  # fused qkv, o, gate_up, down
+    scales = 28 * (4608 + 3584 + 37888 + 3584) * 4
+    assert linear == 6_525_288_448
+    assert p.weight_bytes == 15_231_233_024 - linear + scales == 8_711_506_944
+    assert p.num_blocks == (77_309_411_328 - 8_711_506_944) // (16 * 57344)
+    with pytest.raises(ValueError, match=r"quantization='int4': must be one of None, fp8"):
+        plan("random:qwen2.5-7b", 80 * GiB, 4096, quantization="int4")
+
+
+@pytest.mark.parametrize("quantization", [None, "fp8"])
+def test_weight_bytes_equal_the_engines_model(quantization):
+    """The plan's weight bytes are what the engine's loaded model holds (float32 on the CPU: fp8 weights 1 byte,
+    scales and everything else 4)."""
+    from engine import LLM
+    from engine.plan import weight_bytes_of
+
+    llm = LLM("random:tiny-qwen2", device="cpu", kv_cache_memory=0.01, max_model_len=256, quantization=quantization)
+    model = llm.engine.runner.model
+    held = sum(t.numel() * t.element_size() for t in model.parameters())
+    held += sum(t.numel() * t.element_size() for name, t in model.named_buffers() if name != "cos_sin_cache")
+    assert held == weight_bytes_of(llm.engine.resolved.config, "float32", quantization)
+
+
+def test_cli_quantization(capsys):
+    assert main(["--model", "random:qwen2.5-7b", "--memory", "80GiB", "--max-model-len", "4096",
+                 "--quantization", "fp8"]) == 0
+    assert "weights (bfloat16, layer linears fp8)" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        main(["--model", "random:qwen2.5-7b", "--memory", "80GiB", "--max-model-len", "4096", "--quantization", "x"])
+    assert "--quantization='x': must be one of None, fp8" in capsys.readouterr().err
