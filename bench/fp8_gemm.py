@@ -33,7 +33,6 @@ from __future__ import annotations
 import argparse
 import math
 import os
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -147,49 +146,6 @@ def gemv_candidates(M: int, N: int) -> list[GemvConfig]:
     return out
 
 
-def _compile_key(cfg: GemvConfig, M: int, K: int, bias: bool) -> tuple:
-    k_per_split = math.ceil(math.ceil(K / cfg.split_k) / cfg.block_k) * cfg.block_k
-    block_m = max(16 if cfg.mode == "dot" else 1, 1 << (M - 1).bit_length())
-    return (cfg.mode, cfg.block_n, cfg.block_k, cfg.num_warps, cfg.num_stages, block_m, math.ceil(K / k_per_split) > 1,
-            bias, K % cfg.block_k == 0)
-
-
-def _compile_worker(jobs: list[tuple[dict, int, int, bool]]) -> list[str]:
-    """In a child process: launch each (config, M, K, bias) once on a small fp8 weight (N=256, the real K), which
-    compiles it into Triton's on-disk cache."""
-    errors = []
-    for cfg_d, M, K, bias in jobs:
-        cfg = GemvConfig(**cfg_d)
-        try:
-            x = torch.randn(M, K, dtype=torch.bfloat16, device="cuda")
-            w = torch.randn(256, K, device="cuda").to(torch.float8_e4m3fn)
-            b = torch.randn(256, dtype=torch.bfloat16, device="cuda") if bias else None
-            gemv_triton(x, w, b, weight_scale=torch.ones(256, device="cuda"), config=cfg)
-        except Exception as e:  # reported; the sweep skips what fails
-            errors.append(f"{cfg.short()} M={M}: {type(e).__name__}: {str(e)[:200]}")
-    torch.cuda.synchronize()
-    return errors
-
-
-def precompile(jobs: list[tuple[GemvConfig, int, int, bool]], workers: int) -> None:
-    import multiprocessing as mp
-    from concurrent.futures import ProcessPoolExecutor
-    from dataclasses import asdict
-
-    unique = {}
-    for cfg, M, K, bias in jobs:
-        unique.setdefault(_compile_key(cfg, M, K, bias), (asdict(cfg), M, K, bias))
-    items = list(unique.values())
-    t0 = time.time()
-    chunks = [c for c in (items[i::workers] for i in range(max(1, workers))) if c]
-    with ProcessPoolExecutor(len(chunks), mp_context=mp.get_context("spawn")) as ex:
-        for errors in ex.map(_compile_worker, chunks):
-            for e in errors[:3]:
-                print("  compile error:", e, flush=True)
-    print(f"compiled {len(items)} fp8 GEMV variants in {time.time() - t0:.1f} s with {len(chunks)} processes",
-          flush=True)
-
-
 def fp8_copies(n: int, k: int, has_bias: bool, seed: int) -> list[Fp8Linear]:
     """Fp8Linear modules of one random bf16 weight, enough copies that consecutive launches miss the L2."""
     g = torch.Generator(device="cuda").manual_seed(seed)
@@ -204,28 +160,10 @@ def fp8_copies(n: int, k: int, has_bias: bool, seed: int) -> list[Fp8Linear]:
                       range(copies - 1)]
 
 
-def graph_ms(run, reps: int = 5) -> float:
-    """Milliseconds per replay of one CUDA graph of run() (run once before, outside the capture)."""
-    run()
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        run()
-    g.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record()
-        g.replay()
-        e.record()
-        e.synchronize()
-        times.append(s.elapsed_time(e))
-    return statistics.median(times)
-
-
 def whole_token(M: int, table: dict) -> dict[str, float]:
     """One decode token's linears at M rows, ms per graph replay, for the four variants of the module docstring."""
+    from bench.gemv import graph_ms
+
     gen = torch.Generator(device="cuda").manual_seed(1000 + M)
     layers = []  # per layer: {name: (bf16 weight, bias, Fp8Linear)}
     with torch.no_grad():
@@ -270,19 +208,8 @@ def whole_token(M: int, table: dict) -> dict[str, float]:
     return out
 
 
-def table_source(table: dict) -> str:
-    lines = ["CONFIGS_FP8: dict[tuple[int, int], tuple[tuple[int, GemvConfig | None], ...]] = {"]
-    for (n, k), entries in table.items():
-        items = [f"({m}, None)" if c is None else
-                 f"({m}, GemvConfig({c.block_n}, {c.block_k}, {c.split_k}, {c.num_warps}, {c.num_stages}, {c.mode!r}))"
-                 for m, c in entries]
-        lines.append(f"    ({n}, {k}): ({', '.join(items)},),")
-    lines.append("}")
-    return "\n".join(lines)
-
-
 def sweep_main(args) -> int:
-    from bench.gemv import close, time_rotation
+    from bench.gemv import close, precompile, table_source, time_rotation
 
     t0 = time.time()
     ms = sorted(set(args.m))
@@ -295,7 +222,7 @@ def sweep_main(args) -> int:
           flush=True)
     jobs = [(c, m, k, b) for name in args.shapes for n, k, b in [SHAPES[name]] for m in ms
             for c in gemv_candidates(m, n)]
-    precompile(jobs, args.workers)
+    precompile(jobs, args.workers, fp8=True)
 
     rows, table, bad_all = [], {}, []
     items = [(name, m) for name in args.shapes for m in ms]
@@ -365,10 +292,11 @@ def sweep_main(args) -> int:
         print(f"{len(bad_all)} candidate(s) failed or were wrong; first: " + " | ".join(bad_all[:4]))
     print(f"total {time.time() - t0:.0f} s")
     print("\n# kernels/gemv.py CONFIGS_FP8 from this run (None: quantizer + _scaled_mm was faster)")
-    print(table_source(table))
+    source = table_source(table, "CONFIGS_FP8")
+    print(source)
     out = Path(args.json) if args.json else (Path(__file__).resolve().parent / "results"
                                              / f"fp8_gemv-{time.strftime('%Y%m%d-%H%M%S')}.json")
-    write_json(out, dict(rows=rows, whole_token_ms=token, failed=bad_all, table=table_source(table)))
+    write_json(out, dict(rows=rows, whole_token_ms=token, failed=bad_all, table=source))
     print(f"wrote {out}")
     return 0
 

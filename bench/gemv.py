@@ -31,6 +31,7 @@ import sys
 import time
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import asdict
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -85,51 +86,53 @@ def compile_key(cfg: GemvConfig, M: int, K: int, bias: bool) -> tuple:
             K % cfg.block_k == 0)
 
 
-def _compile_worker(jobs: list[tuple[dict, int, int, bool]]) -> tuple[int, list[str]]:
+def _compile_worker(jobs: list[tuple[dict, int, int, bool]], fp8: bool = False) -> tuple[int, list[str]]:
     """In a child process: launch each (config, M, K, bias) once on small tensors of the same alignment as the
-    real ones (N = 256, real K), which compiles it into Triton's on-disk cache."""
+    real ones (N = 256, real K; an fp8 weight with unit scales when `fp8`), which compiles it into Triton's on-disk
+    cache."""
     torch.cuda.init()
     errors = []
     for cfg_d, M, K, bias in jobs:
         cfg = GemvConfig(**cfg_d)
         try:
             x = torch.randn(M, K, dtype=DTYPE, device=DEVICE)
-            w = torch.randn(256, K, dtype=DTYPE, device=DEVICE)
+            w = torch.randn(256, K, device=DEVICE).to(torch.float8_e4m3fn if fp8 else DTYPE)
             b = torch.randn(256, dtype=DTYPE, device=DEVICE) if bias else None
-            gemv_triton(x, w, b, config=cfg)
+            gemv_triton(x, w, b, weight_scale=torch.ones(256, device=DEVICE) if fp8 else None, config=cfg)
         except Exception as e:  # reported by the parent; the sweep skips what fails to compile
             errors.append(f"{cfg.short()} M={M}: {type(e).__name__}: {str(e)[:200]}")
     torch.cuda.synchronize()
     return len(jobs), errors
 
 
-def precompile(jobs: list[tuple[GemvConfig, int, int, bool]], workers: int) -> None:
+def precompile(jobs: list[tuple[GemvConfig, int, int, bool]], workers: int, fp8: bool = False) -> None:
+    """Compiles each distinct kernel variant of `jobs` once, in `workers` processes (fp8: with fp8 weights)."""
     unique = {}
     for cfg, M, K, bias in jobs:
         unique.setdefault(compile_key(cfg, M, K, bias), (asdict(cfg), M, K, bias))
     items = list(unique.values())
     t0 = time.time()
     if workers <= 1:
-        _compile_worker(items)
+        _compile_worker(items, fp8)
     else:
         chunks = [items[i::workers] for i in range(workers)]
         with ProcessPoolExecutor(workers, mp_context=mp.get_context("spawn")) as ex:
-            for n, errors in ex.map(_compile_worker, [c for c in chunks if c]):
+            for n, errors in ex.map(partial(_compile_worker, fp8=fp8), [c for c in chunks if c]):
                 for e in errors[:5]:
                     print("  compile error:", e, flush=True)
-    print(f"compiled {len(items)} kernel variants in {time.time() - t0:.1f} s with {workers} processes", flush=True)
+    print(f"compiled {len(items)} {'fp8 ' if fp8 else ''}kernel variants in {time.time() - t0:.1f} s with {workers} "
+          "processes", flush=True)
 
 
 # ----------------------------------------------------------------------------------------------- timing
-def time_rotation(launch, copies: int, est_us: float, reps: int = 5) -> float:
-    """Microseconds per launch: launch(i) for i over the weight copies, captured back to back in one graph."""
-    n = max(copies, min(400, round(GRAPH_US / max(est_us, 1.0))))
-    launch(0)  # warm-up outside the capture: compile/load, workspaces, cuBLAS handles
+def graph_ms(run, reps: int = 5) -> float:
+    """Milliseconds per replay of one CUDA graph of run() (run once before, outside the capture: compile/load,
+    workspaces, cuBLAS handles); the median of `reps` replays."""
+    run()
     torch.cuda.synchronize()
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):
-        for i in range(n):
-            launch(i % copies)
+        run()
     g.replay()
     torch.cuda.synchronize()
     times = []
@@ -139,9 +142,20 @@ def time_rotation(launch, copies: int, est_us: float, reps: int = 5) -> float:
         g.replay()
         end.record()
         end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / n)
+        times.append(start.elapsed_time(end))
     del g
     return statistics.median(times)
+
+
+def time_rotation(launch, copies: int, est_us: float, reps: int = 5) -> float:
+    """Microseconds per launch: launch(i) for i over the weight copies, captured back to back in one graph."""
+    n = max(copies, min(400, round(GRAPH_US / max(est_us, 1.0))))
+
+    def run() -> None:
+        for i in range(n):
+            launch(i % copies)
+
+    return graph_ms(run, reps) * 1e3 / n
 
 
 def close(y: torch.Tensor, ref: torch.Tensor) -> bool:
@@ -238,25 +252,7 @@ def layer_graphs(M: int, best: dict[str, GemvConfig], shapes: dict[str, Shape]) 
         else:
             gemv.linear(xs[head.shape[1]], head)
 
-    out = {}
-    for kind in ("cublas", "mine", "table"):
-        run(kind)
-        torch.cuda.synchronize()
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
-            run(kind)
-        g.replay()
-        torch.cuda.synchronize()
-        times = []
-        for _ in range(5):
-            s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            s.record()
-            g.replay()
-            e.record()
-            e.synchronize()
-            times.append(s.elapsed_time(e))
-        out[kind] = statistics.median(times)
-        del g
+    out = {kind: graph_ms(partial(run, kind)) for kind in ("cublas", "mine", "table")}
     del weights
     torch.cuda.empty_cache()
     return out
@@ -275,8 +271,9 @@ def host_us(fn, n: int = 2000) -> float:
 
 
 # ----------------------------------------------------------------------------------------------- main
-def table_source(table: dict[tuple[int, int], list[tuple[int, GemvConfig | None]]]) -> str:
-    lines = ["CONFIGS: dict[tuple[int, int], tuple[tuple[int, GemvConfig | None], ...]] = {"]
+def table_source(table: dict[tuple[int, int], list[tuple[int, GemvConfig | None]]], name: str = "CONFIGS") -> str:
+    """The table as kernels/gemv.py's source of `name` (CONFIGS, or CONFIGS_FP8)."""
+    lines = [f"{name}: dict[tuple[int, int], tuple[tuple[int, GemvConfig | None], ...]] = {{"]
     for (N, K), entries in table.items():
         items = []
         for max_m, cfg in entries:
@@ -399,10 +396,11 @@ def main() -> None:
         print(f"{len(bad_all)} candidate(s) failed or were wrong; first: " + " | ".join(bad_all[:4]))
     print(f"total {time.time() - t_start:.0f} s")
     print("\n# kernels/gemv.py CONFIGS from this run (None: cuBLAS was faster)")
-    print(table_source(table))
+    source = table_source(table)
+    print(source)
     if args.json:
         Path(args.json).write_text(json.dumps(dict(device=props.name, rows=rows, layers=layers, host_us=host,
-                                                   failed=bad_all, table=table_source(table)), indent=1))
+                                                   failed=bad_all, table=source), indent=1))
 
 
 if __name__ == "__main__":
