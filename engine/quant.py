@@ -25,9 +25,9 @@ import torch
 from torch import nn
 
 from engine.config import QUANTIZATION_METHODS
-from kernels._checks import FP8_DTYPE, FP8_MAX
+from kernels._checks import FP8_DTYPE
 from kernels.gemv import MAX_M, gemv_triton, table_config
-from kernels.quant_fp8 import MIN_SCALE, per_token_quant_fp8_ref, per_token_quant_fp8_triton
+from kernels.quant_fp8 import per_token_quant_fp8_ref, per_token_quant_fp8_triton
 
 FP8_MIN_CAPABILITY = (8, 9)  # Ada and Hopper: the first GPUs with fp8 tensor cores
 # Hopper's fp8 MMA accumulates in fewer than 32 bits unless the kernel promotes partial sums itself; fast accumulation
@@ -36,10 +36,9 @@ FP8_FAST_ACCUM = True
 
 
 def quantize_weight_fp8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """w [N, K] -> (w_q [N, K] float8_e4m3fn, scale [N, 1] float32) with w ~ w_q * scale, one scale per row."""
-    wf = w.to(torch.float32, copy=True)  # scaled in place below: never w itself (a float32 w would be aliased)
-    scale = (wf.abs().amax(dim=1, keepdim=True) / FP8_MAX).clamp(min=MIN_SCALE)
-    return wf.div_(scale).clamp_(-FP8_MAX, FP8_MAX).to(FP8_DTYPE), scale
+    """w [N, K] -> (w_q [N, K] float8_e4m3fn, scale [N, 1] float32) with w ~ w_q * scale, one scale per row: the
+    activations' per-token rule, applied to the weight's output channels."""
+    return per_token_quant_fp8_ref(w)
 
 
 def fp8_linear_ref(x_q: torch.Tensor, x_scale: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor,
