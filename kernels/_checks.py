@@ -1,6 +1,8 @@
-"""Argument checks shared by the Triton launchers: each error names the argument, the value and the limit."""
+"""Argument checks shared by the Triton launchers (each error names the argument, the value and the limit), and the
+device facts their launch choices read."""
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -8,6 +10,19 @@ import torch
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
+
+
+@functools.cache
+def _cuda_sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def sm_count(device: torch.device, default: int) -> int:
+    """The streaming multiprocessors of a CUDA device (read once per device); `default` elsewhere (the interpreter:
+    the count the caller's launch choices should assume there)."""
+    if device.type != "cuda":
+        return default
+    return _cuda_sm_count(device.index if device.index is not None else torch.cuda.current_device())
 
 
 def interpreting() -> bool:

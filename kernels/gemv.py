@@ -39,8 +39,10 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from kernels._checks import FLOAT_DTYPES, FP8_DTYPE, check_out, check_same_device, check_tensor, interpreting
+from kernels._checks import (FLOAT_DTYPES, FP8_DTYPE, check_out, check_same_device, check_tensor, interpreting,
+                             sm_count)
 
+INTERPRETER_SMS = 132  # the interpreter takes an H200's count, so CPU tests take the GPU's split decisions
 MAX_M = 16  # rows the kernel takes: past that the matmul is no longer bandwidth-bound at these widths (cuBLAS)
 MODES = ("fma", "fma_late", "dot")
 COUNTERS_PER_DEVICE = 1 << 16  # N tiles a split launch may have (one int32 ticket counter each)
@@ -134,18 +136,6 @@ def table_config(M: int, N: int, K: int, fp8: bool = False) -> GemvConfig | None
         if M <= max_m:
             return cfg
     return None
-
-
-_NUM_SMS: dict[int, int] = {}
-
-
-def _num_sms(device: torch.device) -> int:
-    if device.type != "cuda":
-        return 132  # the interpreter: an H200's count, so CPU tests take the GPU's split decisions
-    idx = device.index if device.index is not None else torch.cuda.current_device()
-    if idx not in _NUM_SMS:
-        _NUM_SMS[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
-    return _NUM_SMS[idx]
 
 
 def default_config(M: int, N: int, K: int, num_sms: int = 132, fp8: bool = False) -> GemvConfig:
@@ -381,7 +371,7 @@ def gemv_triton(
         return out
     if K == 0:
         return out.copy_(bias.expand(M, N) if bias is not None else torch.zeros_like(out))
-    cfg = config or pick_config(M, N, K, _num_sms(x.device), fp8)
+    cfg = config or pick_config(M, N, K, sm_count(x.device, INTERPRETER_SMS), fp8)
     block_m = max(16 if cfg.mode == "dot" else 1, triton.next_power_of_2(M))
     if cfg.mode == "fma_late" and block_m > 4:
         raise ValueError(f"x: {M} rows, mode='fma_late' takes at most 4 (config {cfg.short()})")

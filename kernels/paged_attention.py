@@ -25,7 +25,8 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from kernels._checks import FLOAT_DTYPES, FP8_DTYPE, check_out, check_same_device, check_tensor, interpreting
+from kernels._checks import (FLOAT_DTYPES, FP8_DTYPE, check_out, check_same_device, check_tensor, interpreting,
+                             sm_count)
 
 
 def gather_kv_ref(
@@ -457,17 +458,7 @@ def _tma_ok(t: torch.Tensor, head_dim: int, head_dim_pad: int) -> bool:
             and t.data_ptr() % 16 == 0 and t.stride(0) * t.element_size() % 16 == 0)
 
 
-_NUM_SMS: dict[int, int] = {}
 LAST_LAUNCH: dict = {}  # the last compiled attention kernel (bench/kernels.py reads its registers and spills)
-
-
-def _num_sms(device: torch.device) -> int:
-    if device.type != "cuda":
-        return 4
-    idx = device.index if device.index is not None else torch.cuda.current_device()
-    if idx not in _NUM_SMS:
-        _NUM_SMS[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
-    return _NUM_SMS[idx]
 
 
 # 256-row prefill tiles (16 warps) pass the CUDA tests but lost to 128-row tiles at two programs per SM in the
@@ -617,7 +608,7 @@ def paged_attention_triton(
         return out
     queries_per_kv = num_heads // num_kv_heads
     cfg = default_config(num_tokens, num_seqs, num_kv_heads, queries_per_kv, head_dim, max_query_len,
-                         max_seq_len, _num_sms(q.device), q.element_size(), k_cache.dtype == FP8_DTYPE)
+                         max_seq_len, sm_count(q.device, 4), q.element_size(), k_cache.dtype == FP8_DTYPE)
     if config:
         unknown = set(config) - set(cfg)
         if unknown:
