@@ -48,6 +48,19 @@ def _round_to_e4m3_grid(x):
     return tl.where(x < 0, -r, r)  # keeps the sign of values that round to zero
 
 
+@triton.jit
+def _to_cache(x, scale, QUANT: tl.constexpr, FP8: tl.constexpr, ROUND_IN_FP32: tl.constexpr):
+    """x (k/v dtype) as the cache stores it: / scale, saturated to +-448 and rounded to e4m3 for an fp8 cache (the
+    caller converts to the cache dtype). Shared with kernels/rotary.py's fused rotary + KV write."""
+    if QUANT:
+        x = x.to(tl.float32) / scale
+        if FP8:
+            x = tl.clamp(x, -448.0, 448.0)
+            if ROUND_IN_FP32:
+                x = _round_to_e4m3_grid(x)
+    return x
+
+
 @triton.jit(do_not_specialize=["num_tokens"])  # varies every step: no recompiles on 1 / multiples of 16
 def _write_kv_kernel(
     k_ptr,  # [num_tokens, num_kv_heads, head_dim]
@@ -79,15 +92,8 @@ def _write_kv_kernel(
 
     k = tl.load(k_ptr + toks[:, None] * stride_k_t + head * stride_k_h + d, mask=mask, other=0.0)
     v = tl.load(v_ptr + toks[:, None] * stride_v_t + head * stride_v_h + d, mask=mask, other=0.0)
-    if QUANT:
-        k = k.to(tl.float32) / k_scale
-        v = v.to(tl.float32) / v_scale
-        if FP8:
-            k = tl.clamp(k, -448.0, 448.0)
-            v = tl.clamp(v, -448.0, 448.0)
-            if ROUND_IN_FP32:
-                k = _round_to_e4m3_grid(k)
-                v = _round_to_e4m3_grid(v)
+    k = _to_cache(k, k_scale, QUANT, FP8, ROUND_IN_FP32)
+    v = _to_cache(v, v_scale, QUANT, FP8, ROUND_IN_FP32)
     kc = k_cache_ptr + blocks[:, None] * stride_kc_b + offs[:, None] * stride_kc_s + head * stride_kc_h + d
     vc = v_cache_ptr + blocks[:, None] * stride_vc_b + offs[:, None] * stride_vc_s + head * stride_vc_h + d
     tl.store(kc, k.to(k_cache_ptr.dtype.element_ty), mask=mask)

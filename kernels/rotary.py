@@ -12,7 +12,7 @@ import triton
 import triton.language as tl
 
 from kernels._checks import FLOAT_DTYPES, FP8_DTYPE, check_out, check_same_device, check_tensor, interpreting
-from kernels.kv_write import _round_to_e4m3_grid, write_kv_ref
+from kernels.kv_write import _to_cache, write_kv_ref
 
 
 def rotary_embedding_ref(
@@ -43,9 +43,21 @@ def _rotate_heads(
     x1 = tl.load(x_row, mask=mask, other=0.0)
     x2 = tl.load(x_row + HALF, mask=mask, other=0.0)
     x1f, x2f = x1.to(tl.float32), x2.to(tl.float32)
+    r1 = (x1f * cos - x2f * sin).to(x1.dtype)
+    r2 = (x2f * cos + x1f * sin).to(x1.dtype)
     o_row = out_ptr + tok * stride_out_t + heads * stride_out_h + d
-    tl.store(o_row, (x1f * cos - x2f * sin).to(x1.dtype), mask=mask)
-    tl.store(o_row + HALF, (x2f * cos + x1f * sin).to(x1.dtype), mask=mask)
+    tl.store(o_row, r1, mask=mask)
+    tl.store(o_row + HALF, r2, mask=mask)
+    return r1, r2  # [BLOCK_H, BLOCK_HALF] each, in x's dtype, as stored
+
+
+@triton.jit
+def _cos_sin(cache_ptr, pos, stride_cache, HALF: tl.constexpr, BLOCK_HALF: tl.constexpr):
+    """Position pos's cos and sin, [1, BLOCK_HALF] float32 each (the cache holds cos | sin)."""
+    d = tl.arange(0, BLOCK_HALF)[None, :]
+    cos = tl.load(cache_ptr + pos * stride_cache + d, mask=d < HALF, other=0.0).to(tl.float32)
+    sin = tl.load(cache_ptr + pos * stride_cache + HALF + d, mask=d < HALF, other=0.0).to(tl.float32)
+    return cos, sin
 
 
 @triton.jit
@@ -68,9 +80,7 @@ def _rotary_embedding_kernel(
 ):
     tok = tl.program_id(0).to(tl.int64)
     pos = tl.load(positions_ptr + tok).to(tl.int64)
-    d = tl.arange(0, BLOCK_HALF)[None, :]
-    cos = tl.load(cache_ptr + pos * stride_cache + d, mask=d < HALF, other=0.0).to(tl.float32)  # [1, BLOCK_HALF]
-    sin = tl.load(cache_ptr + pos * stride_cache + HALF + d, mask=d < HALF, other=0.0).to(tl.float32)
+    cos, sin = _cos_sin(cache_ptr, pos, stride_cache, HALF, BLOCK_HALF)
     _rotate_heads(q_out_ptr, q_ptr, stride_qo_t, stride_qo_h, stride_q_t, stride_q_h, tok, num_heads, cos, sin,
                   HALF, BLOCK_HQ, BLOCK_HALF)
     _rotate_heads(k_out_ptr, k_ptr, stride_ko_t, stride_ko_h, stride_k_t, stride_k_h, tok, num_kv_heads, cos, sin,
@@ -153,18 +163,6 @@ def rotary_embedding_write_kv_ref(
 
 
 @triton.jit
-def _to_cache(x, scale, QUANT: tl.constexpr, FP8: tl.constexpr, ROUND_IN_FP32: tl.constexpr):
-    """x (k/v dtype) as write_kv stores it: / scale, saturated to +-448 and rounded to e4m3 for an fp8 cache."""
-    if QUANT:
-        x = x.to(tl.float32) / scale
-        if FP8:
-            x = tl.clamp(x, -448.0, 448.0)
-            if ROUND_IN_FP32:
-                x = _round_to_e4m3_grid(x)
-    return x
-
-
-@triton.jit
 def _rotary_write_kv_kernel(
     q_out_ptr,  # [num_tokens, num_heads, head_dim]
     k_out_ptr,  # [num_tokens, num_kv_heads, head_dim]
@@ -196,24 +194,16 @@ def _rotary_write_kv_kernel(
 ):
     tok = tl.program_id(0).to(tl.int64)
     pos = tl.load(positions_ptr + tok).to(tl.int64)
-    d = tl.arange(0, BLOCK_HALF)[None, :]  # [1, BLOCK_HALF]
-    cos = tl.load(cache_ptr + pos * stride_cache + d, mask=d < HALF, other=0.0).to(tl.float32)
-    sin = tl.load(cache_ptr + pos * stride_cache + HALF + d, mask=d < HALF, other=0.0).to(tl.float32)
+    cos, sin = _cos_sin(cache_ptr, pos, stride_cache, HALF, BLOCK_HALF)
     _rotate_heads(q_out_ptr, q_ptr, stride_qo_t, stride_qo_h, stride_q_t, stride_q_h, tok, num_heads, cos, sin,
                   HALF, BLOCK_HQ, BLOCK_HALF)
+    # k rotated and stored as rotary_embedding does; its halves (so rounded) go to the cache below
+    r1, r2 = _rotate_heads(k_out_ptr, k_ptr, stride_ko_t, stride_ko_h, stride_k_t, stride_k_h, tok, num_kv_heads,
+                           cos, sin, HALF, BLOCK_HK, BLOCK_HALF)
 
+    d = tl.arange(0, BLOCK_HALF)[None, :]  # [1, BLOCK_HALF]
     heads = tl.arange(0, BLOCK_HK)[:, None]  # [BLOCK_HK, 1]
     mask = (heads < num_kv_heads) & (d < HALF)  # [BLOCK_HK, BLOCK_HALF]
-    k_row = k_ptr + tok * stride_k_t + heads * stride_k_h + d
-    k1 = tl.load(k_row, mask=mask, other=0.0)
-    k2 = tl.load(k_row + HALF, mask=mask, other=0.0)
-    k1f, k2f = k1.to(tl.float32), k2.to(tl.float32)
-    r1 = (k1f * cos - k2f * sin).to(k1.dtype)  # rounded as rotary_embedding rounds k
-    r2 = (k2f * cos + k1f * sin).to(k1.dtype)
-    ko_row = k_out_ptr + tok * stride_ko_t + heads * stride_ko_h + d
-    tl.store(ko_row, r1, mask=mask)
-    tl.store(ko_row + HALF, r2, mask=mask)
-
     slot = tl.load(slot_mapping_ptr + tok).to(tl.int64)
     block, off = slot // BLOCK_SIZE, slot % BLOCK_SIZE
     # (slot >= 0 as a tensor: Triton >= 3.9's interpreter turns a tensor & scalar-bool mask into int32 and rejects it)
