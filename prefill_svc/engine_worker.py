@@ -7,8 +7,8 @@ the event loop (`loop.call_soon_threadsafe(on_step, outputs, None)`), then runs 
 this thread, e.g. to read freshly filled KV blocks) and hands over what it returns (`on_step([], extra)`).
 
 `hop(rid, event)` writes one line of a request's timeline (logger `tandem.hops` at DEBUG, off by default;
-CLOCK_MONOTONIC nanoseconds, comparable across the processes of one host): bench/ttft_hops.py turns them into the
-per-hop table of a request's time to first token.
+CLOCK_MONOTONIC nanoseconds, comparable across the processes of one host); the router, prefill and decode all log
+through it, and bench/ttft_hops.py turns the lines into the per-hop table of a request's time to first token.
 """
 from __future__ import annotations
 

@@ -34,18 +34,12 @@ import grpc
 
 from engine.metrics import Metrics
 from engine.sampling_params import SamplingParams
+from prefill_svc.engine_worker import hop
 from protos.runtime import finish_from_proto, logprobs_from_proto, sampling_to_proto
 from protos.tandem.v1 import decode_pb2, prefill_pb2
 from router.instances import Instance, InstancePool
 
 log = logging.getLogger("tandem.router.core")
-_hops = logging.getLogger("tandem.hops")
-
-
-def hop(rid: str, event: str, t_ns: int | None = None) -> None:
-    """One line of a request's timeline at DEBUG (as prefill_svc/engine_worker.py:hop; bench/ttft_hops.py reads it)."""
-    if _hops.isEnabledFor(logging.DEBUG):
-        _hops.debug("hop %s %s %d", rid, event, time.monotonic_ns() if t_ns is None else t_ns)
 
 
 @dataclass

@@ -29,7 +29,8 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, Counter, generate_latest
 from pydantic import BaseModel, ValidationError
 
-from router.core import GenerateDelta, GenerateRequest, RequestError, RouterCore, hop
+from prefill_svc.engine_worker import hop
+from router.core import GenerateDelta, GenerateRequest, RequestError, RouterCore
 from router.openai_protocol import (DEFAULT_COMPLETION_MAX_TOKENS, AssistantMessage, ChatChoice,
                                     ChatCompletionChunk, ChatCompletionRequest, ChatCompletionResponse, ChatLogProbs,
                                     ChatStreamChoice, ChatTokenLogprob, CompletionChoice, CompletionChunk,
