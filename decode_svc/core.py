@@ -89,6 +89,7 @@ class DecodeCore:
         self.max_model_len = engine.max_model_len
         self.block_size = engine.config.cache.block_size
         self.layout = layout_of(engine.kv_cache)
+        retain_freed_memory()  # this process receives KV: the messages' buffers are then reused, not faulted in
         self.host = host_identity()
         self.path_metrics = KvPathMetrics(metrics, self.model_name, "decode")
         self._live: set[str] = set()  # engine thread: reservations that may still be written
@@ -291,7 +292,6 @@ class DecodeCore:
     async def transfer(self, messages) -> kv_transfer_pb2.KvTransferAck:
         """Receives one request's KV (see kv_transfer.proto); returns the ack once the request is in the batch."""
         t0 = time.monotonic()
-        retain_freed_memory()  # once per process: the received messages' buffers are then reused, not faulted in
         try:
             first = await anext(messages)
         except StopAsyncIteration:
