@@ -29,6 +29,8 @@ def main(argv=None) -> int:
     p.add_argument("--num-iters", type=int, default=5)
     p.add_argument("--bandwidth", type=float, default=4.26e12, help="bytes/s for the roofline")
     p.add_argument("--enforce-eager", action="store_true")
+    p.add_argument("--quantization", default=None, choices=["fp8"], help="weights in fp8 (as vLLM's flag)")
+    p.add_argument("--kv-cache-dtype", default="auto")
     p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
                    help="the engine's async scheduling (default: the engine's, on for CUDA)")
     p.add_argument("--json", default=None)
@@ -37,7 +39,8 @@ def main(argv=None) -> int:
     from engine import LLM, SamplingParams
 
     llm = LLM(args.model, dtype=args.dtype, max_model_len=args.input_len + args.output_len + 16,
-              enable_prefix_caching=False, enforce_eager=args.enforce_eager, async_scheduling=args.async_scheduling)
+              enable_prefix_caching=False, enforce_eager=args.enforce_eager, async_scheduling=args.async_scheduling,
+              quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype)
     vocab = llm.engine.runner.hf_config.vocab_size
     g = torch.Generator().manual_seed(0)
     prompt = torch.randint(10, vocab - 10, (args.input_len,), generator=g).tolist()
@@ -57,13 +60,15 @@ def main(argv=None) -> int:
     decode_tps = args.output_len / (full - ttft)
     weight_bytes = sum(t.numel() * t.element_size() for t in llm.engine.runner.model.parameters())
     roofline = args.bandwidth / weight_bytes
-    print(f"model {args.model} dtype {llm.engine.runner.dtype} device {llm.engine.runner.device}")
+    print(f"model {args.model} dtype {llm.engine.runner.dtype} quantization {args.quantization} "
+          f"kv cache {args.kv_cache_dtype} device {llm.engine.runner.device}")
     print(f"TTFT ({args.input_len}-token prompt)  {ttft * 1e3:8.2f} ms")
     print(f"batch-1 decode              {decode_tps:8.1f} tok/s   ({1e3 / decode_tps:.2f} ms/token)")
     print(f"roofline (weights {weight_bytes / 1e9:.2f} GB / {args.bandwidth / 1e12:.2f} TB/s) "
           f"{roofline:8.1f} tok/s   -> {decode_tps / roofline:.0%}")
     if args.json:
         write_json(args.json, dict(model=args.model, input_len=args.input_len, output_len=args.output_len,
+                                   quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype,
                                    ttft_ms=ttft * 1e3, decode_tokens_per_s=decode_tps, roofline_tokens_per_s=roofline,
                                    commit=git_commit()["sha"], date=time.strftime("%Y-%m-%d")))
     return 0
