@@ -231,6 +231,18 @@ def sweep_short_decode(budget_s: float):
     _sweep("sweep_decode_short", "batch=1 ctx=640", [(1, 640)], one, deadline)
 
 
+def sweep_fp8_decode(budget_s: float):
+    """fp8-cache decode read byte by byte (fp8x4=0) against four values per 32-bit load (fp8x4=1), at the
+    offline workload's short contexts and at 4k; the 16-bit cache's default config alongside for reference."""
+    deadline = time.time() + budget_s
+    fp8 = [dict(fp8x4=x, tile_n=t, num_warps=w, num_stages=st) for x in (1, 0) for t in (64, 128) for w in (4, 8)
+           for st in (2, 3)]
+    for name, specs in (("batch=512 ctx=640", [(1, 640)] * 512), ("batch=64 ctx=4096", [(1, 4096)] * 64),
+                        ("batch=256 ctx=4096", [(1, 4096)] * 256)):
+        _sweep("sweep_decode_bf16", name, specs, [{}], deadline)
+        _sweep("sweep_decode_fp8", name, specs, fp8, deadline, kv_fp8=True)
+
+
 def bench_pointwise(quick: bool):
     bf16 = torch.bfloat16
     for tokens in (64, 4096, 32768) if not quick else (4096, 32768):
@@ -275,7 +287,8 @@ def main() -> None:
     ap.add_argument("--sweep", action="store_true", help="also time attention config variants")
     ap.add_argument("--sweep-budget", type=float, default=150.0, help="seconds the sweep may take")
     ap.add_argument("--full-sweep", action="store_true", help="also the older cache-only prefill and decode sweeps")
-    ap.add_argument("--only", choices=["attention", "pointwise", "sweep", "decode-sweep"], help="one group only")
+    ap.add_argument("--only", choices=["attention", "pointwise", "sweep", "decode-sweep", "fp8-decode-sweep"],
+                    help="one group only")
     ap.add_argument("--compile-only", action="store_true", help="launch each timed configuration once, untimed")
     a = ap.parse_args()
     if not torch.cuda.is_available():
@@ -295,6 +308,8 @@ def main() -> None:
         sweep_attention(a.sweep_budget, a.full_sweep)
     if a.only == "decode-sweep":
         sweep_short_decode(a.sweep_budget)
+    if a.only == "fp8-decode-sweep":
+        sweep_fp8_decode(a.sweep_budget)
     print(f"done in {time.time() - t0:.0f} s")
     if a.json:
         try:

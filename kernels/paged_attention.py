@@ -242,20 +242,112 @@ def _attend_tiles(
         v = v.to(q.dtype)
 
         s = tl.dot(q, k, input_precision=PRECISION)  # [BLOCK_M, TILE_N] raw scores
-        if MASK == 1:
-            s = tl.where(keys[None, :] <= q_pos[:, None], s, float("-inf"))
-        elif MASK == 2:
-            s = tl.where(key_ok[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=1) * qk_scale)  # log2 domain (qk_scale > 0)
-        if MASKED:
-            m_new = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with no key yet: keep exp2 finite
-        p = tl.math.exp2(s * qk_scale - m_new[:, None])  # one FMA per score
-        alpha = tl.math.exp2(m_i - m_new)
-        l_i = l_i * alpha + tl.sum(p, axis=1)
+        p, alpha, l_i, m_i = _online_softmax(s, l_i, m_i, q_pos, keys, key_ok, qk_scale, MASK)
         acc = acc * alpha[:, None]
         acc = tl.dot(p.to(v.dtype), v, acc, input_precision=PRECISION)
-        m_i = m_new
     return acc, l_i, m_i
+
+
+@triton.jit
+def _online_softmax(s, l_i, m_i, q_pos, keys, key_ok, qk_scale, MASK: tl.constexpr):
+    """One tile's step of the online softmax over raw scores s [BLOCK_M, TILE_N]: the tile's probabilities (against
+    the new running max), the factor that rescales what came before, and the new running sum and max."""
+    if MASK == 1:
+        s = tl.where(keys[None, :] <= q_pos[:, None], s, float("-inf"))
+    elif MASK == 2:
+        s = tl.where(key_ok[None, :], s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, axis=1) * qk_scale)  # log2 domain (qk_scale > 0)
+    if MASK != 0:
+        m_new = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with no key yet: keep exp2 finite
+    p = tl.math.exp2(s * qk_scale - m_new[:, None])  # one FMA per score
+    alpha = tl.math.exp2(m_i - m_new)
+    return p, alpha, l_i * alpha + tl.sum(p, axis=1), m_new
+
+
+@triton.jit
+def _fp8x4_unpack(w, dtype: tl.constexpr):
+    """Four fp8 e4m3 values packed little-endian in each int32 of w -> four tensors of w's shape in dtype, byte j
+    of every word in the j-th."""
+    b0 = (w & 0xFF).to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(dtype)
+    b1 = ((w >> 8) & 0xFF).to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(dtype)
+    b2 = ((w >> 16) & 0xFF).to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(dtype)
+    b3 = ((w >> 24) & 0xFF).to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(dtype)
+    return b0, b1, b2, b3
+
+
+@triton.jit
+def _attend_tiles_fp8x4(
+    acc0, acc1, acc2, acc3,  # [BLOCK_M, HEAD_DIM // 4] each: output columns 4i + j in acc_j
+    l_i, m_i,
+    q0, q1, q2, q3,  # [BLOCK_M, HEAD_DIM // 4] each: query columns 4i + j in q_j
+    q_pos, bt_row_ptr,
+    kc_ptr, vc_ptr,  # int32 views of the fp8 cache, offset to this KV head
+    stride_kc_b, stride_kc_s, stride_vc_b, stride_vc_s,  # in int32 words
+    qk_scale, kv_end, tile_lo, tile_hi,
+    HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr, MASK: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
+    """_attend_tiles over an fp8 cache read four values per load: one 32-bit address per four keys' (or values')
+    bytes instead of one per byte, which is what bounded the byte-wise fp8 walk (fp8 decode at ~60% of its bytes'
+    roofline, docs/kernels.md). Each word's byte j is column 4i + j, so q . k is the sum of four dots over the
+    columns j mod 4, and P @ V fills the four column sets of the output."""
+    d4 = tl.arange(0, HEAD_DIM // 4)
+    n = tl.arange(0, TILE_N)
+    for t in range(tile_lo, tile_hi):
+        keys = t * TILE_N + n  # [TILE_N]
+        key_ok = keys < kv_end
+        if MASK != 0:
+            blk = tl.load(bt_row_ptr + keys // BLOCK_SIZE, mask=key_ok, other=0).to(tl.int64)
+        else:
+            blk = tl.load(bt_row_ptr + keys // BLOCK_SIZE).to(tl.int64)
+        off = keys % BLOCK_SIZE
+        k_ptrs = kc_ptr + blk[None, :] * stride_kc_b + off[None, :] * stride_kc_s + d4[:, None]  # [D / 4, N]
+        v_ptrs = vc_ptr + blk[:, None] * stride_vc_b + off[:, None] * stride_vc_s + d4[None, :]  # [N, D / 4]
+        if MASK != 0:  # words past kv_end read as 0 (four fp8 zeros): a stale cache tail may hold NaN bytes
+            kw = tl.load(k_ptrs, mask=key_ok[None, :], other=0)
+            vw = tl.load(v_ptrs, mask=key_ok[:, None], other=0)
+        else:
+            kw = tl.load(k_ptrs)
+            vw = tl.load(v_ptrs)
+        k0, k1, k2, k3 = _fp8x4_unpack(kw, q0.dtype)
+        s = tl.dot(q0, k0, input_precision=PRECISION)
+        s = tl.dot(q1, k1, s, input_precision=PRECISION)
+        s = tl.dot(q2, k2, s, input_precision=PRECISION)
+        s = tl.dot(q3, k3, s, input_precision=PRECISION)
+        p, alpha, l_i, m_i = _online_softmax(s, l_i, m_i, q_pos, keys, key_ok, qk_scale, MASK)
+        p = p.to(q0.dtype)
+        v0, v1, v2, v3 = _fp8x4_unpack(vw, q0.dtype)
+        acc0 = tl.dot(p, v0, acc0 * alpha[:, None], input_precision=PRECISION)
+        acc1 = tl.dot(p, v1, acc1 * alpha[:, None], input_precision=PRECISION)
+        acc2 = tl.dot(p, v2, acc2 * alpha[:, None], input_precision=PRECISION)
+        acc3 = tl.dot(p, v3, acc3 * alpha[:, None], input_precision=PRECISION)
+    return acc0, acc1, acc2, acc3, l_i, m_i
+
+
+@triton.jit
+def _load_q(q_base, q_rows, row_ok, cols, HEAD_DIM: tl.constexpr, DOT_FP32: tl.constexpr,
+            FP8_VIA_FP16: tl.constexpr):
+    """The row tile's queries at columns cols, in the dots' operand dtype."""
+    q = tl.load(q_base + q_rows[:, None] + cols[None, :], mask=row_ok[:, None] & (cols[None, :] < HEAD_DIM),
+                other=0.0)
+    if DOT_FP32:
+        q = q.to(tl.float32)
+    elif FP8_VIA_FP16:
+        # fp8 -> fp16 is one instruction per pair on Hopper (-> bf16 goes through fp32): with an fp8 cache and bf16
+        # queries the dots run in fp16 (float32 accumulation; |q| clamped to fp16's range).
+        q = tl.clamp(q.to(tl.float32), -65504.0, 65504.0).to(tl.float16)
+    return q
+
+
+@triton.jit
+def _store_fp8x4_parts(ptrs, factor, a0, a1, a2, a3, row_ok, HEAD_DIM: tl.constexpr):
+    """Stores the four column sets (4i + j in a_j) of a row tile, times factor, at ptrs [BLOCK_M, 1] + column."""
+    cols = tl.arange(0, HEAD_DIM // 4) * 4
+    ty = ptrs.dtype.element_ty
+    tl.store(ptrs + cols[None, :], (a0 * factor).to(ty), mask=row_ok[:, None])
+    tl.store(ptrs + (cols + 1)[None, :], (a1 * factor).to(ty), mask=row_ok[:, None])
+    tl.store(ptrs + (cols + 2)[None, :], (a2 * factor).to(ty), mask=row_ok[:, None])
+    tl.store(ptrs + (cols + 3)[None, :], (a3 * factor).to(ty), mask=row_ok[:, None])
 
 
 @triton.jit
@@ -309,6 +401,7 @@ def _paged_attention_kernel(
     PRECISION: tl.constexpr,
     NEW_KV: tl.constexpr,  # this step's keys from k/v instead of the cache: 0 no, 1 by pointers, 2 by TMA
     OPAQUE_ZERO: tl.constexpr,  # False under the interpreter (no inline PTX there)
+    FP8X4: tl.constexpr,  # the fp8 cache read as int32 words of four values (k/v_cache_ptr, strides in words)
 ):
     # Last query blocks first: under the causal mask they see the most keys, so the cheap ones fill the tail.
     q_block = tl.num_programs(0) - 1 - tl.program_id(0)
@@ -331,13 +424,6 @@ def _paged_attention_kernel(
     # 64-bit base of the block (query q_first, the group's first head), 32-bit offsets of its rows
     q_base = q_ptr + (q_start + q_first).to(tl.int64) * stride_q_t + kv_head * QUERIES_PER_KV * stride_q_h
     q_rows = (rows // QUERIES_PER_KV) * stride_q_t + (rows % QUERIES_PER_KV) * stride_q_h  # [BLOCK_M]
-    q = tl.load(q_base + q_rows[:, None] + d[None, :], mask=row_ok[:, None] & (d[None, :] < HEAD_DIM), other=0.0)
-    if DOT_FP32:
-        q = q.to(tl.float32)
-    elif FP8_VIA_FP16:
-        # fp8 -> fp16 is one instruction per pair on Hopper (-> bf16 goes through fp32): with an fp8 cache and bf16
-        # queries the dots run in fp16 (float32 accumulation; |q| clamped to fp16's range).
-        q = tl.clamp(q.to(tl.float32), -65504.0, 65504.0).to(tl.float16)
     q_pos = context_len + q_local
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
@@ -359,6 +445,26 @@ def _paged_attention_kernel(
         else:
             tile_lo = 0
             tile_hi = num_tiles
+    if FP8X4:
+        d4 = tl.arange(0, HEAD_DIM // 4) * 4
+        q0 = _load_q(q_base, q_rows, row_ok, d4, HEAD_DIM, DOT_FP32, FP8_VIA_FP16)
+        q1 = _load_q(q_base, q_rows, row_ok, d4 + 1, HEAD_DIM, DOT_FP32, FP8_VIA_FP16)
+        q2 = _load_q(q_base, q_rows, row_ok, d4 + 2, HEAD_DIM, DOT_FP32, FP8_VIA_FP16)
+        q3 = _load_q(q_base, q_rows, row_ok, d4 + 3, HEAD_DIM, DOT_FP32, FP8_VIA_FP16)
+        acc0 = tl.zeros([BLOCK_M, HEAD_DIM // 4], dtype=tl.float32)
+        acc1 = tl.zeros([BLOCK_M, HEAD_DIM // 4], dtype=tl.float32)
+        acc2 = tl.zeros([BLOCK_M, HEAD_DIM // 4], dtype=tl.float32)
+        acc3 = tl.zeros([BLOCK_M, HEAD_DIM // 4], dtype=tl.float32)
+        acc0, acc1, acc2, acc3, l_i, m_i = _attend_tiles_fp8x4(
+            acc0, acc1, acc2, acc3, l_i, m_i, q0, q1, q2, q3, q_pos, bt_row_ptr, kc_ptr, vc_ptr,
+            stride_kc_b, stride_kc_s, stride_vc_b, stride_vc_s, qk_scale, kv_end, tile_lo,
+            tl.minimum(tile_hi, full_tiles), HEAD_DIM, BLOCK_SIZE, TILE_N, 0, PRECISION)
+        acc0, acc1, acc2, acc3, l_i, m_i = _attend_tiles_fp8x4(
+            acc0, acc1, acc2, acc3, l_i, m_i, q0, q1, q2, q3, q_pos, bt_row_ptr, kc_ptr, vc_ptr,
+            stride_kc_b, stride_kc_s, stride_vc_b, stride_vc_s, qk_scale, kv_end,
+            tl.maximum(tile_lo, full_tiles), tile_hi, HEAD_DIM, BLOCK_SIZE, TILE_N, 1, PRECISION)
+    elif NEW_KV == 0:
+        q = _load_q(q_base, q_rows, row_ok, d, HEAD_DIM, DOT_FP32, FP8_VIA_FP16)
         acc, l_i, m_i = _attend_tiles(
             acc, l_i, m_i, q, q_pos, bt_row_ptr, kc_ptr, vc_ptr, stride_kc_b, stride_kc_s, stride_vc_b, stride_vc_s,
             k_new_ptr, v_new_ptr, stride_kn_t, stride_vn_t, k_desc, v_desc, 0, 0,
@@ -370,6 +476,7 @@ def _paged_attention_kernel(
             qk_scale, kv_end, tl.maximum(tile_lo, full_tiles), tile_hi,
             HEAD_DIM, HEAD_DIM_PAD, BLOCK_SIZE, TILE_N, 0, 1, DOT_FP32, PRECISION)
     else:
+        q = _load_q(q_base, q_rows, row_ok, d, HEAD_DIM, DOT_FP32, FP8_VIA_FP16)
         # The cached prefix [0, context_len) from the cache: every row sees all of it (only its last, partial tile
         # masks, against context_len). Then this step's keys, row q_start + j holding position context_len + j,
         # from k/v (one segment only): tiles below new_full are seen by every row, the rest mask causally.
@@ -411,15 +518,23 @@ def _paged_attention_kernel(
     if NUM_SEGMENTS == 1:
         # l_i == 0 only for a row that sees no key: a padded sequence (seq_len 0, as CUDA-graph padding makes);
         # its acc is 0, so it gets 0 like the reference instead of 0/0.
-        out = acc * (v_scale / tl.where(l_i > 0.0, l_i, 1.0))[:, None]
+        factor = (v_scale / tl.where(l_i > 0.0, l_i, 1.0))[:, None]
         o_base = out_ptr + (q_start + q_first).to(tl.int64) * stride_o_t + kv_head * QUERIES_PER_KV * stride_o_h
         o_rows = (rows // QUERIES_PER_KV) * stride_o_t + (rows % QUERIES_PER_KV) * stride_o_h  # [BLOCK_M]
-        tl.store(o_base + o_rows[:, None] + d[None, :], out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok)
+        if FP8X4:
+            _store_fp8x4_parts(o_base + o_rows[:, None], factor, acc0, acc1, acc2, acc3, row_ok, HEAD_DIM)
+        else:
+            tl.store(o_base + o_rows[:, None] + d[None, :], (acc * factor).to(out_ptr.dtype.element_ty),
+                     mask=row_ok[:, None] & d_ok)
     else:
         tok = (q_start + q_local).to(tl.int64)  # [BLOCK_M]
         heads = kv_head * QUERIES_PER_KV + rows % QUERIES_PER_KV  # [BLOCK_M]
         part = (tok * num_heads + heads) * NUM_SEGMENTS + segment  # [BLOCK_M]
-        tl.store(seg_out_ptr + part[:, None] * HEAD_DIM_PAD + d[None, :], acc * v_scale, mask=row_ok[:, None])
+        if FP8X4:
+            _store_fp8x4_parts(seg_out_ptr + part[:, None] * HEAD_DIM_PAD, v_scale, acc0, acc1, acc2, acc3, row_ok,
+                               HEAD_DIM)
+        else:
+            tl.store(seg_out_ptr + part[:, None] * HEAD_DIM_PAD + d[None, :], acc * v_scale, mask=row_ok[:, None])
         tl.store(seg_max_ptr + part, m_i, mask=row_ok)
         tl.store(seg_sum_ptr + part, l_i, mask=row_ok)
 
@@ -458,6 +573,16 @@ def _tma_ok(t: torch.Tensor, head_dim: int, head_dim_pad: int) -> bool:
             and t.data_ptr() % 16 == 0 and t.stride(0) * t.element_size() % 16 == 0)
 
 
+def _fp8_words(cache: torch.Tensor) -> torch.Tensor | None:
+    """An fp8 cache [num_blocks, block_size, num_kv_heads, head_dim] as int32 words of four values, where its
+    strides and offset allow (the kernel's FP8X4 reads); None otherwise."""
+    if cache.dtype != FP8_DTYPE or cache.stride(3) != 1 or cache.shape[3] % 4:
+        return None
+    if any(st % 4 for st in cache.stride()[:3]) or cache.storage_offset() % 4 or cache.data_ptr() % 4:
+        return None
+    return cache.view(torch.int32)
+
+
 LAST_LAUNCH: dict = {}  # the last compiled attention kernel (bench/kernels.py reads its registers and spills)
 
 
@@ -492,7 +617,7 @@ def default_config(
                and max_seq_len >= 2 * num_segments * tile_n):
             num_segments *= 2
         return dict(block_m=min_m, tile_n=tile_n, num_segments=num_segments, num_warps=4, num_stages=3,
-                    fp8_via_fp16=1, new_kv=0, maxnreg=0)
+                    fp8_via_fp16=1, new_kv=0, maxnreg=0, fp8x4=1)
     # Prefill chunks, maybe with decodes: each sequence costs ~(its queries * queries_per_kv + BLOCK_M of padding
     # in its last tile) rows; large tiles run the tensor cores better (relative rates measured on the H200).
     efficiency = {16: 0.35, 32: 0.6, 64: 0.92, 128: 1.0, 256: 1.22}
@@ -517,7 +642,7 @@ def _prefill_config(block_m: int, head_dim: int, q_bytes: int = 2, kv_fp8: bool 
     capped = block_m == 128 and q_bytes == 2 and not kv_fp8 and head_dim <= 128
     return dict(block_m=block_m, tile_n=64 if head_dim <= 128 else 32, num_segments=1,
                 num_warps={256: 16, 128: 8}.get(block_m, 4), num_stages=2 if block_m >= 64 else 3, fp8_via_fp16=1,
-                new_kv=PREFILL_NEW_KV, maxnreg=128 if capped else 0)
+                new_kv=PREFILL_NEW_KV, maxnreg=128 if capped else 0, fp8x4=0)
 
 
 # The prefill launch configurations the H200 sweep compares at Qwen2.5-7B shapes (bench/kernels.py --sweep times
@@ -641,23 +766,28 @@ def paged_attention_triton(
             new_kv = 1
     if new_kv == 0:
         k = v = q  # unused
+    k_words, v_words = _fp8_words(k_cache), _fp8_words(v_cache)
+    fp8x4 = (bool(cfg["fp8x4"]) and new_kv == 0 and head_dim == head_dim_pad and head_dim % 64 == 0
+             and k_words is not None and v_words is not None)
+    kc, vc = (k_words, v_words) if fp8x4 else (k_cache, v_cache)
     grid = (num_tokens // block_q + num_seqs, num_kv_heads, num_segments)
     maxnreg = {} if interpreting() or not cfg["maxnreg"] else {"maxnreg": cfg["maxnreg"]}
     LAST_LAUNCH["kernel"] = _paged_attention_kernel[grid](
         out, seg_out, seg_max, seg_sum,
-        q, k, v, k_desc, v_desc, k_cache, v_cache, block_tables, seq_lens, query_start_loc,
+        q, k, v, k_desc, v_desc, kc, vc, block_tables, seq_lens, query_start_loc,
         float(scale) * float(k_scale) * math.log2(math.e), float(v_scale),
         num_seqs, num_heads,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        kc.stride(0), kc.stride(1), kc.stride(2),
+        vc.stride(0), vc.stride(1), vc.stride(2),
         block_tables.stride(0),
         k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         QUERIES_PER_KV=queries_per_kv, HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad, BLOCK_SIZE=block_size,
         BLOCK_M=block_m, BLOCK_Q=block_q, TILE_N=tile_n, NUM_SEGMENTS=num_segments,
         DOT_FP32=dot_fp32, PRECISION="ieee" if dot_fp32 else "tf32",
         FP8_VIA_FP16=bool(cfg["fp8_via_fp16"]) and k_cache.dtype == FP8_DTYPE and q.dtype == torch.bfloat16,
-        NEW_KV=new_kv, OPAQUE_ZERO=not interpreting(), num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **maxnreg,
+        NEW_KV=new_kv, OPAQUE_ZERO=not interpreting(), FP8X4=fp8x4, num_warps=cfg["num_warps"],
+        num_stages=cfg["num_stages"], **maxnreg,
     )
     if num_segments > 1:
         _reduce_segments_kernel[(num_tokens, num_heads)](

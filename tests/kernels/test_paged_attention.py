@@ -168,10 +168,34 @@ def test_split_context_decode(num_segments, kv_fp8):
     check(args, config=dict(num_segments=num_segments, tile_n=16))
 
 
+@pytest.mark.parametrize("fp8x4", [0, 1])
 @pytest.mark.parametrize("fp8_via_fp16", [0, 1])
-def test_fp8_cache_bf16_queries_both_dot_paths(fp8_via_fp16):
+def test_fp8_cache_bf16_queries_both_dot_paths(fp8_via_fp16, fp8x4):
     args = make_batch([(6, 50), (1, 33), (1, 200)], 8, 2, 128, 16, torch.bfloat16, True, seed=21)
-    check(args, config=dict(fp8_via_fp16=fp8_via_fp16))
+    check(args, config=dict(fp8_via_fp16=fp8_via_fp16, fp8x4=fp8x4))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("num_segments,tile_n", [(1, 16), (1, 64), (4, 16)])
+def test_fp8_cache_read_in_words(dtype, num_segments, tile_n):
+    # An fp8 cache read four values per 32-bit load (fp8x4) against the reference: decodes, and with one segment
+    # prefill chunks under the causal mask; contexts ending inside a tile (the stale slots past them hold NaN
+    # bytes), prefixes of one block and of several tiles.
+    specs = [(1, 1), (1, 17), (1, 150), (1, 63), (1, 64)]
+    if num_segments == 1:
+        specs += [(9, 9), (20, 20 + 33), (5, 5 + 2 * tile_n)]
+    for head_dim in (64, 128):
+        args = make_batch(specs, 8, 2, head_dim, 16, dtype, True, seed=head_dim + num_segments + tile_n)
+        check(args, config=dict(fp8x4=1, num_segments=num_segments, tile_n=tile_n, block_m=16))
+
+
+def test_fp8_words_only_where_the_layout_allows():
+    from kernels.paged_attention import _fp8_words
+    kv = torch.zeros(3, 2, 2, 16, 4, 64, dtype=torch.float8_e4m3fn)
+    assert _fp8_words(kv[:, 1, 0]).shape == (3, 16, 4, 16)
+    assert _fp8_words(kv[:, 1, 0].to(torch.bfloat16)) is None  # not fp8
+    assert _fp8_words(kv[..., 1:61]) is None  # a row that does not start on a word
+    assert _fp8_words(torch.zeros(3, 16, 4, 66, dtype=torch.float8_e4m3fn)) is None  # head_dim not a multiple of 4
 
 
 @pytest.mark.parametrize("num_segments", [1, 4])
