@@ -11,7 +11,9 @@ A GGUF file is converted once (dequantized to float32 safetensors plus tokenizer
 an fcntl lock and lands by renaming a finished temp dir, so processes starting together convert once and never see
 a half-written dir; later starts only read the cache.
 
-Our model uses HuggingFace parameter names exactly, so `load_weights` copies checkpoint tensors by name.
+Our model uses HuggingFace parameter names exactly, so `load_weights` copies checkpoint tensors by name. A checkpoint
+stored in fp8 (config.json's quantization_config: vLLM's `fp8` or `compressed-tensors`, engine/quant.py) is read
+as it is: its fp8 linears become Fp8Linear modules first, then weights and scales load by name like the rest.
 """
 
 from __future__ import annotations
@@ -102,6 +104,12 @@ def resolve_model(spec: str) -> ResolvedModel:
 def _from_dir(spec: str, name: str, path: Path) -> ResolvedModel:
     config = AutoConfig.from_pretrained(path, local_files_only=True)
     _check_architecture(spec, config)
+    from engine.quant import fp8_checkpoint
+
+    try:
+        fp8_checkpoint(config)  # an unsupported quantization_config fails here, before any weight is read
+    except ValueError as e:
+        raise ValueError(f"model={spec!r}: {e}") from None
     if not any(path.glob("*.safetensors")):
         raise ValueError(
             f"model={spec!r}: no *.safetensors file in {path}; convert the checkpoint to safetensors "
@@ -274,12 +282,17 @@ def load_weights(model: torch.nn.Module, resolved: ResolvedModel) -> None:
                 where[key] = f
     tie = _tie_word_embeddings(resolved.config) or _LM_HEAD not in where
     _set_tied(model, tie)
+    from engine.quant import FP8_DTYPE, checkpoint_scale, fp8_checkpoint, prepare_fp8_checkpoint
+
+    fp8 = fp8_checkpoint(resolved.config)
+    fp8_linears = prepare_fp8_checkpoint(model, fp8) if fp8 is not None else {}
     params = _params(model)
     expected = set(params) - ({_LM_HEAD} if tie else set())
     present = {k for k in where if not k.endswith(_IGNORED_SUFFIXES) and not (tie and k == _LM_HEAD)}
     missing = sorted(expected - present)
     unexpected = sorted(present - set(params))
     mismatched: list[str] = []
+    wrong_dtype: list[str] = []
     with torch.no_grad():
         for f in files:  # one shard open at a time, one tensor in memory at a time
             with safe_open(str(f), framework="pt", device="cpu") as sf:
@@ -287,11 +300,35 @@ def load_weights(model: torch.nn.Module, resolved: ResolvedModel) -> None:
                     if key not in present or key in unexpected or where[key] != f:
                         continue
                     param = params[key]
+                    module, _, attr = key.rpartition(".")
+                    if module in fp8_linears and attr in ("weight_scale", "input_scale"):
+                        value = sf.get_tensor(key)
+                        scale = checkpoint_scale(value, param, fp8_linears[module].per_channel)
+                        if scale is None:
+                            per_channel = attr == "weight_scale" and fp8_linears[module].per_channel
+                            mismatched.append(f"{key}: checkpoint {tuple(value.shape)} vs one scale per "
+                                              f"{'output channel' if per_channel else 'tensor'}")
+                        else:
+                            param.copy_(scale)
+                        continue
                     shape = tuple(sf.get_slice(key).get_shape())
                     if shape != tuple(param.shape):
                         mismatched.append(f"{key}: checkpoint {shape} vs model {tuple(param.shape)}")
                         continue
-                    param.copy_(sf.get_tensor(key))  # casts to the param's dtype, moves to its device
+                    value = sf.get_tensor(key)
+                    if (value.dtype == FP8_DTYPE) != (param.dtype == FP8_DTYPE):  # never cast into or out of fp8
+                        wrong_dtype.append(f"{key}: checkpoint {str(value.dtype).removeprefix('torch.')} vs model "
+                                           f"{str(param.dtype).removeprefix('torch.')}")
+                        continue
+                    param.copy_(value)  # casts to the param's dtype, moves to its device
+    if wrong_dtype:
+        raise ValueError(
+            f"model={resolved.spec!r}: checkpoint in {resolved.weights_dir} stores tensors in another format than "
+            f"its config.json says (quantization_config quant_method={_quant_method(resolved.config)!r}): "
+            f"{_short(wrong_dtype)}; fp8 (float8_e4m3fn) weights load only into the linears the quantization_config "
+            "makes fp8 (quant_method 'fp8' or 'compressed-tensors', not in its ignore list), and those need fp8 "
+            "tensors"
+        )
     if missing or unexpected or mismatched or duplicated:
         raise ValueError(
             f"model={resolved.spec!r}: checkpoint in {resolved.weights_dir} does not match the model: "
@@ -299,6 +336,11 @@ def load_weights(model: torch.nn.Module, resolved: ResolvedModel) -> None:
             f"{f' duplicated={_short(duplicated)}' if duplicated else ''}; "
             "check that the model's config matches the checkpoint's config.json"
         )
+
+
+def _quant_method(config: PretrainedConfig) -> str | None:
+    qc = getattr(config, "quantization_config", None)
+    return None if qc is None else (qc if isinstance(qc, dict) else qc.to_dict()).get("quant_method")
 
 
 def _set_tied(model: torch.nn.Module, tie: bool) -> None:

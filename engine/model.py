@@ -77,6 +77,21 @@ class Linear(nn.Linear):
         return small_batch_linear(x, self.weight, self.bias)
 
 
+@torch.no_grad()
+def concat_linears(linears: list[nn.Module]) -> nn.Module:
+    """One linear whose output is the linears' outputs side by side (fused q/k/v, gate/up). A linear that is not an
+    nn.Linear (engine/quant.py's Fp8Linear, from an fp8 checkpoint) concatenates itself: type(...).concat(linears)."""
+    if not isinstance(linears[0], nn.Linear):
+        return type(linears[0]).concat(linears)
+    w = torch.cat([m.weight for m in linears])
+    has_bias = linears[0].bias is not None
+    fused = Linear(w.shape[1], w.shape[0], bias=has_bias, device=w.device, dtype=w.dtype)
+    fused.weight.copy_(w)
+    if has_bias:
+        fused.bias.copy_(torch.cat([m.bias for m in linears]))
+    return fused
+
+
 class RMSNorm(nn.Module):
     def __init__(self, hidden_size: int, eps: float):
         super().__init__()
@@ -105,15 +120,8 @@ class Attention(nn.Module):
 
         self.qkv_proj: nn.Linear | None = None  # set by fuse(): one GEMM instead of three
 
-    @torch.no_grad()
     def fuse(self) -> None:
-        qkv = [self.q_proj, self.k_proj, self.v_proj]
-        w = torch.cat([m.weight for m in qkv])
-        self.qkv_proj = Linear(w.shape[1], w.shape[0], bias=self.q_proj.bias is not None,
-                               device=w.device, dtype=w.dtype)
-        self.qkv_proj.weight.copy_(w)
-        if self.q_proj.bias is not None:
-            self.qkv_proj.bias.copy_(torch.cat([m.bias for m in qkv]))
+        self.qkv_proj = concat_linears([self.q_proj, self.k_proj, self.v_proj])
         del self.q_proj, self.k_proj, self.v_proj
 
     def forward(self, positions, x, cos_sin_cache, kv: LayerKV, meta: AttentionMetadata) -> torch.Tensor:
@@ -144,11 +152,8 @@ class MLP(nn.Module):
         self.down_proj = Linear(inter, hidden, bias=False)
         self.gate_up_proj: nn.Linear | None = None  # set by fuse()
 
-    @torch.no_grad()
     def fuse(self) -> None:
-        w = torch.cat([self.gate_proj.weight, self.up_proj.weight])
-        self.gate_up_proj = Linear(w.shape[1], w.shape[0], bias=False, device=w.device, dtype=w.dtype)
-        self.gate_up_proj.weight.copy_(w)
+        self.gate_up_proj = concat_linears([self.gate_proj, self.up_proj])
         del self.gate_proj, self.up_proj
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

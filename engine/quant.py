@@ -18,14 +18,25 @@ _scaled_mm is poor at M=1, and the activation quantizer costs a launch per linea
 On the CPU (tests) the same quantized operands are multiplied in float32: (x_q @ W_q^T) * s_x * s_w + b, the math
 of the GPU's GEMM but for its accumulation order. The forward has no host syncs, so CUDA graphs capture it.
 Accuracy: docs/quantization.md.
+
+Checkpoints that are already fp8 (config.json's quantization_config: vLLM's `fp8`, or `compressed-tensors` with an
+fp8 scheme) need no flag: `fp8_checkpoint(config)` reads the format, and load_weights calls
+`prepare_fp8_checkpoint(model, ...)` before copying the tensors, which turns each linear the checkpoint stores in fp8
+into an empty Fp8Linear of its shape, so the checkpoint's weight, weight_scale (and input_scale) load by name
+(gpt-fast's quantize.py pattern). A per-tensor weight_scale is broadcast to every output channel, so fusing q/k/v or
+gate/up keeps each shard's own scale exactly; a static input_scale (one per tensor) replaces the per-token scales,
+the largest of a fused group's shards serving the group, as vLLM does.
 """
 from __future__ import annotations
+
+import re
+from dataclasses import dataclass
 
 import torch
 from torch import nn
 
 from engine.config import QUANTIZATION_METHODS
-from kernels._checks import FP8_DTYPE
+from kernels._checks import FP8_DTYPE, FP8_MAX
 from kernels.gemv import MAX_M, gemv_triton, table_config
 from kernels.quant_fp8 import per_token_quant_fp8_ref, per_token_quant_fp8_triton
 
@@ -61,11 +72,19 @@ def scaled_mm_fp8(x_q: torch.Tensor, x_scale: torch.Tensor, w_q: torch.Tensor, w
                             use_fast_accum=use_fast_accum)
 
 
-class Fp8Linear(nn.Module):
-    """y = x W^T + b with W in float8_e4m3fn (a float32 scale per output channel), x quantized per token (or, at the
-    row counts CONFIGS_FP8 holds, x unquantized through the fp8-weight GEMV)."""
+def static_quant_fp8(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """x [M, K] -> x_q [M, K] float8_e4m3fn with x ~ x_q * scale, one float32 scale [1] for the whole tensor (a
+    checkpoint's static input_scale): clamp(x / scale, -448, 448) rounded to nearest even."""
+    return (x.float() / scale).clamp_(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
 
-    def __init__(self, weight: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None):
+
+class Fp8Linear(nn.Module):
+    """y = x W^T + b with W in float8_e4m3fn (a float32 scale per output channel), x quantized per token, or with the
+    checkpoint's static input_scale where it has one (or, at the row counts CONFIGS_FP8 holds, x unquantized through
+    the fp8-weight GEMV)."""
+
+    def __init__(self, weight: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None,
+                 input_scale: torch.Tensor | None = None):
         super().__init__()
         assert weight.dtype == FP8_DTYPE and weight.dim() == 2, (weight.dtype, weight.shape)
         self.out_features, self.in_features = weight.shape
@@ -74,12 +93,35 @@ class Fp8Linear(nn.Module):
         self.weight_scale = nn.Parameter(weight_scale.float().reshape(1, self.out_features).contiguous(),
                                          requires_grad=False)  # [1, N]
         self.bias = None if bias is None else nn.Parameter(bias.detach(), requires_grad=False)  # [N], model dtype
+        self.input_scale = (None if input_scale is None else  # [1] float32: static activation scale
+                            nn.Parameter(input_scale.float().reshape(1).contiguous(), requires_grad=False))
 
     @classmethod
     @torch.no_grad()
     def from_linear(cls, linear: nn.Linear) -> "Fp8Linear":
         w_q, scale = quantize_weight_fp8(linear.weight)
         return cls(w_q, scale, linear.bias)
+
+    @classmethod
+    def empty(cls, linear: nn.Linear, static_input: bool) -> "Fp8Linear":
+        """An Fp8Linear of `linear`'s shape, device and bias dtype, its tensors uninitialized: for load_weights."""
+        n, k = linear.weight.shape
+        device = linear.weight.device
+        bias = None if linear.bias is None else torch.empty_like(linear.bias)
+        return cls(torch.empty(n, k, dtype=FP8_DTYPE, device=device), torch.empty(n, device=device), bias,
+                   torch.empty(1, device=device) if static_input else None)
+
+    @classmethod
+    @torch.no_grad()
+    def concat(cls, linears: list["Fp8Linear"]) -> "Fp8Linear":
+        """One Fp8Linear whose output is the linears' outputs side by side (fused q/k/v, gate/up): the fp8 rows and
+        their scales are concatenated, so each keeps its own scale; a static input scale is the largest of theirs."""
+        assert all(isinstance(m, Fp8Linear) for m in linears), [type(m).__name__ for m in linears]
+        has_bias, static = linears[0].bias is not None, linears[0].input_scale is not None
+        assert all((m.bias is not None) == has_bias and (m.input_scale is not None) == static for m in linears)
+        return cls(torch.cat([m.weight for m in linears]), torch.cat([m.weight_scale for m in linears], dim=1),
+                   torch.cat([m.bias for m in linears]) if has_bias else None,
+                   torch.stack([m.input_scale for m in linears]).amax().reshape(1) if static else None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x2 = x.reshape(-1, self.in_features)  # [M, K]
@@ -88,16 +130,22 @@ class Fp8Linear(nn.Module):
                if x.is_cuda and 0 < M <= MAX_M and x.dtype != torch.float32 else None)
         if cfg is not None:  # small M: read the fp8 weights once, x unquantized (no quantizer launch)
             y = gemv_triton(x2, self.weight, self.bias, weight_scale=self.weight_scale, config=cfg)
+            return y.reshape(*x.shape[:-1], self.out_features)
+        if self.input_scale is not None:  # the checkpoint's static scale: [1] -> [M, 1], row-wise as below
+            x_q, x_scale = static_quant_fp8(x2, self.input_scale), self.input_scale.expand(M, 1).contiguous()
         elif x.is_cuda:
             x_q, x_scale = per_token_quant_fp8_triton(x2)
-            y = scaled_mm_fp8(x_q, x_scale, self.weight, self.weight_scale, self.bias, x.dtype)
         else:
             x_q, x_scale = per_token_quant_fp8_ref(x2)
+        if x.is_cuda:
+            y = scaled_mm_fp8(x_q, x_scale, self.weight, self.weight_scale, self.bias, x.dtype)
+        else:
             y = fp8_linear_ref(x_q, x_scale, self.weight, self.weight_scale, self.bias, x.dtype)
         return y.reshape(*x.shape[:-1], self.out_features)  # [..., N]
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
+        return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
+                f"input_scale={'static' if self.input_scale is not None else 'per token'}")
 
 
 def check_fp8_support(device: torch.device, dtype: torch.dtype) -> None:
@@ -111,13 +159,13 @@ def check_fp8_support(device: torch.device, dtype: torch.dtype) -> None:
     if tuple(cap) < FP8_MIN_CAPABILITY:
         raise ValueError(f"quantization='fp8': {torch.cuda.get_device_name(device)} ({device}) is sm_{cap[0]}{cap[1]}; "
                          f"fp8 GEMMs need compute capability >= {FP8_MIN_CAPABILITY[0]}.{FP8_MIN_CAPABILITY[1]} "
-                         "(Ada, Hopper or newer); drop --quantization")
+                         "(Ada, Hopper or newer); drop --quantization, or serve a 16-bit checkpoint for an fp8 one")
     if not hasattr(torch, "_scaled_mm"):
         raise ValueError(f"quantization='fp8': torch {torch.__version__} has no torch._scaled_mm")
 
 
-def _check_shape(name: str, linear: nn.Linear) -> None:
-    n, k = linear.weight.shape
+def check_fp8_shape(name: str, n: int, k: int) -> None:
+    """Raises ValueError unless an fp8 weight [n, k] suits the GEMM on CUDA (engine/tp.py checks its shards too)."""
     if n % 16 or k % 16:
         raise ValueError(f"quantization='fp8': {name} has weight [{n}, {k}]; the fp8 GEMM on CUDA needs both "
                          "dimensions to be multiples of 16")
@@ -125,12 +173,16 @@ def _check_shape(name: str, linear: nn.Linear) -> None:
 
 @torch.no_grad()
 def quantize_model(model: nn.Module, method: str | None) -> nn.Module:
-    """Replaces every nn.Linear of model.model.layers by its quantized form, in place; None leaves the model as is."""
+    """Replaces every nn.Linear of model.model.layers by its quantized form, in place; None leaves the model as is,
+    and so does a model loaded from an fp8 checkpoint (its quantization_config chose which linears are fp8: those it
+    left in 16 bits stay so). Before or after fuse_projections() alike: each output channel has its own scale."""
     if method is None:
         return model
     if method not in QUANTIZATION_METHODS:
         raise ValueError(f"quantization={method!r}: must be one of None, {', '.join(QUANTIZATION_METHODS)}")
     layers = model.model.layers
+    if any(isinstance(module, Fp8Linear) for module in layers.modules()):
+        return model
     names = [name for name, module in layers.named_modules() if isinstance(module, nn.Linear)]
     if not names:
         return model
@@ -140,7 +192,7 @@ def quantize_model(model: nn.Module, method: str | None) -> nn.Module:
     del first
     if device.type == "cuda":  # all checked before any is replaced: an error leaves the model whole
         for name in names:
-            _check_shape(f"model.layers.{name}", layers.get_submodule(name))
+            check_fp8_shape(f"model.layers.{name}", *layers.get_submodule(name).weight.shape)
     for name in names:  # one layer at a time: each 16-bit weight goes back to the allocator once replaced
         parent_name, _, attr = name.rpartition(".")
         parent = layers.get_submodule(parent_name)
@@ -148,3 +200,180 @@ def quantize_model(model: nn.Module, method: str | None) -> nn.Module:
     if device.type == "cuda":
         torch.cuda.empty_cache()
     return model
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Checkpoints stored in fp8
+
+FP8_CHECKPOINT_METHODS = ("fp8", "compressed-tensors")
+_CT_FORMATS = ("float-quantized", "naive-quantized")  # compressed-tensors formats that store fp8 values as they are
+_FUSED = (("self_attn", ("q_proj", "k_proj", "v_proj")), ("mlp", ("gate_proj", "up_proj")))
+
+
+@dataclass(frozen=True)
+class Fp8Scheme:
+    """How an fp8 checkpoint stores one linear."""
+    per_channel: bool
+    """weight_scale holds one scale per output channel ([N, 1] or [N]); else one for the tensor ([] or [1])."""
+    static_input: bool
+    """input_scale holds one activation scale for the tensor ([] or [1]); else activations are scaled per token."""
+
+
+@dataclass(frozen=True)
+class Fp8Checkpoint:
+    """config.json's quantization_config of an fp8 checkpoint: which of the layers' linears are fp8, and how."""
+    quant_method: str
+    """'fp8' (vLLM's Fp8Config) or 'compressed-tensors' (llm-compressor)."""
+    groups: tuple[tuple[tuple[str, ...], Fp8Scheme], ...]
+    """(targets, scheme) pairs: a linear takes the scheme of the first group with a target that matches it."""
+    ignore: tuple[str, ...]
+    """Modules the checkpoint keeps in 16 bits."""
+
+    def scheme(self, name: str) -> Fp8Scheme | None:
+        """The scheme of the linear with this full name (model.layers.0.self_attn.q_proj); None if it is 16-bit."""
+        if _matches(name, self.ignore):
+            return None
+        return next((scheme for targets, scheme in self.groups if _matches(name, targets)), None)
+
+
+def _matches(name: str, patterns: tuple[str, ...]) -> bool:
+    """compressed-tensors' rule (also used for vLLM's ignored_layers): a pattern is a module's full name, 're:' and a
+    regex matched from the name's start, or a class name; every linear that can be fp8 here is a 'Linear'."""
+    return any(p == name or p == "Linear" or (p.startswith("re:") and re.match(p[3:], name)) for p in patterns)
+
+
+def fp8_checkpoint(config) -> Fp8Checkpoint | None:
+    """The fp8 format of a checkpoint, read from its config's quantization_config; None when it has none. Anything
+    else (another quant_method, block-wise scales, fp8 weights with 16-bit activations, ...) raises ValueError naming
+    the config field."""
+    qc = getattr(config, "quantization_config", None)
+    if qc is None:
+        return None
+    if not isinstance(qc, dict):
+        qc = qc.to_dict()
+    method = qc.get("quant_method")
+    if method == "fp8":
+        return _vllm_fp8(qc)
+    if method == "compressed-tensors":
+        return _compressed_tensors(qc)
+    raise ValueError(f"quantization_config.quant_method={method!r}: Tandem loads only fp8 checkpoints, quant_method "
+                     f"{' or '.join(map(repr, FP8_CHECKPOINT_METHODS))} (with an fp8 scheme); serve the 16-bit "
+                     "checkpoint instead, with --quantization fp8 for fp8 weights")
+
+
+def _vllm_fp8(qc: dict) -> Fp8Checkpoint:
+    """vLLM's Fp8Config: every linear's weight in float8_e4m3fn with one weight_scale per tensor; input_scale per
+    tensor when activation_scheme is 'static'."""
+    block = qc.get("weight_block_size")
+    if block is not None:
+        raise ValueError(f"quantization_config.weight_block_size={block!r}: block-wise fp8 scales (weight_scale_inv, "
+                         "one per block) are not supported; Tandem loads fp8 weights with a scale per tensor or per "
+                         "output channel")
+    activations = qc.get("activation_scheme")
+    if activations not in ("dynamic", "static"):
+        raise ValueError(f"quantization_config.activation_scheme={activations!r}: must be 'dynamic' or 'static'")
+    ignore = qc.get("ignored_layers") or qc.get("modules_to_not_convert") or ()
+    scheme = Fp8Scheme(per_channel=False, static_input=activations == "static")
+    return Fp8Checkpoint("fp8", ((("Linear",), scheme),), tuple(ignore))
+
+
+def _fp8_args(where: str, args) -> dict:
+    """compressed-tensors QuantizationArgs that describe e4m3, symmetric: float, 8 bits."""
+    if not isinstance(args, dict):
+        raise ValueError(f"{where}={args!r}: must be fp8 quantization args (num_bits 8, type 'float')")
+    for key, want in (("num_bits", 8), ("type", "float"), ("symmetric", True)):
+        if args.get(key, want) != want:
+            raise ValueError(f"{where}.{key}={args.get(key)!r}: must be {want!r} (fp8 e4m3, symmetric)")
+    return args
+
+
+def _compressed_tensors(qc: dict) -> Fp8Checkpoint:
+    """llm-compressor's format: config_groups of weights (fp8, per channel or per tensor, static) and input
+    activations (fp8, dynamic per token, or static per tensor), the fp8 values stored as they are."""
+    groups = qc.get("config_groups")
+    if not groups:
+        raise ValueError(f"quantization_config.config_groups={groups!r}: no quantization scheme")
+    kv = qc.get("kv_cache_scheme")
+    if kv is not None:
+        raise ValueError(f"quantization_config.kv_cache_scheme={kv!r}: KV-cache scales from a checkpoint are not "
+                         "loaded; remove the entry (and its k_scale/v_scale tensors) and pass --kv-cache-dtype fp8, "
+                         "which calibrates its own")
+    sparsity = qc.get("sparsity_config") or {}
+    if sparsity.get("format", "dense") != "dense":
+        raise ValueError(f"quantization_config.sparsity_config.format={sparsity.get('format')!r}: sparse checkpoints "
+                         "are not supported")
+    parsed = []
+    for name, group in groups.items():
+        where = f"quantization_config.config_groups.{name}"
+        fmt = group.get("format") or qc.get("format")
+        if fmt not in _CT_FORMATS:
+            raise ValueError(f"{where}.format={fmt!r}: must be one of {', '.join(_CT_FORMATS)} (fp8 weights stored "
+                             "as float8_e4m3fn)")
+        weights = _fp8_args(f"{where}.weights", group.get("weights"))
+        if weights.get("strategy") not in ("channel", "tensor"):
+            raise ValueError(f"{where}.weights.strategy={weights.get('strategy')!r}: must be 'channel' or 'tensor' "
+                             "(block and group scales are not supported)")
+        if weights.get("dynamic", False):
+            raise ValueError(f"{where}.weights.dynamic={weights.get('dynamic')!r}: must be false (scales stored)")
+        if group.get("input_activations") is None:
+            raise ValueError(f"{where}.input_activations=None: fp8 weights with 16-bit activations (W8A16) are not "
+                             "supported; Tandem's fp8 linears quantize their inputs too")
+        acts = _fp8_args(f"{where}.input_activations", group["input_activations"])
+        dynamic, strategy = acts.get("dynamic"), acts.get("strategy")
+        if not (dynamic is True or (dynamic is False and strategy == "tensor")):
+            raise ValueError(f"{where}.input_activations: dynamic={dynamic!r} with strategy={strategy!r} is not "
+                             "supported: activations must be dynamic (scaled per token) or static per tensor")
+        if group.get("output_activations") is not None:
+            raise ValueError(f"{where}.output_activations={group['output_activations']!r}: must be null")
+        targets = group.get("targets")
+        if not targets:
+            raise ValueError(f"{where}.targets={targets!r}: must name the modules the scheme applies to")
+        parsed.append((tuple(targets), Fp8Scheme(per_channel=weights["strategy"] == "channel",
+                                                 static_input=dynamic is False)))
+    return Fp8Checkpoint("compressed-tensors", tuple(parsed), tuple(qc.get("ignore") or ()))
+
+
+@torch.no_grad()
+def prepare_fp8_checkpoint(model: nn.Module, checkpoint: Fp8Checkpoint) -> dict[str, Fp8Scheme]:
+    """Before load_weights copies an fp8 checkpoint into the unfused `model`: each layer linear the checkpoint stores
+    in fp8 becomes an empty Fp8Linear of its shape (weight float8_e4m3fn [N, K], weight_scale [1, N], input_scale [1]
+    if static, bias in the model dtype). Returns {full name: scheme} of those linears. All checked before any is
+    replaced."""
+    layers = model.model.layers
+    names = [name for name, module in layers.named_modules() if isinstance(module, nn.Linear)]
+    schemes = {name: checkpoint.scheme(f"model.layers.{name}") for name in names}
+    for i in range(len(layers)):  # a fused group runs as one GEMM: one format for all its shards
+        for parent, shards in _FUSED:
+            got = {f"model.layers.{i}.{parent}.{s}": schemes.get(f"{i}.{parent}.{s}") for s in shards}
+            if len({None if g is None else g.static_input for g in got.values()}) > 1:
+                raise ValueError(f"quantization_config: {', '.join(f'{n} is {_describe(g)}' for n, g in got.items())}"
+                                 "; they run fused as one GEMM, so they need one format (check its ignore list)")
+    names = [name for name in names if schemes[name] is not None]
+    if not names:
+        return {}
+    first = layers.get_submodule(names[0]).weight
+    check_fp8_support(first.device, first.dtype)
+    for name in names:
+        if first.device.type == "cuda":
+            check_fp8_shape(f"model.layers.{name}", *layers.get_submodule(name).weight.shape)
+    for name in names:
+        parent_name, _, attr = name.rpartition(".")
+        parent = layers.get_submodule(parent_name)
+        setattr(parent, attr, Fp8Linear.empty(getattr(parent, attr), schemes[name].static_input))
+    return {f"model.layers.{name}": schemes[name] for name in names}
+
+
+def _describe(scheme: Fp8Scheme | None) -> str:
+    return "16-bit" if scheme is None else f"fp8 ({'static' if scheme.static_input else 'dynamic'} activations)"
+
+
+def checkpoint_scale(value: torch.Tensor, param: torch.Tensor, per_channel: bool) -> torch.Tensor | None:
+    """A checkpoint's scale in the shape of the Fp8Linear parameter it fills; None when its shape is not the scheme's.
+    weight_scale [1, N]: per channel from [N, 1] or [N], per tensor from [] or [1] (the one scale for every channel);
+    input_scale [1]: from [] or [1]."""
+    if value.numel() == 1 and value.dim() <= 1 and (param.numel() == 1 or not per_channel):
+        return value.reshape(1, 1).expand(param.shape) if param.dim() == 2 else value.reshape(1)
+    n = param.shape[-1]
+    if per_channel and param.dim() == 2 and tuple(value.shape) in ((n, 1), (n,)):
+        return value.reshape(1, n)
+    return None

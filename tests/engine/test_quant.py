@@ -1,6 +1,10 @@
 """engine/quant.py: online fp8 weight quantization (`--quantization fp8`) on the CPU path, and on CUDA where present."""
 from __future__ import annotations
 
+import json
+import shutil
+from pathlib import Path
+
 import pytest
 import torch
 from torch import nn
@@ -291,3 +295,284 @@ def test_cuda_llm_fp8_runs_with_graphs_and_agrees(tmp_path, use_gemv, monkeypatc
     assert bool(calls) == use_gemv and all(m <= 16 for m in calls)
     with pytest.raises(ValueError, match="quantization='fp8' with dtype=float32"):
         LLM(model_dir, dtype="float32", quantization="fp8", max_model_len=512, kv_cache_memory=1.0)
+
+
+# --- checkpoints stored in fp8 -------------------------------------------------------------------------------------
+
+LAYER_LINEARS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj",
+                 "mlp.up_proj", "mlp.down_proj")
+
+
+def quantization_config(method: str, per_channel: bool = True, static: bool = False, ignore=()) -> dict:
+    """config.json's quantization_config as vLLM's Fp8Config or llm-compressor's FP8_DYNAMIC / FP8 schemes write it."""
+    if method == "fp8":
+        assert not per_channel, "vLLM's fp8 format has one weight scale per tensor"
+        return {"quant_method": "fp8", "activation_scheme": "static" if static else "dynamic",
+                "ignored_layers": list(ignore)}
+    fp8 = {"num_bits": 8, "type": "float", "symmetric": True, "group_size": None, "block_structure": None}
+    acts = ({**fp8, "strategy": "tensor", "dynamic": False, "observer": "minmax"} if static
+            else {**fp8, "strategy": "token", "dynamic": True, "observer": None})
+    return {
+        "quant_method": "compressed-tensors", "format": "float-quantized", "quantization_status": "compressed",
+        "config_groups": {"group_0": {
+            "targets": ["Linear"],
+            "weights": {**fp8, "strategy": "channel" if per_channel else "tensor", "dynamic": False,
+                        "observer": "minmax"},
+            "input_activations": acts, "output_activations": None}},
+        "ignore": ["lm_head", *ignore], "kv_cache_scheme": None, "sparsity_config": {},
+    }
+
+
+def calibrate_input_scales(src: Path) -> dict[str, float]:
+    """Static activation scales as a calibration would give them: amax of each layer linear's input over a prompt,
+    / 448 (transformers runs the 16-bit model). k_proj's and up_proj's are raised, so the fused q/k/v and gate/up
+    shards differ and the largest must serve each group."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32).eval()
+    amax: dict[str, float] = {}
+    hooks = [m.register_forward_pre_hook(lambda m, args, name=name: amax.__setitem__(name, args[0].abs().max().item()))
+             for name, m in model.named_modules() if name.endswith(LAYER_LINEARS)]
+    with torch.no_grad():
+        model(torch.tensor([[(i * 37) % 500 + 3 for i in range(64)]]))
+    for h in hooks:
+        h.remove()
+    bump = {"self_attn.k_proj": 1.5, "mlp.up_proj": 1.25}
+    return {n: a / FP8_MAX * next((f for s, f in bump.items() if n.endswith(s)), 1.0) for n, a in amax.items()}
+
+
+def write_fp8_checkpoint(src: Path, out: Path, method: str, per_channel: bool = True, static: bool = False,
+                         scale_dtype: torch.dtype = torch.float32, ignore: tuple[str, ...] = (),
+                         dequantized: Path | None = None) -> Path:
+    """The 16-bit model in `src` as an fp8 checkpoint in `out`, as vLLM's `fp8` or `compressed-tensors` stores it: each
+    layer linear (but those in `ignore`) as float8_e4m3fn weight + weight_scale (per output channel [N, 1], or per
+    tensor: [] for fp8, [1] for compressed-tensors) in scale_dtype, + input_scale when static.
+
+    Every row's largest weight maps to 448, so the fp8 weights are what `--quantization fp8` makes of their
+    dequantization (W_q * scale, written in float32 to `dequantized`): per channel that is the online rule itself;
+    per tensor, each row's largest |w| is first raised to the tensor's. The two checkpoints then hold one model."""
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(str(src / "model.safetensors"))
+    fp8, deq = dict(tensors), dict(tensors)
+    input_scales = calibrate_input_scales(src) if static else {}
+    for key, w in tensors.items():
+        module = key.removesuffix(".weight")
+        if not module.endswith(LAYER_LINEARS) or key == module or module in ignore:
+            continue
+        w = w.float().clone()
+        n, k = w.shape
+        if not per_channel:  # one amax for every row: the per-tensor scale is then every row's own
+            w[torch.arange(n), torch.arange(n) % k] = w.abs().max()
+        w_q, scale = quantize_weight_fp8(w)  # scale [N, 1]
+        scale = scale.to(scale_dtype).float()
+        w_q = (w / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)  # the stored scale's own rounding
+        assert torch.equal(w_q.float().abs().amax(dim=1), torch.full((n,), FP8_MAX))
+        if per_channel:
+            stored = scale
+        else:
+            assert torch.equal(scale, scale[:1].expand_as(scale))
+            stored = scale[0, 0] if method == "fp8" else scale[0]
+        fp8[key], fp8[f"{module}.weight_scale"] = w_q, stored.to(scale_dtype)
+        if static:
+            s = torch.tensor(input_scales[module], dtype=torch.float32)
+            fp8[f"{module}.input_scale"] = s if method == "fp8" else s.reshape(1)
+        deq[key] = w_q.float() * scale
+    config = json.loads((src / "config.json").read_text())
+    for d, ts, qc in ((out, fp8, quantization_config(method, per_channel, static, ignore)), (dequantized, deq, None)):
+        if d is None:
+            continue
+        d.mkdir(parents=True)
+        for f in src.iterdir():
+            if f.suffix != ".safetensors" and f.name != "config.json":
+                shutil.copy(f, d / f.name)
+        (d / "config.json").write_text(json.dumps({**config, "quantization_config": qc} if qc else config, indent=2))
+        save_file(ts, str(d / "model.safetensors"), metadata={"format": "pt"})
+    return out
+
+
+def fake_quant_inputs(model, input_scales: dict[str, float]) -> None:
+    """Forward pre-hooks on the 16-bit model's fused linears: each input becomes fp8 at the checkpoint's static
+    scale and back (x_q * s), s the largest of the fused shards' scales, as the fp8 model quantizes it."""
+    fused = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+    for name, m in model.model.layers.named_modules():
+        parent, _, attr = name.rpartition(".")
+        if not isinstance(m, nn.Linear):
+            continue
+        s = max(input_scales[f"model.layers.{parent}.{shard}"] for shard in fused.get(attr, (attr,)))
+        s = torch.tensor([s])
+        m.register_forward_pre_hook(lambda m, args, s=s: ((quant.static_quant_fp8(args[0], s).float() * s)
+                                                          .to(args[0].dtype),))
+
+
+CHECKPOINTS = {  # id: (method, per_channel, static, scale dtype)
+    "fp8-dynamic": ("fp8", False, False, torch.float32),
+    "ct-channel": ("compressed-tensors", True, False, torch.float32),
+    "ct-channel-bf16-scales": ("compressed-tensors", True, False, torch.bfloat16),
+    "ct-tensor": ("compressed-tensors", False, False, torch.float32),
+}
+PROBE = [(i * 29) % 500 + 3 for i in range(48)]
+KW = dict(device="cpu", kv_cache_memory=0.01, max_model_len=256)
+
+
+@pytest.mark.parametrize("fixture", ["tiny_llama_dir", "tiny_qwen2_dir"])
+@pytest.mark.parametrize("fmt", list(CHECKPOINTS))
+def test_fp8_checkpoint_equals_online_fp8_of_its_dequantized_weights(request, tmp_path, fixture, fmt):
+    """A checkpoint stored in fp8 loads without --quantization and runs the same model as `--quantization fp8` on its
+    dequantized weights: the same fp8 weights (scales within an ulp: amax * float32(1/448) of W_q * s), so the
+    logits at every position agree to float32 rounding and greedy decoding gives the same tokens."""
+    method, per_channel, static, scale_dtype = CHECKPOINTS[fmt]
+    src = request.getfixturevalue(fixture)
+    ckpt = write_fp8_checkpoint(src, tmp_path / "fp8", method, per_channel, static, scale_dtype,
+                                dequantized=tmp_path / "deq")
+    got, ref = LLM(str(ckpt), **KW), LLM(str(tmp_path / "deq"), quantization="fp8", **KW)
+    model, ref_model = got.engine.runner.model, ref.engine.runner.model
+    for layer, ref_layer in zip(model.model.layers, ref_model.model.layers):
+        for a, b in ((layer.self_attn.qkv_proj, ref_layer.self_attn.qkv_proj), (layer.mlp.down_proj,
+                                                                               ref_layer.mlp.down_proj)):
+            assert isinstance(a, Fp8Linear) and a.input_scale is None
+            assert torch.equal(a.weight.view(torch.uint8), b.weight.view(torch.uint8)), "the same fp8 weights"
+            torch.testing.assert_close(a.weight_scale, b.weight_scale, rtol=3e-7, atol=0)
+    if not per_channel:  # each of q, k, v kept its own per-tensor scale, broadcast over its rows
+        qkv = model.model.layers[0].self_attn.qkv_proj.weight_scale[0]
+        q, k, v = qkv.split([64, 32, 32])
+        assert all(torch.equal(t, t[:1].expand_as(t)) for t in (q, k, v)) and len({q[0], k[0], v[0]}) == 3
+    a, b = step_logits(got, PROBE), step_logits(ref, PROBE)
+    torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+    prompts = [PROBE[:5], PROBE[7:30]]
+    assert greedy(got, prompts, 8) == greedy(ref, prompts, 8)
+    # --quantization fp8 with an fp8 checkpoint is the same model
+    again = LLM(str(ckpt), quantization="fp8", **KW)
+    assert torch.equal(step_logits(again, PROBE), a)
+
+
+@pytest.mark.parametrize("method", ["fp8", "compressed-tensors"])
+def test_fp8_checkpoint_with_static_input_scales(tiny_qwen2_dir, tmp_path, method):
+    """activation_scheme 'static' / input_activations static per tensor: every linear's input is quantized with the
+    checkpoint's input_scale (a fused group's largest): the logits equal the 16-bit dequantized model's with its
+    inputs fake-quantized at those scales (x -> e4m3(x / s) * s), to float32 rounding."""
+    from safetensors import safe_open
+
+    ckpt = write_fp8_checkpoint(tiny_qwen2_dir, tmp_path / "fp8", method, per_channel=False, static=True,
+                                dequantized=tmp_path / "deq")
+    with safe_open(str(ckpt / "model.safetensors"), framework="pt") as f:
+        scales = {k.removesuffix(".input_scale"): f.get_tensor(k).item() for k in f.keys() if k.endswith("input_scale")}
+    assert len(scales) == 3 * len(LAYER_LINEARS)
+    got, ref = LLM(str(ckpt), **KW), LLM(str(tmp_path / "deq"), **KW)
+    qkv = got.engine.runner.model.model.layers[1].self_attn.qkv_proj
+    assert qkv.input_scale.item() == scales["model.layers.1.self_attn.k_proj"] > scales["model.layers.1.self_attn.q_proj"]
+    fake_quant_inputs(ref.engine.runner.model, scales)
+    a, b = step_logits(got, PROBE), step_logits(ref, PROBE)
+    torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+    # and it is the fp8 model, not the 16-bit one: dynamic per-token scales give other logits
+    dyn = LLM(str(tmp_path / "deq"), quantization="fp8", **KW)
+    assert not torch.allclose(step_logits(dyn, PROBE), a, rtol=1e-3, atol=1e-3)
+
+
+def test_fp8_linear_static_input_scale_forward():
+    lin = linear(96, 48, bias=True)
+    w_q, s_w = quantize_weight_fp8(lin.weight.detach())
+    s_in = torch.tensor([0.004])
+    f = Fp8Linear(w_q, s_w, lin.bias, input_scale=s_in)
+    x = torch.randn(7, 96, generator=torch.Generator().manual_seed(4))
+    x_q = (x / s_in).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+    assert (x.abs() / s_in > FP8_MAX).any(), "some inputs clamp at 448"
+    expected = (x_q.float() * s_in) @ (w_q.float() * s_w).t() + lin.bias
+    torch.testing.assert_close(f(x), expected.detach(), rtol=1e-5, atol=1e-6)
+
+
+def test_checkpoint_ignore_list_keeps_linears_16_bit(tiny_llama_dir, tmp_path):
+    """A linear in quantization_config's ignore list is stored and served in 16 bits, also under --quantization fp8;
+    every other one is fp8, and the model equals the dequantized one quantized online but for that linear."""
+    kept = "model.layers.1.mlp.down_proj"
+    ckpt = write_fp8_checkpoint(tiny_llama_dir, tmp_path / "fp8", "compressed-tensors", ignore=(kept,),
+                                dequantized=tmp_path / "deq")
+    got = LLM(str(ckpt), quantization="fp8", **KW)
+    layers = got.engine.runner.model.model.layers
+    assert type(layers[1].mlp.down_proj).__name__ == "Linear" and layers[1].mlp.down_proj.weight.dtype == torch.float32
+    assert isinstance(layers[0].mlp.down_proj, Fp8Linear) and isinstance(layers[1].mlp.gate_up_proj, Fp8Linear)
+    ref = LLM(str(tmp_path / "deq"), **KW)
+    for name, module in list(ref.engine.runner.model.model.layers.named_modules()):
+        if isinstance(module, nn.Linear) and f"model.layers.{name}" != kept:
+            parent, _, attr = name.rpartition(".")
+            setattr(ref.engine.runner.model.model.layers.get_submodule(parent), attr, Fp8Linear.from_linear(module))
+    torch.testing.assert_close(step_logits(got, PROBE), step_logits(ref, PROBE), rtol=1e-4, atol=1e-4)
+
+
+def _edit_config(d: Path, edit) -> Path:
+    """Applies edit to d's quantization_config."""
+    config = json.loads((d / "config.json").read_text())
+    edit(config["quantization_config"])
+    (d / "config.json").write_text(json.dumps(config))
+    return d
+
+
+def _group(qc: dict) -> dict:
+    return qc["config_groups"]["group_0"]
+
+
+@pytest.mark.parametrize("method, edit, message", [
+    ("fp8", lambda qc: qc.update(quant_method="gptq"),
+     r"quantization_config.quant_method='gptq': Tandem loads only fp8 checkpoints"),
+    ("fp8", lambda qc: qc.update(weight_block_size=[128, 128]),
+     r"quantization_config.weight_block_size=\[128, 128\]: block-wise fp8 scales \(weight_scale_inv"),
+    ("fp8", lambda qc: qc.pop("activation_scheme"),
+     r"quantization_config.activation_scheme=None: must be 'dynamic' or 'static'"),
+    ("compressed-tensors", lambda qc: qc.update(format="pack-quantized"),
+     r"quantization_config.config_groups.group_0.format='pack-quantized': must be one of float-quantized"),
+    ("compressed-tensors", lambda qc: _group(qc)["weights"].update(strategy="block"),
+     r"group_0.weights.strategy='block': must be 'channel' or 'tensor'"),
+    ("compressed-tensors", lambda qc: _group(qc)["weights"].update(num_bits=4, type="int"),
+     r"group_0.weights.num_bits=4: must be 8"),
+    ("compressed-tensors", lambda qc: _group(qc).update(input_activations=None),
+     r"group_0.input_activations=None: fp8 weights with 16-bit activations \(W8A16\) are not supported"),
+    ("compressed-tensors", lambda qc: _group(qc)["input_activations"].update(dynamic=False),
+     r"group_0.input_activations: dynamic=False with strategy='token' is not supported"),
+    ("compressed-tensors", lambda qc: qc.update(kv_cache_scheme={"num_bits": 8, "type": "float"}),
+     r"quantization_config.kv_cache_scheme=.*--kv-cache-dtype fp8"),
+])
+def test_bad_fp8_checkpoint_configs_name_the_field(tiny_llama_dir, tmp_path, method, edit, message):
+    ckpt = write_fp8_checkpoint(tiny_llama_dir, tmp_path / "fp8", method, per_channel=method != "fp8")
+    _edit_config(ckpt, edit)
+    with pytest.raises(ValueError, match=message):
+        LLM(str(ckpt), **KW)
+
+
+def test_checkpoint_tensors_that_disagree_with_the_config(tiny_llama_dir, tmp_path):
+    """Stored tensors against the config: fp8 weights without a quantization_config, per-channel scales under a
+    per-tensor scheme, a static scheme without input_scale, and fused shards in two formats are errors that name them."""
+    ckpt = write_fp8_checkpoint(tiny_llama_dir, tmp_path / "fp8", "compressed-tensors")
+    original = json.loads((ckpt / "config.json").read_text())
+    static = {"num_bits": 8, "type": "float", "strategy": "tensor", "dynamic": False}
+    cases = [
+        (lambda c: c.pop("quantization_config"),
+         r"quant_method=None\): \['model.layers.0.mlp.down_proj.weight: checkpoint float8_e4m3fn vs model float32'"),
+        (lambda c: _group(c["quantization_config"])["weights"].update(strategy="tensor"),
+         r"model.layers.0.mlp.down_proj.weight_scale: checkpoint \(64, 1\) vs one scale per tensor"),
+        (lambda c: _group(c["quantization_config"]).update(input_activations=static),
+         r"missing=\['model.layers.0.mlp.down_proj.input_scale'"),
+        (lambda c: c["quantization_config"].update(ignore=["lm_head", "model.layers.2.self_attn.v_proj"]),
+         r"model.layers.2.self_attn.q_proj is fp8 \(dynamic activations\), .*v_proj is 16-bit; they run fused"),
+    ]
+    for edit, message in cases:
+        config = json.loads(json.dumps(original))
+        edit(config)
+        (ckpt / "config.json").write_text(json.dumps(config))
+        with pytest.raises(ValueError, match=message):
+            LLM(str(ckpt), **KW)
+
+
+def test_checkpoint_scale_shapes():
+    from engine.quant import checkpoint_scale
+
+    w_scale, in_scale = torch.empty(1, 4), torch.empty(1)
+    s = torch.tensor(0.5)
+    assert torch.equal(checkpoint_scale(s, w_scale, per_channel=False), torch.full((1, 4), 0.5))
+    assert torch.equal(checkpoint_scale(s.reshape(1), w_scale, per_channel=False), torch.full((1, 4), 0.5))
+    per_row = torch.arange(4.0)
+    assert torch.equal(checkpoint_scale(per_row[:, None], w_scale, per_channel=True), per_row[None])
+    assert torch.equal(checkpoint_scale(per_row, w_scale, per_channel=True), per_row[None])
+    assert checkpoint_scale(per_row[:, None], w_scale, per_channel=False) is None
+    assert checkpoint_scale(s.reshape(1), w_scale, per_channel=True) is None
+    assert checkpoint_scale(torch.ones(3, 1), w_scale, per_channel=True) is None
+    assert torch.equal(checkpoint_scale(s, in_scale, per_channel=True), torch.tensor([0.5]))
