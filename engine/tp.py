@@ -5,8 +5,16 @@ the CPU): q/k/v and gate/up are split by output rows (each rank owns num_heads/w
 KV heads and intermediate/world MLP columns), o_proj and down_proj by input columns, followed by one all-reduce
 each. Embeddings, norms and lm_head stay replicated. Each rank's KV cache then holds only its own KV heads.
 
-Status: the model-level split is tested (tests/engine/test_tp.py: 2 gloo ranks equal one process). The engine does
-not drive several ranks yet: that needs a driver broadcasting each step's inputs to worker processes.
+fp8 linears (engine/quant.py's Fp8Linear) split the same way: a column-parallel piece takes its output channels'
+fp8 rows, scales and bias; a row-parallel piece takes its input columns of the fp8 weight and keeps every output
+channel's scale whole. A checkpoint's static input_scale is one per tensor, so every rank keeps it. With dynamic
+activation scales a row-parallel piece quantizes its own slice of each token (vLLM does the same): its scales come
+from that slice's amax, so tp > 1 differs from tp = 1 by that rounding (tests/engine/test_tp.py). Online fp8
+(`--quantization fp8`) quantizes before the split, load -> quantize_model -> shard_model -> fuse_projections, so the
+ranks hold exactly the fp8 weights and scales one process would; an fp8 checkpoint is loaded in fp8 already.
+
+Status: the model-level split is tested (tests/engine/test_tp.py: 2 gloo ranks equal one process, 16-bit and fp8).
+The engine does not drive several ranks yet: that needs a driver broadcasting each step's inputs to worker processes.
 """
 from __future__ import annotations
 
@@ -15,25 +23,17 @@ import torch.distributed as dist
 from torch import nn
 
 from engine.model import LlamaForCausalLM
+from engine.quant import Fp8Linear, check_fp8_shape
 
 
-class RowParallelLinear(nn.Module):
-    """y = all_reduce(x_shard @ W_shard^T): a linear whose input features are split across the group."""
-
-    def __init__(self, linear: nn.Linear, rank: int, world: int, group=None):
-        super().__init__()
-        assert linear.bias is None, "row-parallel layers of this family carry no bias"
-        cols = linear.in_features // world
-        self.weight = nn.Parameter(linear.weight[:, rank * cols:(rank + 1) * cols].clone(), requires_grad=False)
-        self.group = group
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = torch.nn.functional.linear(x, self.weight)
-        dist.all_reduce(y, group=self.group)
-        return y
-
-
-def _rows(linear: nn.Linear, start: int, end: int) -> nn.Linear:
+def _rows(linear: nn.Module, start: int, end: int) -> nn.Module:
+    """The column-parallel piece of `linear`: output channels [start, end), with their scales and bias."""
+    if isinstance(linear, Fp8Linear):
+        if linear.weight.is_cuda:
+            check_fp8_shape(f"a column-parallel shard of {linear.out_features} rows", end - start, linear.in_features)
+        return Fp8Linear(linear.weight[start:end].clone(), linear.weight_scale[:, start:end].clone(),
+                         None if linear.bias is None else linear.bias[start:end].clone(),
+                         None if linear.input_scale is None else linear.input_scale.clone())
     out = nn.Linear(linear.in_features, end - start, bias=linear.bias is not None, device=linear.weight.device,
                     dtype=linear.weight.dtype)
     with torch.no_grad():
@@ -43,9 +43,41 @@ def _rows(linear: nn.Linear, start: int, end: int) -> nn.Linear:
     return out
 
 
+def _columns(linear: nn.Module, start: int, end: int) -> nn.Module:
+    """The row-parallel piece of `linear`: input features [start, end); an fp8 piece keeps every output channel's
+    scale (each rank's partial sums share it)."""
+    assert linear.bias is None, "row-parallel layers of this family carry no bias"
+    if isinstance(linear, Fp8Linear):
+        if linear.weight.is_cuda:
+            check_fp8_shape(f"a row-parallel shard of {linear.in_features} columns", linear.out_features, end - start)
+        return Fp8Linear(linear.weight[:, start:end].contiguous(), linear.weight_scale.clone(), None,
+                         None if linear.input_scale is None else linear.input_scale.clone())
+    out = nn.Linear(end - start, linear.out_features, bias=False, device=linear.weight.device,
+                    dtype=linear.weight.dtype)
+    with torch.no_grad():
+        out.weight.copy_(linear.weight[:, start:end])
+    return out
+
+
+class RowParallelLinear(nn.Module):
+    """y = all_reduce(x_shard @ W_shard^T): a linear whose input features are split across the group."""
+
+    def __init__(self, linear: nn.Module, rank: int, world: int, group=None):
+        super().__init__()
+        cols = linear.in_features // world
+        self.linear = _columns(linear, rank * cols, (rank + 1) * cols)  # nn.Linear or Fp8Linear
+        self.group = group
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.linear(x)
+        dist.all_reduce(y, group=self.group)
+        return y
+
+
 @torch.no_grad()
 def shard_model(model: LlamaForCausalLM, rank: int, world: int, group=None) -> LlamaForCausalLM:
-    """Splits a loaded, unfused model in place for `rank` of `world`; fuse_projections() may follow."""
+    """Splits a loaded, unfused model (16-bit or fp8 linears) in place for `rank` of `world`; fuse_projections() may
+    follow."""
     cfg = model.config
     for name, n in (("num_attention_heads", cfg.num_attention_heads), ("num_key_value_heads", cfg.num_key_value_heads),
                     ("intermediate_size", cfg.intermediate_size)):
