@@ -2,7 +2,9 @@
 
     usable      = memory * gpu_memory_utilization
     weights     = parameters counted from the config * bytes of --dtype
-                  (--quantization fp8: the layers' linear weights at 1 byte, plus a float32 scale per output channel)
+                  (--quantization fp8, or a checkpoint stored in fp8: the layers' linear weights at 1 byte, plus a
+                  float32 scale per output channel and, for static activation scales, one per fused linear; linears
+                  the checkpoint's quantization_config ignores stay in --dtype)
     KV / token  = 2 (K and V) * layers * kv_heads * head_dim * bytes of --kv-cache-dtype
     blocks      = (usable - weights) // (block_size * KV / token)
     tokens      = blocks * block_size
@@ -69,7 +71,7 @@ class Plan:
     max_num_seqs_at_max_len: int
     """Sequences of max_model_len tokens whose KV fits at once."""
     quantization: str | None = None
-    """The weights' quantization (None or 'fp8')."""
+    """The weights' quantization (None or 'fp8': --quantization fp8, or a checkpoint stored in fp8)."""
 
     @property
     def fits(self) -> bool:
@@ -113,6 +115,11 @@ def count_params(config: PretrainedConfig) -> int:
     return embed + config.num_hidden_layers * per_layer + h + head
 
 
+# The HF names of the shards of each fused linear that linear_shapes lists, in its order.
+_FUSED_MEMBERS = (("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"), ("self_attn.o_proj",),
+                  ("mlp.gate_proj", "mlp.up_proj"), ("mlp.down_proj",))
+
+
 def linear_shapes(config: PretrainedConfig) -> list[tuple[int, int]]:
     """(out_features, in_features) of one decoder layer's linears as the engine runs them (q/k/v and gate/up fused):
     what `--quantization fp8` stores in fp8."""
@@ -124,16 +131,25 @@ def linear_shapes(config: PretrainedConfig) -> list[tuple[int, int]]:
 
 def weight_bytes_of(config: PretrainedConfig, dtype: str, quantization: str | None = None) -> int:
     """Bytes of the weights in `dtype`; with quantization='fp8' the layers' linear weights take 1 byte each plus a
-    float32 scale per output channel (engine/quant.py), everything else stays in `dtype`."""
+    float32 scale per output channel (engine/quant.py), everything else stays in `dtype`. A checkpoint stored in fp8
+    (config.quantization_config) is sized as the engine loads it, with or without quantization='fp8': its fp8
+    linears as above plus a float32 input scale per fused linear where its scales are static, the linears it
+    ignores in `dtype`."""
+    from engine.quant import Fp8Scheme, fp8_checkpoint
+
     total = count_params(config) * _DTYPE_BYTES[dtype]
-    if quantization is None:
-        return total
-    if quantization != "fp8":
+    if quantization not in (None, "fp8"):
         raise ValueError(f"quantization={quantization!r}: must be one of None, fp8")
-    shapes = linear_shapes(config)
-    linear = config.num_hidden_layers * sum(n * k for n, k in shapes)
-    scales = config.num_hidden_layers * sum(n for n, _ in shapes)
-    return total - linear * _DTYPE_BYTES[dtype] + linear + 4 * scales
+    checkpoint = fp8_checkpoint(config)
+    if quantization is None and checkpoint is None:
+        return total
+    online = Fp8Scheme(per_channel=True, static_input=False)
+    for i in range(config.num_hidden_layers):
+        for (n, k), members in zip(linear_shapes(config), _FUSED_MEMBERS):
+            scheme = online if checkpoint is None else checkpoint.scheme(f"model.layers.{i}.{members[0]}")
+            if scheme is not None:
+                total += n * k * (1 - _DTYPE_BYTES[dtype]) + 4 * n + (4 if scheme.static_input else 0)
+    return total
 
 
 def _resolve_dtype(dtype: str, config: PretrainedConfig) -> str:
@@ -190,6 +206,8 @@ def plan(
         )
     wdtype = _resolve_dtype(dtype, config)
     kvdtype = _resolve_kv_dtype(kv_cache_dtype, wdtype)
+    if quantization is None and getattr(config, "quantization_config", None) is not None:
+        quantization = "fp8"  # resolve_model accepts no other quantization_config than an fp8 checkpoint's
     kv_elem = _KV_DTYPE_BYTES.get(kvdtype) or _DTYPE_BYTES[kvdtype]
     num_params = count_params(config)
     weight_bytes = weight_bytes_of(config, wdtype, quantization)
@@ -250,7 +268,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--kv-cache-dtype", default="auto", help="auto (the weight dtype), fp8, or a float dtype")
     parser.add_argument("--gpu-memory-utilization", default="0.9", help="fraction of the memory to use, in (0, 1]")
     parser.add_argument("--block-size", default="16", help="tokens per KV block")
-    parser.add_argument("--quantization", default=None, help="fp8: the layers' linear weights in fp8 (as the engine's flag)")
+    parser.add_argument("--quantization", default=None,
+                        help="fp8: the layers' linear weights in fp8 (as the engine's flag; a checkpoint stored in fp8 "
+                             "is sized as fp8 without it)")
     return parser
 
 

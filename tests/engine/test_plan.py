@@ -153,6 +153,37 @@ def test_weight_bytes_equal_the_engines_model(quantization):
     assert held == weight_bytes_of(llm.engine.resolved.config, "float32", quantization)
 
 
+@pytest.mark.parametrize("method, per_channel, static, ignore", [
+    ("compressed-tensors", True, False, ("model.layers.1.mlp.down_proj",)),
+    ("fp8", False, True, ()),
+])
+def test_weight_bytes_of_an_fp8_checkpoint_equal_the_engines_model(tiny_qwen2_dir, tmp_path, method, per_channel,
+                                                                   static, ignore):
+    """A checkpoint stored in fp8 is sized as the engine loads it, with or without quantization='fp8': fp8 linears
+    at 1 byte + a float32 scale per channel (+ a static input scale per fused linear), ignored linears and the rest
+    in the model dtype (float32 on the CPU)."""
+    import sys
+    from pathlib import Path
+
+    from engine import LLM
+    from engine.plan import weight_bytes_of
+    from engine.quant import Fp8Linear
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    from test_quant import write_fp8_checkpoint
+
+    ckpt = write_fp8_checkpoint(tiny_qwen2_dir, tmp_path / "fp8", method, per_channel, static, ignore=ignore)
+    llm = LLM(str(ckpt), device="cpu", kv_cache_memory=0.01, max_model_len=256)
+    model = llm.engine.runner.model
+    assert sum(isinstance(m, Fp8Linear) for m in model.modules()) == 3 * 4 - len(ignore)
+    held = sum(t.numel() * t.element_size() for t in model.parameters())
+    config = llm.engine.resolved.config
+    assert held == weight_bytes_of(config, "float32") == weight_bytes_of(config, "float32", "fp8")
+    assert held < weight_bytes_of(AutoConfig.from_pretrained(tiny_qwen2_dir), "float32")
+    p = plan(str(ckpt), 1 * GiB, 256, dtype="bfloat16")
+    assert p.quantization == "fp8" and p.weight_bytes == weight_bytes_of(config, "bfloat16", "fp8")
+
+
 def test_cli_quantization(capsys):
     assert main(["--model", "random:qwen2.5-7b", "--memory", "80GiB", "--max-model-len", "4096",
                  "--quantization", "fp8"]) == 0
