@@ -35,7 +35,7 @@ class ModelConfig:
     max_prefill_cudagraph_tokens: int = 1024
     """Steps with prompt tokens, up to this many tokens in all, replay as CUDA graphs padded to a captured size (0: eagerly). A short prompt's prefill is bound by the host's kernel launches, not the GPU."""
     quantization: str | None = None
-    """Quantize the layers' linear weights at load (vLLM's flag): fp8 (e4m3, a scale per output channel; activations quantized per token; fp8 GEMMs need sm >= 89). Default: none."""
+    """Quantize the layers' linear weights at load (vLLM's flag): fp8 (e4m3, a scale per output channel; activations quantized per token; fp8 GEMMs need sm >= 89). Default: none; a checkpoint stored in fp8 (config.json's quantization_config) is detected and needs no flag."""
 
     def __post_init__(self) -> None:
         if self.max_model_len is not None and self.max_model_len < 1:
