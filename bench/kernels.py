@@ -235,7 +235,7 @@ def sweep_fp8_decode(budget_s: float):
     """fp8-cache decode read byte by byte (fp8x4=0) against four values per 32-bit load (fp8x4=1), at the
     offline workload's short contexts and at 4k; the 16-bit cache's default config alongside for reference."""
     deadline = time.time() + budget_s
-    fp8 = [dict(fp8x4=x, tile_n=t, num_warps=w, num_stages=st) for x in (1, 0) for t in (64, 128) for w in (4, 8)
+    fp8 = [dict(fp8x4=x, tile_n=t, num_warps=4, num_stages=st) for x in (2, 1, 0) for t in (64, 128)
            for st in (2, 3)]
     for name, specs in (("batch=512 ctx=640", [(1, 640)] * 512), ("batch=64 ctx=4096", [(1, 4096)] * 64),
                         ("batch=256 ctx=4096", [(1, 4096)] * 256)):

@@ -265,13 +265,27 @@ def _online_softmax(s, l_i, m_i, q_pos, keys, key_ok, qk_scale, MASK: tl.constex
 
 
 @triton.jit
-def _fp8x4_unpack(w, dtype: tl.constexpr):
+def _fp8x4_unpack(w, dtype: tl.constexpr, ASM: tl.constexpr):
     """Four fp8 e4m3 values packed little-endian in each int32 of w -> four tensors of w's shape in dtype, byte j
-    of every word in the j-th."""
-    b0 = (w & 0xFF).to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(dtype)
-    b1 = ((w >> 8) & 0xFF).to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(dtype)
-    b2 = ((w >> 16) & 0xFF).to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(dtype)
-    b3 = ((w >> 24) & 0xFF).to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(dtype)
+    of every word in the j-th. ASM (fp16 only): two cvt.rn.f16x2.e4m3x2 per word, where the shifts, masks and
+    truncations of the portable version cost ~4 instructions per value."""
+    if ASM:
+        b0, b1, b2, b3 = tl.inline_asm_elementwise(
+            """{
+            .reg .b16 lo, hi;
+            .reg .b32 a, b;
+            mov.b32 {lo, hi}, $4;
+            cvt.rn.f16x2.e4m3x2 a, lo;
+            cvt.rn.f16x2.e4m3x2 b, hi;
+            mov.b32 {$0, $1}, a;
+            mov.b32 {$2, $3}, b;
+            }""",
+            "=h,=h,=h,=h,r", [w], dtype=(tl.float16, tl.float16, tl.float16, tl.float16), is_pure=True, pack=1)
+    else:
+        b0 = (w & 0xFF).to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(dtype)
+        b1 = ((w >> 8) & 0xFF).to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(dtype)
+        b2 = ((w >> 16) & 0xFF).to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(dtype)
+        b3 = ((w >> 24) & 0xFF).to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(dtype)
     return b0, b1, b2, b3
 
 
@@ -285,7 +299,7 @@ def _attend_tiles_fp8x4(
     stride_kc_b, stride_kc_s, stride_vc_b, stride_vc_s,  # in int32 words
     qk_scale, kv_end, tile_lo, tile_hi,
     HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr, MASK: tl.constexpr,
-    PRECISION: tl.constexpr,
+    PRECISION: tl.constexpr, ASM: tl.constexpr,
 ):
     """_attend_tiles over an fp8 cache read four values per load: one 32-bit address per four keys' (or values')
     bytes instead of one per byte, which is what bounded the byte-wise fp8 walk (fp8 decode at ~60% of its bytes'
@@ -309,14 +323,14 @@ def _attend_tiles_fp8x4(
         else:
             kw = tl.load(k_ptrs)
             vw = tl.load(v_ptrs)
-        k0, k1, k2, k3 = _fp8x4_unpack(kw, q0.dtype)
+        k0, k1, k2, k3 = _fp8x4_unpack(kw, q0.dtype, ASM)
         s = tl.dot(q0, k0, input_precision=PRECISION)
         s = tl.dot(q1, k1, s, input_precision=PRECISION)
         s = tl.dot(q2, k2, s, input_precision=PRECISION)
         s = tl.dot(q3, k3, s, input_precision=PRECISION)
         p, alpha, l_i, m_i = _online_softmax(s, l_i, m_i, q_pos, keys, key_ok, qk_scale, MASK)
         p = p.to(q0.dtype)
-        v0, v1, v2, v3 = _fp8x4_unpack(vw, q0.dtype)
+        v0, v1, v2, v3 = _fp8x4_unpack(vw, q0.dtype, ASM)
         acc0 = tl.dot(p, v0, acc0 * alpha[:, None], input_precision=PRECISION)
         acc1 = tl.dot(p, v1, acc1 * alpha[:, None], input_precision=PRECISION)
         acc2 = tl.dot(p, v2, acc2 * alpha[:, None], input_precision=PRECISION)
@@ -401,7 +415,8 @@ def _paged_attention_kernel(
     PRECISION: tl.constexpr,
     NEW_KV: tl.constexpr,  # this step's keys from k/v instead of the cache: 0 no, 1 by pointers, 2 by TMA
     OPAQUE_ZERO: tl.constexpr,  # False under the interpreter (no inline PTX there)
-    FP8X4: tl.constexpr,  # the fp8 cache read as int32 words of four values (k/v_cache_ptr, strides in words)
+    FP8X4: tl.constexpr,  # fp8 cache read as int32 words of four values (k/v_cache_ptr, strides in words): 0 no,
+    #                       1 unpacked by shifts and casts, 2 by cvt.rn.f16x2.e4m3x2 (fp16 dots on a GPU)
 ):
     # Last query blocks first: under the causal mask they see the most keys, so the cheap ones fill the tail.
     q_block = tl.num_programs(0) - 1 - tl.program_id(0)
@@ -458,11 +473,11 @@ def _paged_attention_kernel(
         acc0, acc1, acc2, acc3, l_i, m_i = _attend_tiles_fp8x4(
             acc0, acc1, acc2, acc3, l_i, m_i, q0, q1, q2, q3, q_pos, bt_row_ptr, kc_ptr, vc_ptr,
             stride_kc_b, stride_kc_s, stride_vc_b, stride_vc_s, qk_scale, kv_end, tile_lo,
-            tl.minimum(tile_hi, full_tiles), HEAD_DIM, BLOCK_SIZE, TILE_N, 0, PRECISION)
+            tl.minimum(tile_hi, full_tiles), HEAD_DIM, BLOCK_SIZE, TILE_N, 0, PRECISION, FP8X4 == 2)
         acc0, acc1, acc2, acc3, l_i, m_i = _attend_tiles_fp8x4(
             acc0, acc1, acc2, acc3, l_i, m_i, q0, q1, q2, q3, q_pos, bt_row_ptr, kc_ptr, vc_ptr,
             stride_kc_b, stride_kc_s, stride_vc_b, stride_vc_s, qk_scale, kv_end,
-            tl.maximum(tile_lo, full_tiles), tile_hi, HEAD_DIM, BLOCK_SIZE, TILE_N, 1, PRECISION)
+            tl.maximum(tile_lo, full_tiles), tile_hi, HEAD_DIM, BLOCK_SIZE, TILE_N, 1, PRECISION, FP8X4 == 2)
     elif NEW_KV == 0:
         q = _load_q(q_base, q_rows, row_ok, d, HEAD_DIM, DOT_FP32, FP8_VIA_FP16)
         acc, l_i, m_i = _attend_tiles(
@@ -616,8 +631,12 @@ def default_config(
         while (num_seqs * num_kv_heads * num_segments < num_sms and num_segments < 128
                and max_seq_len >= 2 * num_segments * tile_n):
             num_segments *= 2
-        return dict(block_m=min_m, tile_n=tile_n, num_segments=num_segments, num_warps=4, num_stages=3,
-                    fp8_via_fp16=1, new_kv=0, maxnreg=0, fp8x4=1)
+        # An fp8 cache: read in 32-bit words (converted by PTX) once there are >= 4 programs per SM; with fewer,
+        # byte loads were faster (H200, docs/kernels.md: batch 64 x 4k 0.103 vs 0.118 ms; batch 256 x 4k 0.377
+        # vs 0.327 ms); two stages beat three either way.
+        fp8x4 = 2 if kv_fp8 and num_seqs * num_kv_heads * num_segments >= 4 * num_sms else 0
+        return dict(block_m=min_m, tile_n=tile_n, num_segments=num_segments, num_warps=4,
+                    num_stages=2 if kv_fp8 else 3, fp8_via_fp16=1, new_kv=0, maxnreg=0, fp8x4=fp8x4)
     # Prefill chunks, maybe with decodes: each sequence costs ~(its queries * queries_per_kv + BLOCK_M of padding
     # in its last tile) rows; large tiles run the tensor cores better (relative rates measured on the H200).
     efficiency = {16: 0.35, 32: 0.6, 64: 0.92, 128: 1.0, 256: 1.22}
@@ -770,6 +789,9 @@ def paged_attention_triton(
     fp8x4 = (bool(cfg["fp8x4"]) and new_kv == 0 and head_dim == head_dim_pad and head_dim % 64 == 0
              and k_words is not None and v_words is not None)
     kc, vc = (k_words, v_words) if fp8x4 else (k_cache, v_cache)
+    fp8_via_fp16 = bool(cfg["fp8_via_fp16"]) and k_cache.dtype == FP8_DTYPE and q.dtype == torch.bfloat16
+    if fp8x4:  # 2 (the PTX conversion) needs fp16 dot operands and a compiler (not the interpreter)
+        fp8x4 = 2 if cfg["fp8x4"] == 2 and not dot_fp32 and (fp8_via_fp16 or q.dtype == torch.float16) else 1
     grid = (num_tokens // block_q + num_seqs, num_kv_heads, num_segments)
     maxnreg = {} if interpreting() or not cfg["maxnreg"] else {"maxnreg": cfg["maxnreg"]}
     LAST_LAUNCH["kernel"] = _paged_attention_kernel[grid](
@@ -785,8 +807,8 @@ def paged_attention_triton(
         QUERIES_PER_KV=queries_per_kv, HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad, BLOCK_SIZE=block_size,
         BLOCK_M=block_m, BLOCK_Q=block_q, TILE_N=tile_n, NUM_SEGMENTS=num_segments,
         DOT_FP32=dot_fp32, PRECISION="ieee" if dot_fp32 else "tf32",
-        FP8_VIA_FP16=bool(cfg["fp8_via_fp16"]) and k_cache.dtype == FP8_DTYPE and q.dtype == torch.bfloat16,
-        NEW_KV=new_kv, OPAQUE_ZERO=not interpreting(), FP8X4=fp8x4, num_warps=cfg["num_warps"],
+        FP8_VIA_FP16=fp8_via_fp16,
+        NEW_KV=new_kv, OPAQUE_ZERO=not interpreting(), FP8X4=int(fp8x4), num_warps=cfg["num_warps"],
         num_stages=cfg["num_stages"], **maxnreg,
     )
     if num_segments > 1:
