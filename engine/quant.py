@@ -1,4 +1,5 @@
-"""Online fp8 quantization (`--quantization fp8`), applied from outside the plain model after loading.
+"""fp8 linears, applied from outside the plain model: online quantization (`--quantization fp8`) after loading, and
+checkpoints stored in fp8 (below).
 
 What `quantize_model(model, "fp8")` does, once, after load_weights and fuse_projections:
 1. every nn.Linear of the decoder layers (qkv_proj, o_proj, gate_up_proj, down_proj) becomes an Fp8Linear: its
