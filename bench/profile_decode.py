@@ -54,6 +54,7 @@ def main(argv=None) -> int:
     p.add_argument("--prefill-tokens", type=int, default=8192, help="tokens of the profiled prefill step")
     p.add_argument("--bandwidth", type=float, default=4.26e12)
     p.add_argument("--flops", type=float, default=781e12)
+    p.add_argument("--kv-cache-dtype", default="auto")
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
 
@@ -65,7 +66,7 @@ def main(argv=None) -> int:
     per_prefill = max(1, args.prefill_tokens // args.input_len)
     llm = LLM(args.model, dtype=args.dtype, max_model_len=args.input_len + max_tokens + 16,
               max_num_seqs=max(args.batch, per_prefill), max_num_batched_tokens=args.prefill_tokens,
-              enable_prefix_caching=False)
+              enable_prefix_caching=False, kv_cache_dtype=args.kv_cache_dtype)
     eng = llm.engine
     cfg = eng.runner.hf_config
     g = torch.Generator().manual_seed(0)
