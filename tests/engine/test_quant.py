@@ -589,7 +589,7 @@ def test_cuda_fp8_linear_static_input_scale(monkeypatch):
     s_in = (x.float().abs().amax() / FP8_MAX * 0.5).reshape(1)  # half the amax: the largest inputs clamp
     f = Fp8Linear(w_q, s_w, lin.bias, input_scale=s_in)
     x_q = (x.float() / s_in).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
-    ref = fp8_linear_ref(x_q, s_in.expand(300, 1), w_q, s_w, lin.bias, torch.float32)
+    ref = fp8_linear_ref(x_q, s_in.expand(300, 1), f.weight, f.weight_scale, f.bias, torch.float32)
     y = f(x)
     assert y.dtype == torch.bfloat16
     assert ((y.float() - ref).norm() / ref.norm()).item() < 1e-2
@@ -619,7 +619,7 @@ def test_cuda_fp8_checkpoint_runs_with_graphs(tmp_path, method, per_channel, sta
     assert [len(t) for t in got] == [16] * len(prompts)
     agree = total = 0
     for p, cont in zip(prompts, got):
-        a, b = step_logits(cpu, p + cont), step_logits(gpu, p + cont)
+        a, b = step_logits(cpu, p + cont).cpu(), step_logits(gpu, p + cont).cpu()
         agree += (a.argmax(-1) == b.argmax(-1)).sum().item()
         total += a.shape[0]
     assert agree / total >= 0.7, f"teacher-forced agreement {agree}/{total}"
