@@ -631,9 +631,9 @@ def default_config(
         while (num_seqs * num_kv_heads * num_segments < num_sms and num_segments < 128
                and max_seq_len >= 2 * num_segments * tile_n):
             num_segments *= 2
-        # An fp8 cache: read in 32-bit words (converted by PTX) once there are >= 4 programs per SM; with fewer,
-        # byte loads were faster (H200, docs/kernels.md: batch 64 x 4k 0.103 vs 0.118 ms; batch 256 x 4k 0.377
-        # vs 0.327 ms); two stages beat three either way.
+        # An fp8 cache: read in 32-bit words (converted by PTX) once there are >= 4 programs per SM; at ~2 per SM
+        # byte loads were as fast or faster (H200, docs/kernels.md: batch 64 x 4k bytes 0.103 ms, words 0.104-0.119;
+        # batch 256 x 4k bytes 0.377, words 0.318); two stages beat three either way.
         fp8x4 = 2 if kv_fp8 and num_seqs * num_kv_heads * num_segments >= 4 * num_sms else 0
         return dict(block_m=min_m, tile_n=tile_n, num_segments=num_segments, num_warps=4,
                     num_stages=2 if kv_fp8 else 3, fp8_via_fp16=1, new_kv=0, maxnreg=0, fp8x4=fp8x4)
