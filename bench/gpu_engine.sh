@@ -4,7 +4,8 @@
 # stages: parity latency perf profile (the default: these four), checks (kernel tests + parity side by side), kvx
 # (KV transfer paths), ttft (idle disaggregated stack, through bench/gpu_serve.sh)
 # Env: NP/OL/IL (throughput prompts, output and input length), BACKENDS ("tandem hf"), MNS (max_num_seqs list,
-# e.g. "256 512"), MBT (max_num_batched_tokens).
+# e.g. "256 512"), MBT (max_num_batched_tokens), VARIANTS (engine flag sets for latency and perf, separated by
+# ";", e.g. VARIANTS=";--kv-cache-dtype fp8;--quantization fp8 --kv-cache-dtype fp8": "" is the bf16 default).
 set -uo pipefail
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TANDEM_CACHE_DIR=/tmp/tandem-cache
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -26,18 +27,21 @@ for stage in $stages; do
       timeout 300 python3 -m pytest -q -s tests/engine/test_cuda_parity.py -p no:cacheprovider 2>&1 | tee "$OUT/parity.log" \
         | grep -E "passed|failed|Error|bf16 vs|agree|^E " | tail -25 ;;
     latency)
-      for a in ${LAT_MODES:-async-scheduling no-async-scheduling}; do
-        timeout 200 python3 bench/latency.py $M --$a --json "$OUT/latency-$a.json" 2>&1 | tee "$OUT/latency-$a.log" | tail -4
-      done ;;
+      IFS=';' read -ra variants <<< "${VARIANTS:-}"; [[ ${#variants[@]} == 0 ]] && variants=("")
+      for a in ${LAT_MODES:-async-scheduling no-async-scheduling}; do for v in "${variants[@]}"; do
+        tag="$a${v// /}"
+        timeout 200 python3 bench/latency.py $M --$a $v --json "$OUT/latency-$tag.json" 2>&1 | tee "$OUT/latency-$tag.log" | tail -4
+      done; done ;;
     perf)
       first=1
-      for mns in ${MNS:-256}; do for mbt in ${MBT:-8192}; do
+      IFS=';' read -ra variants <<< "${VARIANTS:-}"; [[ ${#variants[@]} == 0 ]] && variants=("")
+      for mns in ${MNS:-256}; do for mbt in ${MBT:-8192}; do for v in "${variants[@]}"; do
         b=${BACKENDS:-tandem}; [[ $first == 1 ]] || b=tandem; first=0
-        echo "-- max_num_seqs $mns, max_num_batched_tokens $mbt"
+        echo "-- max_num_seqs $mns, max_num_batched_tokens $mbt ${v:-(bf16)}"
         timeout 400 python3 bench/throughput.py $M --num-prompts ${NP:-500} --input-len ${IL:-512} \
-          --output-len ${OL:-256} --max-num-seqs $mns --max-num-batched-tokens $mbt --backend $b \
-          --out-dir "$OUT" 2>&1 | tee "$OUT/throughput-$mns-$mbt.log" | grep -v "^ *$" | tail -7
-      done; done ;;
+          --output-len ${OL:-256} --max-num-seqs $mns --max-num-batched-tokens $mbt --backend $b $v \
+          --out-dir "$OUT" 2>&1 | tee "$OUT/throughput-$mns-$mbt${v// /}.log" | grep -v "^ *$" | tail -7
+      done; done; done ;;
     kvx)  # both KV transfer paths (bench/kv_transfer.py's own defaults: 512 and 8192 tokens)
       timeout ${KVX_TIMEOUT:-150} python3 bench/kv_transfer.py $M --device cuda ${KVX_ARGS:-} --json "$OUT/kv_transfer.json" 2>&1 \
         | tee "$OUT/kv_transfer.log" | tail -12 ;;
