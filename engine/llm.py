@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from engine.args import EngineArgs
-from engine.llm_engine import LLMEngine
+from engine.llm_engine import LLMEngine, gc_frozen
 from engine.sampling_params import SamplingParams
 
 
@@ -73,6 +73,12 @@ class LLM:
             ids = self.engine.add_request(rid, prompt, p)
             results[rid] = RequestOutput(rid, text, ids, [CompletionOutput(i) for i in range(p.n)])
             order.append(rid)
+        with gc_frozen():
+            self._run(results)
+        return [results[r] for r in order]
+
+    def _run(self, results: dict[str, RequestOutput]) -> None:
+        """Steps the engine until every request is finished, gathering the outputs into results."""
         while self.engine.has_unfinished_requests():
             for out in self.engine.step():
                 ro = results[out.request_id]
@@ -87,7 +93,6 @@ class LLM:
                     co.finish_reason, co.stop_reason = out.finish_reason, out.stop_reason
                 ro.num_cached_tokens = max(ro.num_cached_tokens, out.num_cached_tokens)
                 ro.finished = all(c.finish_reason is not None for c in ro.outputs)
-        return [results[r] for r in order]
 
     def chat(self, messages: list[dict[str, str]] | list[list[dict[str, str]]],
              sampling_params: SamplingParams | list[SamplingParams] | None = None, *,

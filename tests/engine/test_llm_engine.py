@@ -106,3 +106,70 @@ def test_validation_names_the_field(engines):
         eng.add_request("e", [10**6], SamplingParams())
     with pytest.raises(ValueError, match="max_model_len=512"):
         eng.add_request("e", list(range(3, 600)), SamplingParams())
+
+
+def _decode_cases(vocab: int, special: list[int]) -> list[list[int]]:
+    import random
+
+    rng = random.Random(0)
+    cases = [[], special, [0xE2, 0x82], [0xE2, 0x82, 0xAC], [0xF0, 0x9F, 0x98, 0x80, 32, 0xC3]]
+    for n in (1, 2, 5, 40):
+        for _ in range(20):
+            cases.append([rng.choice(special) if rng.random() < 0.1 else rng.randrange(vocab) for _ in range(n)])
+    return cases
+
+
+def test_fast_decoder_equals_tokenizer_decode(smollm2_dir):
+    """The engine's detokenizer skips transformers' per-call wrapper: same text for every id list, specials and
+    incomplete UTF-8 included, skip_special_tokens either way (synthetic byte-level and SmolLM2's BPE)."""
+    from transformers import AutoTokenizer
+
+    from engine.llm_engine import fast_decoder
+    from engine.tokenizer import synthetic_tokenizer
+
+    for tok in (synthetic_tokenizer(512), AutoTokenizer.from_pretrained(smollm2_dir, local_files_only=True)):
+        decode = fast_decoder(tok)
+        assert decode.__code__.co_names == ()  # the fast path (not tokenizer.decode) was taken
+        special = tok.all_special_ids
+        for ids in _decode_cases(len(tok), special):
+            for skip in (False, True):
+                assert decode(ids, skip) == tok.decode(ids, skip_special_tokens=skip), (ids, skip)
+
+
+def test_fast_decoder_keeps_a_tokenizers_own_decode():
+    """A tokenizer that cleans up spaces, or overrides decode, is decoded by its own decode."""
+    from transformers import PreTrainedTokenizerFast
+
+    from engine.llm_engine import fast_decoder
+    from engine.tokenizer import synthetic_tokenizer
+
+    tok = synthetic_tokenizer(512)
+    tok.clean_up_tokenization_spaces = True
+    ids = tok("a , b .", add_special_tokens=False).input_ids
+    decode = fast_decoder(tok)
+    assert decode.__code__.co_names == ("decode",)  # through tokenizer.decode, whatever clean-up it does
+    assert decode(ids, False) == tok.decode(ids)
+
+    class Custom(PreTrainedTokenizerFast):
+        def decode(self, token_ids, skip_special_tokens=False, **kwargs):
+            return "custom"
+
+    custom = Custom(tokenizer_object=synthetic_tokenizer(512)._tokenizer)
+    assert fast_decoder(custom)(ids, False) == "custom"
+
+
+def test_gc_frozen_leaves_the_heap_out_and_gives_it_back():
+    import gc
+
+    from engine.llm_engine import gc_frozen
+
+    assert gc.get_freeze_count() == 0
+    before = [[]]  # a container alive on entry
+    with gc_frozen(collect=True):
+        frozen = gc.get_freeze_count()
+        assert frozen > 0 and not any(o is before for o in gc.get_objects())
+        with gc_frozen():  # already frozen: leaves it as it is
+            assert gc.get_freeze_count() == frozen
+        assert gc.get_freeze_count() == frozen
+    assert gc.get_freeze_count() == 0
+    assert any(o is before for o in gc.get_objects(generation=2))
