@@ -14,13 +14,19 @@ a half-written dir; later starts only read the cache.
 Our model uses HuggingFace parameter names exactly, so `load_weights` copies checkpoint tensors by name. A checkpoint
 stored in fp8 (config.json's quantization_config: vLLM's `fp8` or `compressed-tensors`, engine/quant.py) is read
 as it is: its fp8 linears become Fp8Linear modules first, then weights and scales load by name like the rest.
+
+`build_model` is the engine's way in: the model is built on the meta device, and each parameter is allocated once,
+in its final dtype (fp8 for an fp8 checkpoint's linears), when load_weights reaches its group: the embeddings,
+norm and lm_head, then one decoder layer at a time (quantized right away under `--quantization fp8`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import hashlib
 import importlib.util
+import itertools
 import json
 import logging
 import os
@@ -28,6 +34,7 @@ import shutil
 import tempfile
 import time
 import zlib
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -259,15 +266,27 @@ def _safetensors_files(resolved: ResolvedModel) -> list[Path]:
     return sorted(wdir.glob("*.safetensors"))
 
 
-def load_weights(model: torch.nn.Module, resolved: ResolvedModel) -> None:
+def load_weights(model: torch.nn.Module, resolved: ResolvedModel, *, device: torch.device | str | None = None,
+                 after_layer: Callable[[torch.nn.Module], None] | None = None) -> None:
     """Fill `model`'s parameters in place, by HuggingFace name, on their device and dtype.
 
     lm_head is tied to embed_tokens (made the same Parameter) when the config ties them or the checkpoint has no
-    lm_head.weight, and untied (given its own Parameter) when the model arrives tied but the checkpoint needs two."""
+    lm_head.weight, and untied (given its own Parameter) when the model arrives tied but the checkpoint needs two.
+
+    The parameters are filled one group at a time: those outside model.model.layers first, then each decoder layer
+    in order. Parameters still on the meta device (build_model's) are allocated on `device`, in their own dtype, just
+    before their group is filled; `after_layer(layer)` runs on each decoder layer once it is filled (build_model
+    quantizes or shards it there, so the next layer's 16-bit weights can reuse the memory)."""
     if resolved.weights_dir is None:
         assert resolved.random_seed is not None
         _set_tied(model, _tie_word_embeddings(resolved.config))
-        _random_init(model, resolved.config, resolved.random_seed)
+        for layer in _groups(model):
+            named = _group_modules(model, layer)
+            _materialize([m for _, m in named], device)
+            _random_init(_group_params(named), resolved.config, resolved.random_seed)
+            del named
+            if layer is not None and after_layer is not None:
+                after_layer(layer)
         return
     from safetensors import safe_open
 
@@ -285,57 +304,155 @@ def load_weights(model: torch.nn.Module, resolved: ResolvedModel) -> None:
     from engine.quant import FP8_DTYPE, checkpoint_scale, fp8_checkpoint, prepare_fp8_checkpoint
 
     fp8 = fp8_checkpoint(resolved.config)
-    fp8_linears = prepare_fp8_checkpoint(model, fp8) if fp8 is not None else {}
-    params = _params(model)
-    expected = set(params) - ({_LM_HEAD} if tie else set())
+    fp8_linears = prepare_fp8_checkpoint(model, fp8, device) if fp8 is not None else {}
+    names = set(_params(model))
+    expected = names - ({_LM_HEAD} if tie else set())
     present = {k for k in where if not k.endswith(_IGNORED_SUFFIXES) and not (tie and k == _LM_HEAD)}
     missing = sorted(expected - present)
-    unexpected = sorted(present - set(params))
+    unexpected = sorted(present - names)
     mismatched: list[str] = []
     wrong_dtype: list[str] = []
-    with torch.no_grad():
-        for f in files:  # one shard open at a time, one tensor in memory at a time
-            with safe_open(str(f), framework="pt", device="cpu") as sf:
-                for key in sf.keys():
-                    if key not in present or key in unexpected or where[key] != f:
-                        continue
-                    param = params[key]
-                    module, _, attr = key.rpartition(".")
-                    if module in fp8_linears and attr in ("weight_scale", "input_scale"):
-                        value = sf.get_tensor(key)
-                        scale = checkpoint_scale(value, param, fp8_linears[module].per_channel)
-                        if scale is None:
-                            per_channel = attr == "weight_scale" and fp8_linears[module].per_channel
-                            mismatched.append(f"{key}: checkpoint {tuple(value.shape)} vs one scale per "
-                                              f"{'output channel' if per_channel else 'tensor'}")
-                        else:
-                            param.copy_(scale)
-                        continue
-                    shape = tuple(sf.get_slice(key).get_shape())
-                    if shape != tuple(param.shape):
-                        mismatched.append(f"{key}: checkpoint {shape} vs model {tuple(param.shape)}")
-                        continue
+    with contextlib.ExitStack() as stack, torch.no_grad():
+        # Every shard open at once (safetensors maps them, reading nothing yet): a layer's tensors may sit in two.
+        # One tensor in memory at a time.
+        shards = {f: stack.enter_context(safe_open(str(f), framework="pt", device="cpu")) for f in files}
+        for layer in _groups(model):
+            named = _group_modules(model, layer)
+            _materialize([m for _, m in named], device)
+            param = value = None
+            for key, param in _group_params(named):
+                if key not in present:
+                    continue
+                sf = shards[where[key]]
+                module, _, attr = key.rpartition(".")
+                if module in fp8_linears and attr in ("weight_scale", "input_scale"):
                     value = sf.get_tensor(key)
-                    if (value.dtype == FP8_DTYPE) != (param.dtype == FP8_DTYPE):  # never cast into or out of fp8
-                        wrong_dtype.append(f"{key}: checkpoint {str(value.dtype).removeprefix('torch.')} vs model "
-                                           f"{str(param.dtype).removeprefix('torch.')}")
-                        continue
-                    param.copy_(value)  # casts to the param's dtype, moves to its device
+                    scale = checkpoint_scale(value, param, fp8_linears[module].per_channel)
+                    if scale is None:
+                        per_channel = attr == "weight_scale" and fp8_linears[module].per_channel
+                        mismatched.append(f"{key}: checkpoint {tuple(value.shape)} vs one scale per "
+                                          f"{'output channel' if per_channel else 'tensor'}")
+                    else:
+                        param.copy_(scale)
+                    continue
+                shape = tuple(sf.get_slice(key).get_shape())
+                if shape != tuple(param.shape):
+                    mismatched.append(f"{key}: checkpoint {shape} vs model {tuple(param.shape)}")
+                    continue
+                value = sf.get_tensor(key)
+                if (value.dtype == FP8_DTYPE) != (param.dtype == FP8_DTYPE):  # never cast into or out of fp8
+                    wrong_dtype.append(f"{key}: checkpoint {str(value.dtype).removeprefix('torch.')} vs model "
+                                       f"{str(param.dtype).removeprefix('torch.')}")
+                    continue
+                param.copy_(value)  # casts to the param's dtype, moves to its device
+            del named, param, value  # the layer's 16-bit linears are freed as after_layer replaces them
+            if layer is not None and after_layer is not None:
+                after_layer(layer)
     if wrong_dtype:
         raise ValueError(
             f"model={resolved.spec!r}: checkpoint in {resolved.weights_dir} stores tensors in another format than "
             f"its config.json says (quantization_config quant_method={_quant_method(resolved.config)!r}): "
-            f"{_short(wrong_dtype)}; fp8 (float8_e4m3fn) weights load only into the linears the quantization_config "
-            "makes fp8 (quant_method 'fp8' or 'compressed-tensors', not in its ignore list), and those need fp8 "
-            "tensors"
+            f"{_short(sorted(wrong_dtype))}; fp8 (float8_e4m3fn) weights load only into the linears the "
+            "quantization_config makes fp8 (quant_method 'fp8' or 'compressed-tensors', not in its ignore list), and "
+            "those need fp8 tensors"
         )
     if missing or unexpected or mismatched or duplicated:
         raise ValueError(
             f"model={resolved.spec!r}: checkpoint in {resolved.weights_dir} does not match the model: "
-            f"missing={_short(missing)} unexpected={_short(unexpected)} shape_mismatch={_short(mismatched)}"
+            f"missing={_short(missing)} unexpected={_short(unexpected)} shape_mismatch={_short(sorted(mismatched))}"
             f"{f' duplicated={_short(duplicated)}' if duplicated else ''}; "
             "check that the model's config matches the checkpoint's config.json"
         )
+
+
+def _decoder_layers(model: torch.nn.Module) -> torch.nn.ModuleList | None:
+    return getattr(getattr(model, "model", None), "layers", None)
+
+
+def _groups(model: torch.nn.Module) -> Iterator[torch.nn.Module | None]:
+    """The groups load_weights fills in turn: None (every parameter outside the decoder layers), then each layer."""
+    yield None
+    yield from (_decoder_layers(model) or ())
+
+
+def _group_modules(model: torch.nn.Module, layer: torch.nn.Module | None) -> list[tuple[str, torch.nn.Module]]:
+    """(full name, module) of one group: the modules of `layer`, or (None) every module outside the decoder layers."""
+    layers = _decoder_layers(model)
+    if layer is None:
+        inside = {id(m) for m in layers.modules()} if layers is not None else set()
+        return [(name, m) for name, m in model.named_modules() if id(m) not in inside]
+    index = next(i for i, m in enumerate(layers) if m is layer)
+    return [(f"model.layers.{index}.{name}".rstrip("."), m) for name, m in layer.named_modules()]
+
+
+def _group_params(named: list[tuple[str, torch.nn.Module]]) -> list[tuple[str, torch.nn.Parameter]]:
+    """(full name, parameter) of a group's modules' own parameters; a tied one appears under each of its names."""
+    return [(f"{name}.{attr}" if name else attr, p) for name, m in named for attr, p in m._parameters.items()
+            if p is not None]
+
+
+def _materialize(modules: list[torch.nn.Module], device: torch.device | str | None) -> None:
+    """Give each parameter of `modules` still on the meta device real (uninitialized) memory on `device`, in its own
+    dtype; a parameter shared by two modules (tied embeddings) stays one Parameter."""
+    made: dict[int, torch.nn.Parameter] = {}
+    for module in modules:
+        for attr, p in module._parameters.items():
+            if p is None or not p.is_meta:
+                continue
+            assert device is not None, f"{type(module).__name__}.{attr} is on the meta device and no device was given"
+            if id(p) not in made:
+                made[id(p)] = torch.nn.Parameter(torch.empty_like(p, device=device), requires_grad=p.requires_grad)
+            module._parameters[attr] = made[id(p)]
+
+
+def build_model(resolved: ResolvedModel, dtype: torch.dtype, device: torch.device | str,
+                quantization: str | None, seed: int) -> torch.nn.Module:
+    """The model of `resolved` on `device`: loaded, tied, fused and quantized, each weight allocated once in its final
+    dtype (vLLM's rule), never in float32 unless `dtype` is float32.
+
+    1. the module tree is built on the meta device (no memory, no init) and cast to `dtype` there; an fp8
+       checkpoint's linears become Fp8Linear shells there too, so their 16-bit form never exists;
+    2. load_weights allocates and fills the embeddings, norm and lm_head, then one decoder layer at a time;
+       with `quantization` ('fp8', online) each layer is quantized as soon as it is filled, so the peak is the fp8
+       model plus one layer's 16-bit weights (per output channel scales: quantizing q/k/v before fusing them gives
+       the fused linear's quantization exactly, bit for bit);
+    3. q/k/v and gate/up are fused (engine/model.py fuse_projections).
+    The rotary cos_sin_cache is computed on `device` in float32, rounded to `dtype` and kept in float32, as the engine
+    always had it (it used to pass through model.to(dtype)). Random models (`random:`) get the same weights as
+    before: _random_init seeds each tensor from (seed, name) and draws it in the parameter's dtype on its device.
+    The global RNG is seeded with `seed` (sampling without a per-request seed draws from it); nothing here draws
+    from it any more, so its state afterwards is that of torch.manual_seed(seed)."""
+    from engine.model import LlamaForCausalLM, build_cos_sin_cache
+    from engine.quant import Fp8Linear, check_online_fp8, check_quantization, fp8_checkpoint, prepare_fp8_checkpoint
+    from engine.quant import quantize_linears
+
+    check_quantization(quantization)
+    device = torch.device(device)
+    config = resolved.config
+    torch.manual_seed(seed)
+    with torch.device("meta"):
+        model = LlamaForCausalLM(config)
+    model.to(dtype)  # meta: nothing is allocated
+    model.tie_weights()
+    with torch.device(device):
+        cos_sin = build_cos_sin_cache(config, model.head_dim, config.max_position_embeddings)  # float32
+    model.cos_sin_cache = cos_sin.to(dtype).float()
+    del cos_sin
+    fp8 = fp8_checkpoint(config) if resolved.weights_dir is not None else None
+    if fp8 is not None:
+        prepare_fp8_checkpoint(model, fp8, device)  # checks the device, then swaps in shells (on meta)
+    # An fp8 checkpoint decides which linears are fp8 (quantize_model's rule); one that keeps every linear in 16 bits
+    # is quantized online like any other when asked.
+    online = quantization is not None and not any(isinstance(m, Fp8Linear) for m in model.model.layers.modules())
+    if online:
+        check_online_fp8(model, device, dtype)  # before any weight is read
+    load_weights(model, resolved, device=device, after_layer=quantize_linears if online else None)
+    model.fuse_projections()
+    left = [name for name, t in itertools.chain(model.named_parameters(), model.named_buffers()) if t.is_meta]
+    assert not left, f"left on the meta device: {left[:4]}"
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return model
 
 
 def _quant_method(config: PretrainedConfig) -> str | None:
@@ -360,14 +477,14 @@ def _short(names: list[str], limit: int = 8) -> str:
     return repr(names[:limit] + ([f"... {len(names) - limit} more"] if len(names) > limit else []))
 
 
-def _random_init(model: torch.nn.Module, config: PretrainedConfig, seed: int) -> None:
+def _random_init(params: list[tuple[str, torch.nn.Parameter]], config: PretrainedConfig, seed: int) -> None:
     """Deterministic init on the params' own device: normal(0, initializer_range) for matrices and biases, ones for
-    norm weights. Each tensor has its own generator seeded from (seed, name), so the result does not depend on the
-    order of parameters or on which other parameters exist."""
+    norm weights. Each tensor has its own generator seeded from (seed, full name), so the result does not depend on
+    the order of parameters, on which other parameters exist, or on which group load_weights fills it in."""
     std = float(getattr(config, "initializer_range", 0.02))
     seen: set[int] = set()
     with torch.no_grad():
-        for name, param in model.named_parameters(remove_duplicate=False):
+        for name, param in params:
             if id(param) in seen:
                 continue
             seen.add(id(param))

@@ -1,11 +1,14 @@
 """fp8 linears, applied from outside the plain model: online quantization (`--quantization fp8`) after loading, and
 checkpoints stored in fp8 (below).
 
-What `quantize_model(model, "fp8")` does, once, after load_weights and fuse_projections:
-1. every nn.Linear of the decoder layers (qkv_proj, o_proj, gate_up_proj, down_proj) becomes an Fp8Linear: its
-   weight W [N, K] is stored as float8_e4m3fn with one float32 scale per output channel (W[n] ~ W_q[n] * s_w[n],
-   s_w[n] = amax|W[n]| / 448), and the 16-bit weight is freed (Qwen2.5-7B's 13.1 GB of bf16 layer weights become
-   6.5 GB); embeddings, lm_head and norms keep the model dtype;
+What online fp8 does, once at load (engine/loader.py build_model quantizes each decoder layer as soon as it is
+loaded, before fusing; `quantize_model(model, "fp8")` does the same to a whole loaded model, fused or not):
+1. every nn.Linear of the decoder layers (q/k/v or qkv_proj, o_proj, gate/up or gate_up_proj, down_proj) becomes an
+   Fp8Linear: its weight W [N, K] is stored as float8_e4m3fn with one float32 scale per output channel
+   (W[n] ~ W_q[n] * s_w[n], s_w[n] = amax|W[n]| / 448), and the 16-bit weight is freed (Qwen2.5-7B's 13.1 GB of
+   bf16 layer weights become 6.5 GB; the load never holds more than one layer of them); embeddings, lm_head and
+   norms keep the model dtype. Rows are quantized independently, so quantizing q, k and v and then fusing them gives
+   the fused linear's quantization bit for bit;
 2. each forward quantizes its input per token (x[m] ~ x_q[m] * s_x[m], s_x[m] = amax|x[m]| / 448, computed on the
    fly: kernels/quant_fp8.py) and runs one fp8 GEMM, torch._scaled_mm(x_q, W_q^T, s_x [M, 1], s_w [1, N]) with the
    bias and the model dtype's output fused in: Hopper's fp8 tensor cores run at twice the bf16 rate, and a decode
@@ -21,12 +24,12 @@ of the GPU's GEMM but for its accumulation order. The forward has no host syncs,
 Accuracy: docs/quantization.md.
 
 Checkpoints that are already fp8 (config.json's quantization_config: vLLM's `fp8`, or `compressed-tensors` with an
-fp8 scheme) need no flag: `fp8_checkpoint(config)` reads the format, and load_weights calls
-`prepare_fp8_checkpoint(model, ...)` before copying the tensors, which turns each linear the checkpoint stores in fp8
-into an empty Fp8Linear of its shape, so the checkpoint's weight, weight_scale (and input_scale) load by name
-(gpt-fast's quantize.py pattern). A per-tensor weight_scale is broadcast to every output channel, so fusing q/k/v or
-gate/up keeps each shard's own scale exactly; a static input_scale (one per tensor) replaces the per-token scales,
-the largest of a fused group's shards serving the group, as vLLM does.
+fp8 scheme) need no flag: `fp8_checkpoint(config)` reads the format, and `prepare_fp8_checkpoint(model, ...)`
+(build_model, on the meta device, or load_weights) turns each linear the checkpoint stores in fp8 into an empty
+Fp8Linear of its shape before any tensor is copied, so the checkpoint's weight, weight_scale (and input_scale) load
+by name (gpt-fast's quantize.py pattern). A per-tensor weight_scale is broadcast to every output channel, so fusing
+q/k/v or gate/up keeps each shard's own scale exactly; a static input_scale (one per tensor) replaces the per-token
+scales, the largest of a fused group's shards serving the group, as vLLM does.
 """
 from __future__ import annotations
 
@@ -105,12 +108,14 @@ class Fp8Linear(nn.Module):
 
     @classmethod
     def empty(cls, linear: nn.Linear, static_input: bool) -> "Fp8Linear":
-        """An Fp8Linear of `linear`'s shape, device and bias dtype, its tensors uninitialized: for load_weights."""
+        """An Fp8Linear of `linear`'s shape, device and bias dtype, its tensors uninitialized: for load_weights. On
+        the meta device (build_model) it allocates nothing: the shells become fp8 tensors when their layer loads."""
         n, k = linear.weight.shape
         device = linear.weight.device
         bias = None if linear.bias is None else torch.empty_like(linear.bias)
-        return cls(torch.empty(n, k, dtype=FP8_DTYPE, device=device), torch.empty(n, device=device), bias,
-                   torch.empty(1, device=device) if static_input else None)
+        scale = torch.empty(n, device=device, dtype=torch.float32)
+        return cls(torch.empty(n, k, dtype=FP8_DTYPE, device=device), scale, bias,
+                   torch.empty(1, device=device, dtype=torch.float32) if static_input else None)
 
     @classmethod
     @torch.no_grad()
@@ -172,32 +177,69 @@ def check_fp8_shape(name: str, n: int, k: int) -> None:
                          "dimensions to be multiples of 16")
 
 
+def check_quantization(method: str | None) -> None:
+    """Raises ValueError naming `quantization` unless it is None or one of QUANTIZATION_METHODS."""
+    if method is not None and method not in QUANTIZATION_METHODS:
+        raise ValueError(f"quantization={method!r}: must be one of None, {', '.join(QUANTIZATION_METHODS)}")
+
+
+def layer_linear_names(model: nn.Module) -> list[str]:
+    """Names (under model.model.layers) of the layers' 16-bit linears, the ones online fp8 quantizes."""
+    return [name for name, module in model.model.layers.named_modules() if isinstance(module, nn.Linear)]
+
+
+def check_online_fp8(model: nn.Module, device: torch.device, dtype: torch.dtype) -> None:
+    """Everything quantize_model checks before replacing a linear, for a model that will live on `device` in `dtype`
+    (it may still be on the meta device: only shapes are read). Shapes are checked as they run, fused: an unfused
+    model's q/k/v (gate/up) count as one qkv_proj (gate_up_proj) of their rows together."""
+    names = layer_linear_names(model)
+    if not names:
+        return
+    check_fp8_support(device, dtype)
+    if device.type != "cuda":
+        return
+    shapes: dict[str, tuple[int, int]] = {}
+    for name in names:
+        n, k = model.model.layers.get_submodule(name).weight.shape
+        parent, _, attr = name.rpartition(".")
+        key = f"{parent}.{_FUSED_INTO.get(attr, attr)}"
+        shapes[key] = (shapes.get(key, (0, k))[0] + n, k)
+    for key, (n, k) in shapes.items():
+        check_fp8_shape(f"model.layers.{key}", n, k)
+
+
+@torch.no_grad()
+def quantize_linears(module: nn.Module) -> None:
+    """Replaces every nn.Linear inside `module` (one decoder layer, or all of them) by Fp8Linear.from_linear, one at a
+    time: each 16-bit weight goes back to the allocator once replaced (when nothing else holds it)."""
+    names = [name for name, m in module.named_modules() if isinstance(m, nn.Linear)]
+    for name in names:
+        parent_name, _, attr = name.rpartition(".")
+        parent = module.get_submodule(parent_name)
+        setattr(parent, attr, Fp8Linear.from_linear(getattr(parent, attr)))
+
+
 @torch.no_grad()
 def quantize_model(model: nn.Module, method: str | None) -> nn.Module:
     """Replaces every nn.Linear of model.model.layers by its quantized form, in place; None leaves the model as is,
-    and so does a model loaded from an fp8 checkpoint (its quantization_config chose which linears are fp8: those it
-    left in 16 bits stay so). Before or after fuse_projections() alike: each output channel has its own scale."""
+    and so does a model loaded from an fp8 checkpoint or already quantized as it loaded (engine/loader.py
+    build_model: its quantization_config chose which linears are fp8: those it left in 16 bits stay so). Before or
+    after fuse_projections() alike: each output channel has its own scale, so quantizing the shards one by one and
+    concatenating them gives the fused linear's quantization exactly."""
+    check_quantization(method)
     if method is None:
         return model
-    if method not in QUANTIZATION_METHODS:
-        raise ValueError(f"quantization={method!r}: must be one of None, {', '.join(QUANTIZATION_METHODS)}")
     layers = model.model.layers
     if any(isinstance(module, Fp8Linear) for module in layers.modules()):
         return model
-    names = [name for name, module in layers.named_modules() if isinstance(module, nn.Linear)]
+    names = layer_linear_names(model)
     if not names:
         return model
     first = layers.get_submodule(names[0]).weight
-    check_fp8_support(first.device, first.dtype)
-    device = first.device
+    device, dtype = first.device, first.dtype
     del first
-    if device.type == "cuda":  # all checked before any is replaced: an error leaves the model whole
-        for name in names:
-            check_fp8_shape(f"model.layers.{name}", *layers.get_submodule(name).weight.shape)
-    for name in names:  # one layer at a time: each 16-bit weight goes back to the allocator once replaced
-        parent_name, _, attr = name.rpartition(".")
-        parent = layers.get_submodule(parent_name)
-        setattr(parent, attr, Fp8Linear.from_linear(getattr(parent, attr)))
+    check_online_fp8(model, device, dtype)  # all checked before any is replaced: an error leaves the model whole
+    quantize_linears(layers)
     if device.type == "cuda":
         torch.cuda.empty_cache()
     return model
@@ -209,6 +251,8 @@ def quantize_model(model: nn.Module, method: str | None) -> nn.Module:
 FP8_CHECKPOINT_METHODS = ("fp8", "compressed-tensors")
 _CT_FORMATS = ("float-quantized", "naive-quantized")  # compressed-tensors formats that store fp8 values as they are
 _FUSED = (("self_attn", ("q_proj", "k_proj", "v_proj")), ("mlp", ("gate_proj", "up_proj")))
+_FUSED_INTO = {"q_proj": "qkv_proj", "k_proj": "qkv_proj", "v_proj": "qkv_proj", "gate_proj": "gate_up_proj",
+               "up_proj": "gate_up_proj"}  # fuse_projections' names (engine/model.py)
 
 
 @dataclass(frozen=True)
@@ -335,14 +379,24 @@ def _compressed_tensors(qc: dict) -> Fp8Checkpoint:
 
 
 @torch.no_grad()
-def prepare_fp8_checkpoint(model: nn.Module, checkpoint: Fp8Checkpoint) -> dict[str, Fp8Scheme]:
+def prepare_fp8_checkpoint(model: nn.Module, checkpoint: Fp8Checkpoint,
+                           device: torch.device | None = None) -> dict[str, Fp8Scheme]:
     """Before load_weights copies an fp8 checkpoint into the unfused `model`: each layer linear the checkpoint stores
     in fp8 becomes an empty Fp8Linear of its shape (weight float8_e4m3fn [N, K], weight_scale [1, N], input_scale [1]
     if static, bias in the model dtype). Returns {full name: scheme} of those linears. All checked before any is
-    replaced."""
+    replaced. `device` is where the model will run (default: where its embeddings are); a model built on the meta
+    device (engine/loader.py build_model) passes its target, and its shells stay on the meta device until loaded.
+    Calling it again is harmless: linears that are Fp8Linear shells already are kept (and their names returned)."""
     layers = model.model.layers
-    names = [name for name, module in layers.named_modules() if isinstance(module, nn.Linear)]
+    embed = model.model.embed_tokens.weight  # always in the model dtype
+    device = embed.device if device is None else torch.device(device)
+    names = [name for name, module in layers.named_modules() if isinstance(module, (nn.Linear, Fp8Linear))]
     schemes = {name: checkpoint.scheme(f"model.layers.{name}") for name in names}
+    for name in names:
+        module = layers.get_submodule(name)
+        if isinstance(module, Fp8Linear):  # prepared before: the same checkpoint must have made it
+            scheme = schemes[name]
+            assert scheme is not None and scheme.static_input == (module.input_scale is not None), (name, scheme)
     for i in range(len(layers)):  # a fused group runs as one GEMM: one format for all its shards
         for parent, shards in _FUSED:
             got = {f"model.layers.{i}.{parent}.{s}": schemes.get(f"{i}.{parent}.{s}") for s in shards}
@@ -352,15 +406,17 @@ def prepare_fp8_checkpoint(model: nn.Module, checkpoint: Fp8Checkpoint) -> dict[
     names = [name for name in names if schemes[name] is not None]
     if not names:
         return {}
-    first = layers.get_submodule(names[0]).weight
-    check_fp8_support(first.device, first.dtype)
+    check_fp8_support(device, embed.dtype)
     for name in names:
-        if first.device.type == "cuda":
-            check_fp8_shape(f"model.layers.{name}", *layers.get_submodule(name).weight.shape)
+        if device.type == "cuda":
+            module = layers.get_submodule(name)
+            check_fp8_shape(f"model.layers.{name}", *module.weight.shape)
     for name in names:
         parent_name, _, attr = name.rpartition(".")
         parent = layers.get_submodule(parent_name)
-        setattr(parent, attr, Fp8Linear.empty(getattr(parent, attr), schemes[name].static_input))
+        linear = getattr(parent, attr)
+        if isinstance(linear, nn.Linear):
+            setattr(parent, attr, Fp8Linear.empty(linear, schemes[name].static_input))
     return {f"model.layers.{name}": schemes[name] for name in names}
 
 
