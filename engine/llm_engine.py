@@ -331,7 +331,7 @@ class LLMEngine:
             prev = None
         sched = self.scheduler.schedule()
         if not sched.is_empty:
-            tables = [self.kv.get_block_ids(req.request_id) for req, _ in sched.scheduled]
+            tables = self.kv.block_tables([req.request_id for req, _ in sched.scheduled])
             try:
                 handle = self.runner.execute(sched, tables, prev.handle if prev is not None else None)
             except Exception:

@@ -153,63 +153,70 @@ class ModelRunner:
         dev = to_device_nowait(torch.from_numpy(host), self.device)
         return [dev[off: off + len(seg)] for off, seg in zip(offsets, segments)]
 
-    def prepare_inputs(self, sched: SchedulerOutput, block_tables: list[list[int]],
+    def prepare_inputs(self, sched: SchedulerOutput, block_tables: np.ndarray | list[list[int]],
                        prev: "StepHandle | None" = None) -> ModelInputs:
-        """The scheduler has already advanced each request's num_computed_tokens past this step's tokens. An input
-        token the host has not read yet (async scheduling: sampled by `prev`, still in flight) is taken from prev's
-        sampled tokens on the device."""
+        """block_tables: [num_seqs, max_blocks] int32, each scheduled request's block ids padded with 0
+        (KVCacheManager.block_tables; lists of block ids are padded here). The scheduler has already advanced each
+        request's num_computed_tokens past this step's tokens. An input token the host has not read yet (async
+        scheduling: sampled by `prev`, still in flight) is taken from prev's sampled tokens on the device.
+        Per request only the input ids and the token counts are gathered in Python; positions, slots, query starts and
+        logits rows are computed over the batch in numpy."""
         bs = self.block_size
+        if not isinstance(block_tables, np.ndarray):
+            block_tables = padded_block_tables(block_tables)
         input_ids: list[int] = []
-        positions: list[int] = []
-        slots: list[int] = []
-        seq_lens: list[int] = []
-        qsl = [0]
-        logits_indices: list[int] = []
-        sampled: list[Request] = []
+        ends: list[int] = []  # per request: its tokens with KV after this step (= seq_lens)
+        counts: list[int] = []  # per request: its tokens in this step
         fill_dst: list[int] = []  # rows of input_ids that come from prev's sampled tokens ...
         fill_src: list[int] = []  # ... at these rows
         prev_rows = None
-        for (req, n), table, samples in zip(sched.scheduled, block_tables, sched.samples):
+        for req, n in sched.scheduled:
             end = req.num_computed_tokens
-            start = end - n
-            known = req.num_tokens
+            ends.append(end)
+            counts.append(n)
+            prompt, output = req.prompt_token_ids, req.output_token_ids
+            known = len(prompt) + len(output)
             if end <= known:
-                input_ids.extend(req.token_slice(start, end))
+                if n == 1:
+                    p = end - 1
+                    input_ids.append(prompt[p] if p < len(prompt) else output[p - len(prompt)])
+                else:
+                    input_ids.extend(req.token_slice(end - n, end))
             else:  # the last input is the token prev sampled
                 assert end == known + 1 and prev is not None, (req, n)
                 if prev_rows is None:
                     prev_rows = {r.request_id: i for i, r in enumerate(prev.requests)}
-                input_ids.extend(req.token_slice(start, known))
+                if n > 1:
+                    input_ids.extend(req.token_slice(end - n, known))
                 fill_dst.append(len(input_ids))
                 fill_src.append(prev_rows[req.request_id])
                 input_ids.append(0)
-            if n == 1:
-                positions.append(start)
-                slots.append(table[start // bs] * bs + start % bs)
-            else:
-                p = np.arange(start, end)
-                positions.extend(p.tolist())
-                slots.extend((np.asarray(table)[p // bs] * bs + p % bs).tolist())
-            seq_lens.append(end)
-            qsl.append(qsl[-1] + n)
-            if samples:
-                logits_indices.append(qsl[-1] - 1)
-                sampled.append(req)
-        num_seqs, num_fill = len(seq_lens), len(fill_dst)
-        max_blocks = max(len(t) for t in block_tables)
-        tables = np.zeros((num_seqs, max_blocks), dtype=np.int32)
-        for i, t in enumerate(block_tables):
-            tables[i, : len(t)] = t
+        num_seqs = len(ends)
+        seq_lens = np.array(ends, dtype=np.int64)  # [num_seqs]
+        q_lens = np.array(counts, dtype=np.int64)  # [num_seqs]
+        qsl = np.zeros(num_seqs + 1, dtype=np.int64)  # [num_seqs + 1]
+        np.cumsum(q_lens, out=qsl[1:])
+        starts = seq_lens - q_lens
+        if len(input_ids) == num_seqs:  # decodes only: one token per request
+            rows, positions = np.arange(num_seqs), starts
+        else:
+            rows = np.repeat(np.arange(num_seqs), q_lens)  # [num_tokens] each token's request
+            positions = np.arange(len(input_ids)) + np.repeat(starts - qsl[:-1], q_lens)  # [num_tokens]
+        slots = block_tables[rows, positions // bs].astype(np.int64) * bs + positions % bs  # [num_tokens]
+        samples = np.array(sched.samples, dtype=bool)
+        logits_indices = qsl[1:][samples] - 1  # [num_sampled]
+        sampled = [req for (req, _), s in zip(sched.scheduled, sched.samples) if s]
+        max_blocks = block_tables.shape[1]
         # Two copies to the device: the int64 vectors packed together, and the int32 ones with the block tables.
         ids, pos, slot_mapping, logits_idx, dst, src = self._pack(
             (input_ids, positions, slots, logits_indices, fill_dst, fill_src), np.int64)
-        seq_lens_d, qsl_d, tables_d = self._pack((seq_lens, qsl, tables.ravel()), np.int32)
-        if num_fill:
+        seq_lens_d, qsl_d, tables_d = self._pack((seq_lens, qsl, block_tables.ravel()), np.int32)
+        if fill_dst:
             ids = ids.index_copy(0, dst, prev.token_ids.index_select(0, src))
         meta = AttentionMetadata(
             slot_mapping=slot_mapping, block_tables=tables_d.view(num_seqs, max_blocks),
             seq_lens=seq_lens_d, query_start_loc=qsl_d,
-            max_query_len=max(n for _, n in sched.scheduled), max_seq_len=max(seq_lens))
+            max_query_len=int(q_lens.max()), max_seq_len=int(seq_lens.max()))
         return ModelInputs(ids, pos, meta, logits_idx, sampled)
 
     def enable_cuda_graphs(self, max_model_len: int, decode: bool = True) -> None:
@@ -226,7 +233,7 @@ class ModelRunner:
             self.prefill_graphs = PrefillGraphs(self, max_tokens, sched.max_num_seqs, max_model_len, pool)
 
     @torch.inference_mode()
-    def execute(self, sched: SchedulerOutput, block_tables: list[list[int]],
+    def execute(self, sched: SchedulerOutput, block_tables: np.ndarray | list[list[int]],
                 prev: "StepHandle | None" = None) -> "StepHandle":
         """Launches the step and returns without waiting for the device: the handle reads the sampled tokens."""
         inputs = self.prepare_inputs(sched, block_tables, prev)
@@ -289,6 +296,14 @@ class ModelRunner:
                    for a in layer] for layer in amax]
         log.info("fp8 KV scales (K, V) per layer: %s", [(round(k, 4), round(v, 4)) for k, v in scales])
         return [k for k, _ in scales], [v for _, v in scales]
+
+
+def padded_block_tables(tables: list[list[int]]) -> np.ndarray:
+    """[len(tables), the longest's length] int32: the block id lists, zero-padded."""
+    out = np.zeros((len(tables), max(len(t) for t in tables)), dtype=np.int32)
+    for i, t in enumerate(tables):
+        out[i, : len(t)] = t
+    return out
 
 
 class StepHandle:

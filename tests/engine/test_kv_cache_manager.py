@@ -84,3 +84,41 @@ def test_hit_on_free_block_counts_against_free_space():
     # b needs 4 blocks: 1 hit + 3 new, but only 2 others are free.
     assert not kv.allocate_slots(b, 5, hits)
     assert kv.pool.ref_cnt[0] == 0
+
+
+def test_block_tables_are_the_padded_lists_through_growth_reuse_and_hits():
+    """block_tables() is the zero-padded block id lists of the requests asked for, in their order: after growth past
+    the array's first 64 rows and 64 columns, after frees (a freed row is reused clean), and with prefix hits."""
+    import random
+
+    import numpy as np
+
+    rng = random.Random(0)
+    kv = KVCacheManager(num_blocks=20000, block_size=2)
+    live: dict[str, Request] = {}
+    for step in range(150):
+        if live and rng.random() < 0.2:  # finish (or preempt) one
+            rid = rng.choice(sorted(live))
+            kv.free(live.pop(rid))
+        if rng.random() < 0.8:  # a new request, sometimes sharing a cached prefix
+            rid = f"r{step}"
+            tokens = ([7] * 6 if rng.random() < 0.3 else []) + [rng.randrange(100) for _ in range(rng.randrange(1, 9))]
+            r = req(rid, tokens)
+            hits, n = kv.get_computed_blocks(r)
+            assert kv.allocate_slots(r, len(tokens) - n, hits)
+            r.num_computed_tokens = len(tokens)
+            kv.cache_blocks(r, len(tokens))
+            live[rid] = r
+        for r in live.values():  # everyone grows; some a lot (past 64 blocks)
+            n = 40 if rng.random() < 0.02 else rng.choice((1, 2, 3))
+            assert kv.allocate_slots(r, n)
+            r.num_computed_tokens += n
+        ids = sorted(live, key=lambda _: rng.random())
+        if ids:
+            lists = [kv.get_block_ids(r) for r in ids]
+            expect = np.zeros((len(ids), max(map(len, lists))), dtype=np.int32)
+            for i, blocks in enumerate(lists):
+                expect[i, : len(blocks)] = blocks
+            got = kv.block_tables(ids)
+            assert got.dtype == np.int32 and np.array_equal(got, expect)
+    assert kv._table.shape[0] > 64 and kv._table.shape[1] > 64  # both grew
