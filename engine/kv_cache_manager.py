@@ -106,6 +106,10 @@ class KVCacheManager:
         """Makes room for num_new_tokens more tokens after the computed ones (and the prefix hits in
         new_computed_blocks). False, with nothing changed, when the pool lacks free blocks."""
         blocks = self.req_to_blocks.setdefault(request.request_id, [])
+        if not new_computed_blocks:  # the common case (every running request, every step): room already there?
+            num_new_blocks = -(-(request.num_computed_tokens + num_new_tokens) // self.block_size) - len(blocks)
+            if num_new_blocks <= 0:
+                return True
         num_computed = request.num_computed_tokens + len(new_computed_blocks) * self.block_size
         num_required = cdiv(num_computed + num_new_tokens, self.block_size)
         num_new_blocks = num_required - len(blocks) - len(new_computed_blocks)
@@ -130,8 +134,10 @@ class KVCacheManager:
         if not self.enable_caching:
             return
         rid = request.request_id
-        num_full = min(num_computed_tokens // self.block_size, len(self.req_to_blocks.get(rid, ())))
         start = self.num_cached_blocks.get(rid, 0)
+        if num_computed_tokens // self.block_size <= start:  # no newly full block (most steps)
+            return
+        num_full = min(num_computed_tokens // self.block_size, len(self.req_to_blocks.get(rid, ())))
         if num_full <= start:
             return
         hashes = self._block_hashes(request, num_full)

@@ -29,7 +29,7 @@ from engine.config import EngineConfig
 from engine.kv_cache_manager import KVCacheManager
 from engine.loader import load_tokenizer, resolve_model
 from engine.model_runner import ModelRunner, StepHandle, warm_up_attention
-from engine.request import Request, RequestStatus
+from engine.request import FINISH_REASONS, FINISHED, Request, RequestStatus
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
 
@@ -378,6 +378,8 @@ class LLMEngine:
             outputs.append(out)
         # Prefill chunks that sampled nothing still report progress (the prefill service streams their blocks), as
         # of this step: a step launched after it may still be writing the next chunk's KV.
+        if all(sched.samples):
+            return outputs
         for (req, _), samples, done in zip(sched.scheduled, sched.samples, launched.num_computed):
             if not samples and req.kv_hold and not req.is_finished:
                 out = self._output(req, [], None)
@@ -427,7 +429,7 @@ class LLMEngine:
 
     def _check_stop(self, req: Request, token: int) -> RequestStatus | None:
         p = req.sampling_params
-        n_out = req.num_output_tokens
+        n_out = len(req.output_token_ids)
         if n_out >= p.min_tokens:
             if not p.ignore_eos and token in self.eos_token_ids:
                 return RequestStatus.FINISHED_STOPPED
@@ -444,23 +446,30 @@ class LLMEngine:
                         req.output_text = text[: i + len(s)] if p.include_stop_str_in_output else text[:i]
                         req.stop_reason = s
                         return RequestStatus.FINISHED_STOPPED
-        if n_out >= req.max_tokens or req.num_tokens >= self.max_model_len:
+        if n_out >= req.max_tokens or len(req.prompt_token_ids) + n_out >= self.max_model_len:
             return RequestStatus.FINISHED_LENGTH
         return None
 
     def _output(self, req: Request, new_tokens: list[int], logprobs: dict[int, float] | None) -> StepOutput:
-        finished = req.is_finished
-        text_end = len(req.output_text)
-        if not finished:
-            text_end = max(req.sent_text_len, text_end - stop_holdback(req.sampling_params))
-        new_text = req.output_text[req.sent_text_len:text_end]
-        req.sent_text_len = max(req.sent_text_len, text_end)
+        status = req.status
+        finished = status in FINISHED
+        text, sent = req.output_text, req.sent_text_len
+        if finished:
+            text_end = len(text)
+        else:
+            stop = req.sampling_params.stop
+            text_end = len(text) - (max(map(len, stop)) - 1 if stop else 0)  # stop_holdback
+            if text_end < sent:
+                text_end = sent
+        new_text = text[sent:text_end] if text_end > sent else ""
+        if text_end > sent:
+            req.sent_text_len = text_end
+        # Positional, in StepOutput's field order: 12 keywords cost 2 us more a call (1 ms a step at batch 512).
         return StepOutput(
-            request_id=req.parent_id, index=req.index, new_token_ids=new_tokens, new_text=new_text,
-            new_logprobs=[logprobs] if (logprobs is not None and req.logprobs is not None) else None,
-            finished=finished, finish_reason=req.status.finish_reason, stop_reason=req.stop_reason,
-            num_prompt_tokens=req.num_prompt_tokens, num_output_tokens=req.num_output_tokens,
-            num_cached_tokens=req.num_cached_tokens, num_computed_tokens=req.num_computed_tokens)
+            req.parent_id, req.index, new_tokens, new_text,
+            [logprobs] if (logprobs is not None and req.logprobs is not None) else None,
+            finished, FINISH_REASONS.get(status), req.stop_reason, len(req.prompt_token_ids),
+            len(req.output_token_ids), req.num_cached_tokens, req.num_computed_tokens)
 
     def _forget(self, req: Request) -> None:
         """Drops a finished request from the tables (held requests stay until release_kv)."""

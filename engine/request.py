@@ -22,15 +22,16 @@ class RequestStatus(enum.Enum):
 
     @property
     def finished(self) -> bool:
-        return self in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH, RequestStatus.FINISHED_ABORTED)
+        return self in FINISHED
 
     @property
     def finish_reason(self) -> str | None:
-        return _FINISH_REASONS.get(self)
+        return FINISH_REASONS.get(self)
 
 
-_FINISH_REASONS = {RequestStatus.FINISHED_STOPPED: "stop", RequestStatus.FINISHED_LENGTH: "length",
-                   RequestStatus.FINISHED_ABORTED: "abort"}
+FINISH_REASONS = {RequestStatus.FINISHED_STOPPED: "stop", RequestStatus.FINISHED_LENGTH: "length",
+                  RequestStatus.FINISHED_ABORTED: "abort"}
+FINISHED = frozenset(FINISH_REASONS)  # the statuses of a request that ended
 
 
 class Request:
@@ -97,7 +98,7 @@ class Request:
 
     @property
     def is_finished(self) -> bool:
-        return self.status.finished
+        return self.status in FINISHED
 
     def __repr__(self) -> str:
         return (f"Request({self.request_id!r}, {self.status.name}, prompt={self.num_prompt_tokens}, "

@@ -61,14 +61,26 @@ class Sampler:
         assert logits.shape[1] == self.vocab_size, (logits.shape, self.vocab_size)
         params = [s.sampling_params for s in states]
         logits = logits.float()
+        # One pass over the rows for what the batch needs (most steps: plain greedy or plain sampling, no logprobs).
+        any_logprobs = any_min_tokens = False
+        penalty_rows = []
+        sample_rows = []
+        for i, p in enumerate(params):
+            if p.logprobs is not None:
+                any_logprobs = True
+            if p.min_tokens > 0:
+                any_min_tokens = True
+            if p.has_penalties:
+                penalty_rows.append(i)
+            if not p.greedy:
+                sample_rows.append(i)
 
         raw_logprobs = None
-        if any(p.logprobs is not None for p in params):
+        if any_logprobs:
             raw_logprobs = torch.log_softmax(logits, dim=-1)  # [B, V]
 
-        min_tokens_masks = self._min_tokens_masks(states)
-        penalty_rows = [i for i, p in enumerate(params) if p.has_penalties]
-        if all(p.greedy for p in params) and not penalty_rows and not min_tokens_masks:
+        min_tokens_masks = self._min_tokens_masks(states) if any_min_tokens else []
+        if not sample_rows and not penalty_rows and not min_tokens_masks:
             token_ids = logits.argmax(dim=-1)  # fast path: plain greedy
         else:
             logits = logits.clone()
@@ -77,7 +89,6 @@ class Sampler:
             if penalty_rows:
                 self._apply_penalties(logits, states, penalty_rows)
             token_ids = logits.argmax(dim=-1)  # [B], right for greedy rows
-            sample_rows = [i for i, p in enumerate(params) if not p.greedy]
             if sample_rows:
                 sub = [states[i] for i in sample_rows]
                 rows = _tensor(sample_rows, torch.int64, logits.device)

@@ -64,9 +64,10 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
+            num_out, inflight = len(req.output_token_ids), req.num_inflight_tokens
             # An input may be the one token in flight (the model runner takes it from the last step's samples).
-            num_new = min(req.num_tokens + min(req.num_inflight_tokens, 1) - req.num_computed_tokens, budget)
-            if num_new <= 0 or req.num_output_tokens + req.num_inflight_tokens >= req.max_tokens:
+            num_new = min(len(req.prompt_token_ids) + num_out + min(inflight, 1) - req.num_computed_tokens, budget)
+            if num_new <= 0 or num_out + inflight >= req.max_tokens:
                 # Async scheduling: the next input is not sampled yet, or the token in flight is its last
                 # (max_tokens): nothing to do until the engine reads it.
                 i += 1
@@ -102,11 +103,13 @@ class Scheduler:
             out.scheduled.append((req, num_new))
             budget -= num_new
 
+        samples_list = out.samples
         for req, n in out.scheduled:
             req.num_computed_tokens += n
-            samples = req.num_computed_tokens == req.num_tokens + req.num_inflight_tokens
+            samples = req.num_computed_tokens == (len(req.prompt_token_ids) + len(req.output_token_ids)
+                                                  + req.num_inflight_tokens)
             req.num_inflight_tokens += samples
-            out.samples.append(samples)
+            samples_list.append(samples)
         return out
 
     def _preempt(self, req: Request) -> None:
@@ -121,11 +124,12 @@ class Scheduler:
         """The step's sampled tokens are read (the engine appends them next): they are no longer in flight, and
         full blocks whose tokens are all known enter the prefix cache (KV a later step still writes is ordered
         before any reader of the block on the device)."""
+        cache_blocks = self.kv.cache_blocks if self.kv.enable_caching else None
         for (req, _), samples in zip(out.scheduled, out.samples):
             if samples:
                 req.num_inflight_tokens -= 1
-            if not req.is_finished:
-                self.kv.cache_blocks(req, min(req.num_computed_tokens, req.num_tokens))
+            if cache_blocks is not None and not req.is_finished:
+                cache_blocks(req, min(req.num_computed_tokens, len(req.prompt_token_ids) + len(req.output_token_ids)))
 
     def finish(self, req: Request, status: RequestStatus) -> None:
         """Ends a request; frees its blocks unless it holds them for a KV transfer (kv_hold)."""
