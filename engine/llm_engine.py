@@ -468,7 +468,7 @@ class LLMEngine:
         return StepOutput(
             req.parent_id, req.index, new_tokens, new_text,
             [logprobs] if (logprobs is not None and req.logprobs is not None) else None,
-            finished, FINISH_REASONS.get(status), req.stop_reason, len(req.prompt_token_ids),
+            finished, FINISH_REASONS[status] if finished else None, req.stop_reason, len(req.prompt_token_ids),
             len(req.output_token_ids), req.num_cached_tokens, req.num_computed_tokens)
 
     def _forget(self, req: Request) -> None:

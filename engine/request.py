@@ -31,7 +31,9 @@ class RequestStatus(enum.Enum):
 
 FINISH_REASONS = {RequestStatus.FINISHED_STOPPED: "stop", RequestStatus.FINISHED_LENGTH: "length",
                   RequestStatus.FINISHED_ABORTED: "abort"}
-FINISHED = frozenset(FINISH_REASONS)  # the statuses of a request that ended
+# The statuses of a request that ended. A tuple: `in` finds a member by identity, where a set would hash it through
+# Enum.__hash__, a Python call.
+FINISHED = tuple(FINISH_REASONS)
 
 
 class Request:
