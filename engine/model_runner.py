@@ -316,8 +316,7 @@ class StepHandle:
         self._done = done  # a step that samples nothing: its end on the device
         # The next step's sampling must see this step's tokens on the host (penalties count output tokens,
         # min_tokens masks by output length): the engine reads this step before scheduling the next.
-        self.needs_sync = any(r.sampling_params.has_penalties or r.sampling_params.min_tokens > 0
-                              for r in requests)
+        self.needs_sync = sample is not None and sample.needs_host_tokens
 
     @property
     def token_ids(self) -> torch.Tensor:

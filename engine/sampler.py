@@ -94,7 +94,7 @@ class Sampler:
                 rows = _tensor(sample_rows, torch.int64, logits.device)
                 token_ids[rows] = self._sample(logits[rows], sub)
 
-        return DeviceSample(token_ids, raw_logprobs, params)
+        return DeviceSample(token_ids, raw_logprobs, params, needs_host_tokens=bool(penalty_rows) or any_min_tokens)
 
     # ---- logits processing -------------------------------------------------------------------------------
 
@@ -150,9 +150,12 @@ class Sampler:
 class DeviceSample:
     """One step's sampled tokens (and logprobs) on the device, with a non-blocking copy to the host under way."""
 
-    def __init__(self, token_ids: torch.Tensor, raw_logprobs: torch.Tensor | None, params: list[SamplingParams]):
+    def __init__(self, token_ids: torch.Tensor, raw_logprobs: torch.Tensor | None, params: list[SamplingParams],
+                 needs_host_tokens: bool = False):
         self.token_ids = token_ids  # [B] int64, on the logits' device: the next step's inputs read it there
         self.params = params
+        # Some row has penalties or min_tokens: the next step's sampling needs this step's tokens on the host.
+        self.needs_host_tokens = needs_host_tokens
         self.num_top = 0
         if raw_logprobs is None:
             packed = token_ids

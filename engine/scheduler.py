@@ -66,7 +66,9 @@ class Scheduler:
             req = self.running[i]
             num_out, inflight = len(req.output_token_ids), req.num_inflight_tokens
             # An input may be the one token in flight (the model runner takes it from the last step's samples).
-            num_new = min(len(req.prompt_token_ids) + num_out + min(inflight, 1) - req.num_computed_tokens, budget)
+            num_new = len(req.prompt_token_ids) + num_out + (inflight > 0) - req.num_computed_tokens
+            if num_new > budget:
+                num_new = budget
             if num_new <= 0 or num_out + inflight >= req.max_tokens:
                 # Async scheduling: the next input is not sampled yet, or the token in flight is its last
                 # (max_tokens): nothing to do until the engine reads it.
