@@ -14,9 +14,8 @@ import numpy as np
 import torch
 
 from engine.config import EngineConfig, parse_dtype
-from engine.loader import ResolvedModel, load_weights
-from engine.model import AttentionMetadata, LayerKV, LlamaForCausalLM
-from engine.quant import quantize_model
+from engine.loader import ResolvedModel, build_model
+from engine.model import AttentionMetadata, LayerKV
 from engine.request import Request
 from engine.sampler import DeviceSample, Sampler, SamplerOutput, to_device_nowait
 from engine.scheduler import SchedulerOutput
@@ -46,15 +45,9 @@ class ModelRunner:
         self.device = config.device.torch_device
         hf_config = resolved.config
         self.dtype = self._resolve_dtype(config.model.dtype, hf_config, self.device)
-        torch.manual_seed(config.model.seed)
-        with torch.device(self.device):
-            model = LlamaForCausalLM(hf_config)
-        model.to(self.dtype)
-        model.cos_sin_cache = model.cos_sin_cache.float()
-        model.tie_weights()
-        load_weights(model, resolved)
-        model.fuse_projections()
-        quantize_model(model, config.model.quantization)
+        # Built on the meta device, each part allocated in its dtype as it loads (fp8 linears as fp8): the peak is
+        # about the final model, not a float32 copy of it (engine/loader.build_model).
+        model = build_model(resolved, self.dtype, self.device, config.model.quantization, config.model.seed)
         model.eval()
         self.model = model
         self.hf_config = hf_config
