@@ -43,12 +43,12 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")  # nothing is ever downloaded; also
 import torch
 from transformers import AutoConfig, PretrainedConfig, PreTrainedTokenizerBase
 
+from engine.config import SUPPORTED_ARCHITECTURES
 from engine.presets import PRESETS, preset_config
 from engine.tokenizer import is_synthetic, load_synthetic, synthetic_tokenizer
 
 logger = logging.getLogger(__name__)
 
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
 SMOLLM2_ALIAS = "smollm2"
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 RANDOM_PREFIX = "random:"

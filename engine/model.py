@@ -11,10 +11,10 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from engine.config import SUPPORTED_ARCHITECTURES
 import kernels
 from kernels.gemv import linear as small_batch_linear
 
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
 
 
 @dataclass

@@ -25,9 +25,10 @@ if str(ROOT) not in sys.path:  # run as a script
     sys.path.insert(0, str(ROOT))
 
 from engine.loader import ResolvedModel, build_model, load_weights, resolve_model  # noqa: E402
-from engine.model import AttentionMetadata, LayerKV, LlamaForCausalLM  # noqa: E402
+from engine.model import LlamaForCausalLM  # noqa: E402
 from engine.quant import Fp8Linear, quantize_model  # noqa: E402
 from kernels._checks import FP8_DTYPE  # noqa: E402
+from tests.engine.test_tp import prefill_decode_logits  # noqa: E402
 
 
 def build_as_before(resolved: ResolvedModel, dtype: torch.dtype, device: str, quantization: str | None,
@@ -65,22 +66,7 @@ def assert_same_model(got: nn.Module, want: nn.Module) -> None:
 
 
 def logits(model: nn.Module, tokens: list[int]) -> torch.Tensor:
-    """One prefill of `tokens`, then one decode of token 7, through a private paged cache; logits of both."""
-    cfg = model.config
-    n, bs, layers = len(tokens), 16, cfg.num_hidden_layers
-    cache = torch.zeros(8, layers, 2, bs, cfg.num_key_value_heads, model.head_dim,
-                        dtype=model.model.embed_tokens.weight.dtype)
-    kv = [LayerKV(cache[:, l, 0], cache[:, l, 1]) for l in range(layers)]
-    tables = torch.arange(8, dtype=torch.int32)[None]
-    out = []
-    for ids, pos in ((tokens, list(range(n))), ([7], [n])):
-        meta = AttentionMetadata(slot_mapping=torch.tensor(pos), block_tables=tables,
-                                 seq_lens=torch.tensor([pos[-1] + 1], dtype=torch.int32),
-                                 query_start_loc=torch.tensor([0, len(ids)], dtype=torch.int32),
-                                 max_query_len=len(ids), max_seq_len=pos[-1] + 1)
-        with torch.inference_mode():
-            out.append(model.compute_logits(model(torch.tensor(ids), torch.tensor(pos), kv, meta)).float())
-    return torch.cat(out)
+    return prefill_decode_logits(model, tokens)
 
 
 PROBE = [(i * 29) % 500 + 3 for i in range(40)]

@@ -11,13 +11,15 @@ import torch.multiprocessing as mp
 from torch import nn
 
 
-def _logits(model, tokens: list[int], num_kv_heads: int) -> torch.Tensor:
-    """One prefill of `tokens`, then one decode of token 7, through a private paged cache; logits of both."""
+def prefill_decode_logits(model, tokens: list[int], num_kv_heads: int | None = None) -> torch.Tensor:
+    """One prefill of `tokens`, then one decode of token 7, through a private paged cache in the model's dtype;
+    float32 logits of both. num_kv_heads: a rank's share when the model is sharded (default: the config's)."""
     from engine.model import AttentionMetadata, LayerKV
 
     n, bs = len(tokens), 16
     layers = model.config.num_hidden_layers
-    cache = torch.zeros(8, layers, 2, bs, num_kv_heads, model.head_dim)
+    heads = model.config.num_key_value_heads if num_kv_heads is None else num_kv_heads
+    cache = torch.zeros(8, layers, 2, bs, heads, model.head_dim, dtype=model.model.embed_tokens.weight.dtype)
     kv = [LayerKV(cache[:, l, 0], cache[:, l, 1]) for l in range(layers)]
     tables = torch.arange(8, dtype=torch.int32)[None]
     out = []
@@ -27,8 +29,7 @@ def _logits(model, tokens: list[int], num_kv_heads: int) -> torch.Tensor:
                                  query_start_loc=torch.tensor([0, len(ids)], dtype=torch.int32),
                                  max_query_len=len(ids), max_seq_len=pos[-1] + 1)
         with torch.inference_mode():
-            h = model(torch.tensor(ids), torch.tensor(pos), kv, meta)
-            out.append(model.compute_logits(h))
+            out.append(model.compute_logits(model(torch.tensor(ids), torch.tensor(pos), kv, meta)).float())
     return torch.cat(out)
 
 
@@ -56,7 +57,7 @@ def _worker(rank: int, world: int, store: str, model_dir: str, tokens: list[int]
         # Online fp8 quantizes before the split, so the ranks hold one process's fp8 weights and scales.
         model = shard_model(quantize_model(_load(model_dir), quantization), rank, world)
         model.fuse_projections()
-        logits = _logits(model, tokens, model.config.num_key_value_heads // world)
+        logits = prefill_decode_logits(model, tokens, model.config.num_key_value_heads // world)
         if rank == 0:
             queue.put(logits.numpy())  # by value: a shared-memory tensor dies with this process
         # Both ranks leave together: a rank tearing gloo down while its peer's pair thread still runs aborted that
@@ -87,7 +88,7 @@ TOKENS = [(i * 13) % 500 + 3 for i in range(40)]
 @pytest.mark.parametrize("fixture", ["tiny_llama_dir", "tiny_qwen2_dir"])
 def test_two_gloo_ranks_equal_one_process(request, fixture, tmp_path):
     model_dir = request.getfixturevalue(fixture)
-    ref = _logits(_load(model_dir), TOKENS, 2)
+    ref = prefill_decode_logits(_load(model_dir), TOKENS, 2)
     got = _run_two_ranks(tmp_path, model_dir, TOKENS)
     assert got.shape == ref.shape
     torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-4)
@@ -146,7 +147,7 @@ def test_two_gloo_ranks_equal_one_process_fp8(request, tmp_path, fixture, fp8):
     one.fuse_projections()
     assert all(isinstance(m, Fp8Linear) for layer in one.model.layers for m in
                (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj))
-    whole = _logits(one, TOKENS, 2)
+    whole = prefill_decode_logits(one, TOKENS, 2)
     got = _run_two_ranks(tmp_path, model_dir, TOKENS, quantization)
     assert got.shape == whole.shape
     if fp8 == "fp8-static":
@@ -156,10 +157,10 @@ def test_two_gloo_ranks_equal_one_process_fp8(request, tmp_path, fixture, fp8):
     for layer in one.model.layers:
         layer.self_attn.o_proj = _SlicedInputs(layer.self_attn.o_proj, 2)
         layer.mlp.down_proj = _SlicedInputs(layer.mlp.down_proj, 2)
-    ref = _logits(one, TOKENS, 2)
+    ref = prefill_decode_logits(one, TOKENS, 2)
     torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-4)
     assert torch.equal(got.argmax(-1), ref.argmax(-1))
-    exact = _logits(_load(src), TOKENS, 2)  # the unquantized model
+    exact = prefill_decode_logits(_load(src), TOKENS, 2)  # the unquantized model
 
     def error(logits: torch.Tensor) -> float:
         return ((logits - exact).norm(dim=-1) / exact.norm(dim=-1)).mean().item()
