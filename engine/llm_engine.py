@@ -29,6 +29,7 @@ from engine.config import EngineConfig
 from engine.kv_cache_manager import KVCacheManager
 from engine.loader import load_tokenizer, resolve_model
 from engine.model_runner import ModelRunner, StepHandle, warm_up_attention
+from engine.quant import Fp8Linear
 from engine.request import FINISH_REASONS, FINISHED, Request, RequestStatus
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
@@ -177,8 +178,11 @@ class LLMEngine:
         self.async_scheduling = self.runner.device.type == "cuda" if a is None else a
         self.last_stats: StepStats | None = None
         self.step_log: list[StepStats] | None = None  # set to [] to keep every step's stats (benchmarks)
-        log.info("engine ready: model=%s dtype=%s device=%s blocks=%d x %d tokens, max_model_len=%d",
-                 self.model_name, self.runner.dtype, self.runner.device, self.runner.num_blocks, bs, max_model_len)
+        fp8 = sum(isinstance(m, Fp8Linear) for m in self.runner.model.modules())
+        log.info("engine ready: model=%s dtype=%s weights=%s kv_cache=%s device=%s blocks=%d x %d tokens, "
+                 "max_model_len=%d", self.model_name, self.runner.dtype,
+                 f"fp8 ({fp8} linears)" if fp8 else "16-bit" if self.runner.dtype != torch.float32 else "float32",
+                 self.runner.kv_dtype, self.runner.device, self.runner.num_blocks, bs, max_model_len)
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs, decode_graphs: bool = True) -> "LLMEngine":
