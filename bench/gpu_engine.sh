@@ -2,7 +2,8 @@
 # One device call: engine checks on CUDA, then latency, throughput and the decode-step profile. Logs go to $OUT.
 #   TANDEM_COMMIT=<sha> bash bench/gpu_engine.sh [stage ...]
 # stages: parity latency perf profile (the default: these four), checks (kernel tests + parity side by side), kvx
-# (KV transfer paths), ttft (idle disaggregated stack, through bench/gpu_serve.sh)
+# (KV transfer paths), ttft (idle disaggregated stack, through bench/gpu_serve.sh), build (the engine's model build
+# on CUDA: build_model's tests, fp8 checkpoints, and the build's peak GPU memory against the final model's size)
 # Env: NP/OL/IL (throughput prompts, output and input length), BACKENDS ("tandem hf"), MNS (max_num_seqs list,
 # e.g. "256 512"), MBT (max_num_batched_tokens), VARIANTS (engine flag sets for latency and perf, separated by
 # ";", e.g. VARIANTS=";--kv-cache-dtype fp8;--quantization fp8 --kv-cache-dtype fp8": "" is the bf16 default).
@@ -23,6 +24,18 @@ for stage in $stages; do
         > "$OUT/parity.log" 2>&1 &
       wait
       tail -2 "$OUT/test_kernels.log"; grep -E "passed|failed|bf16 vs|agree|^E " "$OUT/parity.log" | tail -12 ;;
+    build)
+      timeout ${BUILD_TIMEOUT:-240} python3 -m pytest -q -p no:cacheprovider tests/engine/test_build_model.py \
+        tests/engine/test_quant.py 2>&1 | tee "$OUT/build.log" | grep -E "passed|failed|^E " | tail -8
+      timeout 200 python3 -c "
+import torch
+from engine.loader import build_model, resolve_model
+r = resolve_model('random:qwen2.5-7b')
+torch.cuda.reset_peak_memory_stats()
+m = build_model(r, torch.bfloat16, 'cuda', None, 0)
+size = sum(t.numel() * t.element_size() for t in {id(p): p for p in m.parameters()}.values())
+print(f'build: model {size / 2**30:.2f} GiB, peak allocated {torch.cuda.max_memory_allocated() / 2**30:.2f} GiB')
+" 2>&1 | tail -2 ;;
     parity)
       timeout 300 python3 -m pytest -q -s tests/engine/test_cuda_parity.py -p no:cacheprovider 2>&1 | tee "$OUT/parity.log" \
         | grep -E "passed|failed|Error|bf16 vs|agree|^E " | tail -25 ;;
