@@ -785,13 +785,14 @@ def paged_attention_triton(
             new_kv = 1
     if new_kv == 0:
         k = v = q  # unused
-    k_words, v_words = _fp8_words(k_cache), _fp8_words(v_cache)
-    fp8x4 = (bool(cfg["fp8x4"]) and new_kv == 0 and head_dim == head_dim_pad and head_dim % 64 == 0
-             and k_words is not None and v_words is not None)
-    kc, vc = (k_words, v_words) if fp8x4 else (k_cache, v_cache)
     fp8_via_fp16 = bool(cfg["fp8_via_fp16"]) and k_cache.dtype == FP8_DTYPE and q.dtype == torch.bfloat16
-    if fp8x4:  # 2 (the PTX conversion) needs fp16 dot operands and a compiler (not the interpreter)
-        fp8x4 = 2 if cfg["fp8x4"] == 2 and not dot_fp32 and (fp8_via_fp16 or q.dtype == torch.float16) else 1
+    kc, vc, fp8x4 = k_cache, v_cache, 0
+    if cfg["fp8x4"] and head_dim == head_dim_pad and head_dim % 64 == 0:  # an fp8 cache only (_fp8_words)
+        k_words, v_words = _fp8_words(k_cache), _fp8_words(v_cache)
+        if k_words is not None and v_words is not None:
+            kc, vc = k_words, v_words
+            # 2 (the PTX conversion) needs fp16 dot operands and a compiler (not the interpreter)
+            fp8x4 = 2 if cfg["fp8x4"] == 2 and not dot_fp32 and (fp8_via_fp16 or q.dtype == torch.float16) else 1
     grid = (num_tokens // block_q + num_seqs, num_kv_heads, num_segments)
     maxnreg = {} if interpreting() or not cfg["maxnreg"] else {"maxnreg": cfg["maxnreg"]}
     LAST_LAUNCH["kernel"] = _paged_attention_kernel[grid](
@@ -808,7 +809,7 @@ def paged_attention_triton(
         BLOCK_M=block_m, BLOCK_Q=block_q, TILE_N=tile_n, NUM_SEGMENTS=num_segments,
         DOT_FP32=dot_fp32, PRECISION="ieee" if dot_fp32 else "tf32",
         FP8_VIA_FP16=fp8_via_fp16,
-        NEW_KV=new_kv, OPAQUE_ZERO=not interpreting(), FP8X4=int(fp8x4), num_warps=cfg["num_warps"],
+        NEW_KV=new_kv, OPAQUE_ZERO=not interpreting(), FP8X4=fp8x4, num_warps=cfg["num_warps"],
         num_stages=cfg["num_stages"], **maxnreg,
     )
     if num_segments > 1:
