@@ -147,13 +147,18 @@ def clean(loads) -> bool:
     return all(x.num_used_blocks == 0 and x.num_tracked_requests == 0 for x in loads)
 
 
-def test_the_prompt_reaches_prefill_before_the_reservation_answers(engines, expected, hops):
+def hops_of_one_request(engines, expected, hops, request_id: str) -> list[str]:
+    """One request through the stack, alone: its tokens are the expected ones, every engine ends idle; its hops."""
     async def scenario(stack):
-        return await generate(stack.router, "a"), await stack.idle()
+        return await generate(stack.router, request_id), await stack.idle()
 
     toks, loads = run(engines, scenario)
     assert toks == expected and clean(loads), loads
-    events = hops("a")
+    return hops(request_id)
+
+
+def test_the_prompt_reaches_prefill_before_the_reservation_answers(engines, expected, hops):
+    events = hops_of_one_request(engines, expected, hops, "a")
     assert events.index("router.prefill_sent") < events.index("router.reserved"), events
     assert "prefill.in" in events and "decode.reserved" in events
 
@@ -344,12 +349,7 @@ def test_a_transfer_without_any_decode_call_gives_up_after_the_wait(engines, mon
 
 # ------------------------------------------------------------------ the prefill side: nothing on its loop mid-step
 def test_a_one_chunk_prompt_opens_its_transfer_after_the_first_token(engines, expected, hops):
-    async def scenario(stack):
-        return await generate(stack.router, "j"), await stack.idle()
-
-    toks, loads = run(engines, scenario)
-    assert toks == expected and clean(loads), loads
-    events = hops("j")
+    events = hops_of_one_request(engines, expected, hops, "j")
     assert events.index("prefill.yield") < events.index("prefill.tx_open"), events
 
 
