@@ -461,8 +461,7 @@ class LLMEngine:
         if finished:
             text_end = len(text)
         else:
-            stop = req.sampling_params.stop
-            text_end = len(text) - (max(map(len, stop)) - 1 if stop else 0)  # stop_holdback
+            text_end = len(text) - stop_holdback(req.sampling_params)
             if text_end < sent:
                 text_end = sent
         new_text = text[sent:text_end] if text_end > sent else ""
