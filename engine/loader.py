@@ -351,7 +351,7 @@ def load_weights(model: torch.nn.Module, resolved: ResolvedModel, *, device: tor
     if wrong_dtype:
         raise ValueError(
             f"model={resolved.spec!r}: checkpoint in {resolved.weights_dir} stores tensors in another format than "
-            f"its config.json says (quantization_config quant_method={_quant_method(resolved.config)!r}): "
+            f"its config.json says (quantization_config quant_method={fp8.quant_method if fp8 is not None else None!r}): "
             f"{_short(sorted(wrong_dtype))}; fp8 (float8_e4m3fn) weights load only into the linears the "
             "quantization_config makes fp8 (quant_method 'fp8' or 'compressed-tensors', not in its ignore list), and "
             "those need fp8 tensors"
@@ -453,11 +453,6 @@ def build_model(resolved: ResolvedModel, dtype: torch.dtype, device: torch.devic
     if device.type == "cuda":
         torch.cuda.empty_cache()
     return model
-
-
-def _quant_method(config: PretrainedConfig) -> str | None:
-    qc = getattr(config, "quantization_config", None)
-    return None if qc is None else (qc if isinstance(qc, dict) else qc.to_dict()).get("quant_method")
 
 
 def _set_tied(model: torch.nn.Module, tie: bool) -> None:
