@@ -9,6 +9,9 @@ _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
 QUANTIZATION_METHODS = ("fp8",)
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")  # engine/model.py runs these
+# The linears engine/model.py fuses (fuse_projections), by their names inside a decoder layer: fused -> shards in order.
+FUSED_LINEARS = {"self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+                 "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj")}
 
 
 def parse_dtype(name: str) -> torch.dtype:

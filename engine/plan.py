@@ -115,9 +115,7 @@ def count_params(config: PretrainedConfig) -> int:
     return embed + config.num_hidden_layers * per_layer + h + head
 
 
-# The HF names of the shards of each fused linear that linear_shapes lists, in its order.
-_FUSED_MEMBERS = (("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"), ("self_attn.o_proj",),
-                  ("mlp.gate_proj", "mlp.up_proj"), ("mlp.down_proj",))
+_LAYER_LINEARS = ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj")  # linear_shapes' order
 
 
 def linear_shapes(config: PretrainedConfig) -> list[tuple[int, int]]:
@@ -135,6 +133,7 @@ def weight_bytes_of(config: PretrainedConfig, dtype: str, quantization: str | No
     (config.quantization_config) is sized as the engine loads it, with or without quantization='fp8': its fp8
     linears as above plus a float32 input scale per fused linear where its scales are static, the linears it
     ignores in `dtype`."""
+    from engine.config import FUSED_LINEARS
     from engine.quant import Fp8Scheme, fp8_checkpoint
 
     total = count_params(config) * _DTYPE_BYTES[dtype]
@@ -145,8 +144,9 @@ def weight_bytes_of(config: PretrainedConfig, dtype: str, quantization: str | No
         return total
     online = Fp8Scheme(per_channel=True, static_input=False)
     for i in range(config.num_hidden_layers):
-        for (n, k), members in zip(linear_shapes(config), _FUSED_MEMBERS):
-            scheme = online if checkpoint is None else checkpoint.scheme(f"model.layers.{i}.{members[0]}")
+        for (n, k), name in zip(linear_shapes(config), _LAYER_LINEARS):
+            shard = FUSED_LINEARS.get(name, (name,))[0]  # a fused linear has its shards' scheme (one for all)
+            scheme = online if checkpoint is None else checkpoint.scheme(f"model.layers.{i}.{shard}")
             if scheme is not None:
                 total += n * k * (1 - _DTYPE_BYTES[dtype]) + 4 * n + (4 if scheme.static_input else 0)
     return total

@@ -39,7 +39,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from engine.config import QUANTIZATION_METHODS
+from engine.config import FUSED_LINEARS, QUANTIZATION_METHODS
 from kernels._checks import FP8_DTYPE, FP8_MAX
 from kernels.gemv import MAX_M, gemv_triton, table_config
 from kernels.quant_fp8 import per_token_quant_fp8_ref, per_token_quant_fp8_triton
@@ -201,8 +201,8 @@ def check_online_fp8(model: nn.Module, device: torch.device, dtype: torch.dtype)
     shapes: dict[str, tuple[int, int]] = {}
     for name in names:
         n, k = model.model.layers.get_submodule(name).weight.shape
-        parent, _, attr = name.rpartition(".")
-        key = f"{parent}.{_FUSED_INTO.get(attr, attr)}"
+        layer, _, linear = name.partition(".")  # "3", "self_attn.q_proj"
+        key = f"{layer}.{_FUSED_INTO.get(linear, linear)}"
         shapes[key] = (shapes.get(key, (0, k))[0] + n, k)
     for key, (n, k) in shapes.items():
         check_fp8_shape(f"model.layers.{key}", n, k)
@@ -250,9 +250,7 @@ def quantize_model(model: nn.Module, method: str | None) -> nn.Module:
 
 FP8_CHECKPOINT_METHODS = ("fp8", "compressed-tensors")
 _CT_FORMATS = ("float-quantized", "naive-quantized")  # compressed-tensors formats that store fp8 values as they are
-_FUSED = (("self_attn", ("q_proj", "k_proj", "v_proj")), ("mlp", ("gate_proj", "up_proj")))
-_FUSED_INTO = {"q_proj": "qkv_proj", "k_proj": "qkv_proj", "v_proj": "qkv_proj", "gate_proj": "gate_up_proj",
-               "up_proj": "gate_up_proj"}  # fuse_projections' names (engine/model.py)
+_FUSED_INTO = {shard: fused for fused, shards in FUSED_LINEARS.items() for shard in shards}
 
 
 @dataclass(frozen=True)
@@ -398,8 +396,8 @@ def prepare_fp8_checkpoint(model: nn.Module, checkpoint: Fp8Checkpoint,
             scheme = schemes[name]
             assert scheme is not None and scheme.static_input == (module.input_scale is not None), (name, scheme)
     for i in range(len(layers)):  # a fused group runs as one GEMM: one format for all its shards
-        for parent, shards in _FUSED:
-            got = {f"model.layers.{i}.{parent}.{s}": schemes.get(f"{i}.{parent}.{s}") for s in shards}
+        for shards in FUSED_LINEARS.values():
+            got = {f"model.layers.{i}.{s}": schemes.get(f"{i}.{s}") for s in shards}
             if len({None if g is None else g.static_input for g in got.values()}) > 1:
                 raise ValueError(f"quantization_config: {', '.join(f'{n} is {_describe(g)}' for n, g in got.items())}"
                                  "; they run fused as one GEMM, so they need one format (check its ignore list)")
