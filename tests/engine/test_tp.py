@@ -1,7 +1,9 @@
 """Tensor parallelism on the CPU: 2 gloo ranks running the sharded model give one process's logits, 16-bit and fp8."""
 from __future__ import annotations
 
+import os
 import sys
+import traceback
 from pathlib import Path
 
 import pytest
@@ -47,6 +49,21 @@ def _load(model_dir):
 
 def _worker(rank: int, world: int, store: str, model_dir: str, tokens: list[int], queue,
             quantization: str | None = None) -> None:
+    try:
+        _rank(rank, world, store, model_dir, tokens, queue, quantization)
+        queue.close()
+        queue.join_thread()  # rank 0's logits are in the pipe before the process ends
+    except BaseException:
+        traceback.print_exc()
+        sys.stderr.flush()
+        os._exit(1)
+    # No interpreter teardown: with gloo's threads still winding down, it aborted a rank now and then
+    # ("terminate called without an active exception", exit code -6) after both ranks had finished and left.
+    os._exit(0)
+
+
+def _rank(rank: int, world: int, store: str, model_dir: str, tokens: list[int], queue,
+          quantization: str | None) -> None:
     torch.set_num_threads(1)
     # A file rendezvous: no port to race for.
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
@@ -61,7 +78,7 @@ def _worker(rank: int, world: int, store: str, model_dir: str, tokens: list[int]
         if rank == 0:
             queue.put(logits.numpy())  # by value: a shared-memory tensor dies with this process
         # Both ranks leave together: a rank tearing gloo down while its peer's pair thread still runs aborted that
-        # peer once ("terminate called without an active exception", exit code -6) in a loaded full-suite run.
+        # peer once in a loaded full-suite run.
         dist.barrier()
     finally:
         dist.destroy_process_group()
