@@ -43,6 +43,10 @@ class ModelRunner:
     def __init__(self, config: EngineConfig, resolved: ResolvedModel, eos_token_id: int | None):
         self.config = config
         self.device = config.device.torch_device
+        if self.device.type == "cuda":
+            if self.device.index is None:
+                self.device = torch.device("cuda", torch.cuda.current_device())
+            use_device(self.device)
         hf_config = resolved.config
         self.dtype = self._resolve_dtype(config.model.dtype, hf_config, self.device)
         # Built on the meta device, each part allocated in its dtype as it loads (fp8 linears as fp8): the peak is
@@ -289,6 +293,14 @@ class ModelRunner:
                    for a in layer] for layer in amax]
         log.info("fp8 KV scales (K, V) per layer: %s", [(round(k, 4), round(v, 4)) for k, v in scales])
         return [k for k, _ in scales], [v for _, v in scales]
+
+
+def use_device(device: torch.device) -> None:
+    """Makes `device` the calling thread's current CUDA device (a no-op on the CPU). Triton launches, CUDA graph
+    replays and events go to the thread's current device, not to their tensors': a runner on cuda:1 stepped from a
+    thread left on cuda:0 would launch its kernels on the wrong GPU. Every thread that steps an engine calls this."""
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
 
 
 def padded_block_tables(tables: list[list[int]]) -> np.ndarray:

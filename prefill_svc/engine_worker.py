@@ -93,6 +93,9 @@ class EngineWorker:
 
     def _run(self) -> None:
         from engine.llm_engine import gc_frozen  # (not at import: the router imports hop() without torch)
+        from engine.model_runner import use_device
+
+        use_device(self.engine.runner.device)  # this thread steps the engine: its kernels go to the engine's GPU
 
         # The start-up heap (model, tokenizer, libraries) stays out of full collections while the engine serves:
         # walking it stalled a step for 140-170 ms at batch 512.
