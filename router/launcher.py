@@ -12,8 +12,13 @@
    If any child exits on its own, the rest are stopped the same way and `tandem up` exits 1.
 
 `--colocated` starts the router alone, running one engine for both phases (`tandem router --colocated`): the
-non-disaggregated baseline, behind the same APIs and ports. Engines that share one GPU must each be given a fixed
-KV-cache size (--kv-cache-memory or --num-gpu-blocks-override): `main()` refuses to start them otherwise.
+non-disaggregated baseline, behind the same APIs and ports.
+
+GPUs: with `--device cuda` (or auto on a GPU host) and at least one GPU per engine (tensor_parallel_size each), engine
+k gets its own, `--device cuda:<k x tp>`, prefill workers first (DistServe's placement: the phases never share a GPU;
+every GPU stays visible to every worker, so decode maps prefill's cache through CUDA IPC and copies over NVLink).
+With fewer GPUs, or `--device cuda:N`, the engines share one GPU, and each must be given a fixed KV-cache size
+(--kv-cache-memory or --num-gpu-blocks-override): `main()` refuses to start them otherwise.
 """
 from __future__ import annotations
 
@@ -88,14 +93,32 @@ def _count(n: int | None) -> int:
     return 1 if n is None else n
 
 
-def launch_commands(ns: argparse.Namespace, address=None) -> dict[str, list[str]]:
+def _on_cuda(ns: argparse.Namespace) -> bool:
+    return ns.device.startswith("cuda") or (ns.device == "auto" and torch.cuda.is_available())
+
+
+def gpu_placement(ns: argparse.Namespace, num_gpus: int) -> list[str] | None:
+    """Each worker engine's --device, in start order (prefill workers, then decode), when every engine can have
+    GPUs of its own: engine k gets cuda:<k x tp> (it runs on tp GPUs from there). None: the engines share the one
+    GPU --device names (cpu; an explicit cuda:N; too few GPUs; --colocated)."""
+    if ns.colocated or not _on_cuda(ns) or ns.device not in ("cuda", "auto"):
+        return None
+    tp = getattr(ns, "tensor_parallel_size", 1)
+    engines = _count(ns.prefill) + _count(ns.decode)
+    if engines * tp > num_gpus:
+        return None
+    return [f"cuda:{k * tp}" for k in range(engines)]
+
+
+def launch_commands(ns: argparse.Namespace, address=None, num_gpus: int = 0) -> dict[str, list[str]]:
     """name -> the `tandem ...` command line of each process, in start order (workers, then the router).
 
     `address(name)` is the host others use to reach process `name` (compose: its service name); by default
-    the bind host (127.0.0.1 when binding every interface).
+    the bind host (127.0.0.1 when binding every interface). num_gpus: the GPUs this host has (gpu_placement).
     """
     address = address or (lambda name: _local(ns.host))
     engine = _engine_flags(ns)
+    devices = gpu_placement(ns, num_gpus)
     if ns.colocated:
         return {"router": ["tandem", "router", "--colocated", "--host", ns.host, "--grpc-port", str(ns.grpc_port),
                            "--http-port", str(ns.http_port), *engine]}
@@ -103,8 +126,12 @@ def launch_commands(ns: argparse.Namespace, address=None) -> dict[str, list[str]
     k = 0
     for role, count in (("prefill", _count(ns.prefill)), ("decode", _count(ns.decode))):
         for i in range(count):
+            flags = engine
+            if devices is not None:
+                at = flags.index("--device")
+                flags = [*flags[:at + 1], devices[k], *flags[at + 2:]]
             cmds[f"{role}-{i}"] = ["tandem", role, "--host", ns.host, "--port", str(ns.worker_port + k),
-                                   "--metrics-port", str(ns.metrics_port + k), *engine]
+                                   "--metrics-port", str(ns.metrics_port + k), *flags]
             k += 1
 
     def addrs(role: str) -> str:
@@ -160,7 +187,7 @@ def _stop_all(children: dict[str, subprocess.Popen], timeout: float) -> None:
                 proc.wait()
 
 
-def _check(ns: argparse.Namespace) -> str | None:
+def _check(ns: argparse.Namespace, num_gpus: int = 0) -> str | None:
     """What is wrong with the flags as a whole, or None."""
     if ns.colocated:
         given = [f"--{role}={n}" for role, n in (("prefill", ns.prefill), ("decode", ns.decode)) if n is not None]
@@ -170,11 +197,13 @@ def _check(ns: argparse.Namespace) -> str | None:
     if _count(ns.prefill) < 1 or _count(ns.decode) < 1:
         return f"--prefill={_count(ns.prefill)} --decode={_count(ns.decode)}: each must be >= 1"
     engines = _count(ns.prefill) + _count(ns.decode)
-    on_cuda = ns.device.startswith("cuda") or (ns.device == "auto" and torch.cuda.is_available())
-    if on_cuda and ns.kv_cache_memory is None and ns.num_gpu_blocks_override is None:
+    shared = _on_cuda(ns) and gpu_placement(ns, num_gpus) is None
+    if shared and ns.kv_cache_memory is None and ns.num_gpu_blocks_override is None:
         # Each engine sizes its KV cache as gpu_memory_utilization x the whole GPU, minus what every process holds
         # when it looks: engines started together on one GPU race for the same memory.
-        return (f"--device={ns.device} with {engines} engines on one GPU: give each a fixed KV cache with "
+        return (f"--device={ns.device} with {engines} engines on one GPU ({num_gpus} on this host, "
+                f"{engines * getattr(ns, 'tensor_parallel_size', 1)} needed for one each): give each a fixed KV "
+                "cache with "
                 "--kv-cache-memory GiB (e.g. 24 for a 7B model's prefill and decode on one 141 GB H200) or "
                 "--num-gpu-blocks-override; --gpu-memory-utilization counts the other engines' memory as used")
     return None
@@ -183,9 +212,10 @@ def _check(ns: argparse.Namespace) -> str | None:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     ns = parser.parse_args(argv)
-    if (problem := _check(ns)) is not None:
+    num_gpus = torch.cuda.device_count() if _on_cuda(ns) else 0
+    if (problem := _check(ns, num_gpus)) is not None:
         parser.error(problem)
-    cmds = launch_commands(ns)
+    cmds = launch_commands(ns, num_gpus=num_gpus)
     children: dict[str, subprocess.Popen] = {}
     health_url = f"http://{_local(ns.host)}:{ns.http_port}/health"
     signal.signal(signal.SIGTERM, _raise_stop)

@@ -152,3 +152,22 @@ def test_router_takes_instances_from_flags_or_environment(monkeypatch):
         parse_addresses(None, ENV_PREFILL)
     with pytest.raises(ValueError, match=r"--decode='decode-0': must be host:port"):
         parse_addresses("decode-0", ENV_DECODE)
+
+
+def test_each_engine_gets_gpus_of_its_own_when_the_host_has_enough():
+    from router.launcher import _check, gpu_placement
+
+    ns = build_parser().parse_args(["--prefill", "1", "--decode", "2", "--device", "cuda"])
+    cmds = launch_commands(ns, num_gpus=4)
+    devices = {name: cmd[cmd.index("--device") + 1] for name, cmd in cmds.items() if name != "router"}
+    assert devices == {"prefill-0": "cuda:0", "decode-0": "cuda:1", "decode-1": "cuda:2"}
+    assert _check(ns, num_gpus=4) is None  # no GPU is shared: each engine may size its cache from its GPU
+    assert "--device" not in cmds["router"]
+    ns.tensor_parallel_size = 2  # engine k runs on cuda:2k and cuda:2k+1
+    assert gpu_placement(ns, 6) == ["cuda:0", "cuda:2", "cuda:4"]
+    # Too few GPUs: the engines share the default one and need fixed KV caches.
+    assert gpu_placement(ns, 5) is None
+    assert _check(ns, num_gpus=5).startswith("--device=cuda with 3 engines on one GPU (5 on this host, 6 needed")
+    # An explicit GPU, the CPU and --colocated: no placement.
+    for argv in (["--device", "cuda:1"], ["--device", "cpu"], ["--colocated", "--device", "cuda"]):
+        assert gpu_placement(build_parser().parse_args(argv), 8) is None
