@@ -1,6 +1,8 @@
 """KV transfer bandwidth, prefill -> decode, on both paths: gRPC bytes and same-host CUDA IPC.
 
   python bench/kv_transfer.py --model random:qwen2.5-7b --dtype bfloat16 --device cuda     # both paths
+  python bench/kv_transfer.py --model random:qwen2.5-7b --dtype bfloat16 --device cuda --decode-device cuda:1
+                                                            # decode on a second GPU: the IPC copy crosses NVLink
   python bench/kv_transfer.py --model random:qwen2.5-7b --narrow --random-kv --device cpu \
       --kv-cache-memory 1                                   # gRPC path only: the 7B's KV bytes, not its weights
 
@@ -70,6 +72,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--model", default="random:tiny", help="model spec (random:<preset> for benchmarks)")
     p.add_argument("--dtype", default="auto", help="model (and KV cache) dtype")
     p.add_argument("--device", default="auto", help="cpu | cuda | auto")
+    p.add_argument("--decode-device", default=None,
+                   help="the decode service's device (default: --device); cuda:1 times the copy between two GPUs")
     p.add_argument("--input-lens", type=int, nargs="+", default=[512, 8192], help="prompt lengths, tokens")
     p.add_argument("--paths", nargs="+", choices=["grpc", "ipc"], default=None,
                    help="transfer paths (default: grpc and ipc on CUDA, grpc on the CPU)")
@@ -129,8 +133,8 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def engine_flags(args, max_model_len: int) -> list[str]:
-    return ["--model", args.model, "--dtype", args.dtype, "--device", args.device, "--block-size",
+def engine_flags(args, max_model_len: int, device: str) -> list[str]:
+    return ["--model", args.model, "--dtype", args.dtype, "--device", device, "--block-size",
             str(args.block_size), "--kv-cache-memory", str(args.kv_cache_memory), "--max-model-len",
             str(max_model_len), "--enforce-eager", "--no-enable-prefix-caching"]
 
@@ -315,6 +319,7 @@ def main(argv: list[str] | None = None) -> int:
         args.paths = ["grpc", "ipc"] if args.device == "cuda" else ["grpc"]
     if "ipc" in args.paths and args.device != "cuda":
         raise SystemExit("--paths ipc: CUDA IPC needs --device cuda")
+    args.decode_device = args.decode_device or args.device
     args.label = args.model + (" (narrow: its KV layout only)" if args.narrow else "")
     if args.narrow:
         args.model = narrow_model(args.model)
@@ -335,7 +340,7 @@ def main(argv: list[str] | None = None) -> int:
         decode = [sys.executable, "-m", "bench.kv_profile", "decode", "--out", str(profile.out), "--warmup",
                   str(args.warmup), "--"]
     proc = subprocess.Popen([*decode, "--port", str(args.port), "--log-level", "WARNING",
-                             *engine_flags(args, max_model_len)], cwd=REPO_ROOT, env=env,
+                             *engine_flags(args, max_model_len, args.decode_device)], cwd=REPO_ROOT, env=env,
                             stdout=log.open("w"), stderr=subprocess.STDOUT)
     try:
         blocks = -(-max_model_len // args.block_size) + 1 if args.random_kv else None  # one reserved prompt
@@ -364,6 +369,7 @@ def main(argv: list[str] | None = None) -> int:
         sender.blocks_per_message
     print(f"\nmodel {args.label}  kv dtype {layout.dtype}  {layout.num_layers} layers x {layout.num_kv_heads} kv heads "
           f"x {layout.head_dim}  {bytes_per_token} KV bytes/token  device {args.device}"
+          + (f" -> decode on {args.decode_device}" if args.decode_device != args.device else "")
           + (f" ({torch.cuda.get_device_name()})" if args.device == "cuda" else "")
           + f"  gRPC messages of {blocks_per_message} block(s): {blocks_per_message * layout.block_bytes >> 10} KiB")
     print("timed: open handed to gRPC -> decode's ack (decode committed); median of "
@@ -380,8 +386,10 @@ def main(argv: list[str] | None = None) -> int:
     if profile is not None:
         text, profiled = kv_profile.summarize(profile)
         print(text)
-    out = args.json or REPO_ROOT / "bench" / "results" / f"kv_transfer-{args.device}.json"
-    write_json(out, dict(model=args.label, dtype=layout.dtype, device=args.device, block_size=layout.block_size,
+    two = "" if args.decode_device == args.device else f"-to-{args.decode_device.replace(':', '')}"
+    out = args.json or REPO_ROOT / "bench" / "results" / f"kv_transfer-{args.device}{two}.json"
+    write_json(out, dict(model=args.label, dtype=layout.dtype, device=args.device, decode_device=args.decode_device,
+                         block_size=layout.block_size,
                          num_layers=layout.num_layers, num_kv_heads=layout.num_kv_heads, head_dim=layout.head_dim,
                          kv_bytes_per_token=bytes_per_token, random_kv=args.random_kv,
                          message_bytes=blocks_per_message * layout.block_bytes,

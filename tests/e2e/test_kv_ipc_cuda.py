@@ -1,5 +1,6 @@
-"""Same-host KV transfer through CUDA IPC, end to end on one GPU: a real decode process and a real prefill process
-started with `--kv-transfer ipc` (so a refused handshake fails the test instead of falling back to bytes), driven
+"""Same-host KV transfer through CUDA IPC, end to end on one GPU and across two: a real decode process and a real
+prefill process (on cuda:0 and cuda:1 in the second case, where the copy goes GPU to GPU) started with
+`--kv-transfer ipc` (so a refused handshake fails the test instead of falling back to bytes), driven
 the way the router drives them. Greedy outputs must equal `engine.LLM`'s on the same model and settings, every
 transfer must report the CUDA IPC path, no KV byte may have gone over gRPC (the path-labelled metrics of both
 processes), and no block may stay allocated. Skipped without CUDA (tests/prefill_svc and tests/decode_svc cover the
@@ -33,25 +34,29 @@ ENGINE = dict(model="random:tiny", device="cuda", dtype="float32", kv_cache_memo
 PROMPT_LENS = (5, 40, 100, 333)
 
 
-def flags() -> list[str]:
+def flags(device: str = "cuda") -> list[str]:
     out = []
-    for k, v in ENGINE.items():
+    for k, v in {**ENGINE, "device": device}.items():
         out += [f"--{k.replace('_', '-')}"] if v is True else [f"--{k.replace('_', '-')}", str(v)]
     return out
 
 
-@pytest.fixture(scope="module")
-def stack():
+@pytest.fixture(scope="module", params=["cuda:0", "cuda:1"], ids=["decode-same-gpu", "decode-on-second-gpu"])
+def stack(request):
+    decode_device = request.param
+    if torch.cuda.device_count() <= torch.device(decode_device).index:
+        pytest.skip(f"needs {decode_device}: {torch.cuda.device_count()} GPU(s) here")
     dport, pport, dmetrics, pmetrics = free_ports(4)
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     logs = {name: Path(os.environ.get("TMPDIR", "/tmp")) / f"tandem-ipc-{name}-{os.getpid()}.log"
             for name in ("decode", "prefill")}
     procs = {
         "decode": subprocess.Popen([sys.executable, "-m", "decode_svc.server", "--port", str(dport),
-                                    "--metrics-port", str(dmetrics), *flags()], cwd=ROOT, env=env,
+                                    "--metrics-port", str(dmetrics), *flags(decode_device)], cwd=ROOT, env=env,
                                    stdout=logs["decode"].open("w"), stderr=subprocess.STDOUT),
         "prefill": subprocess.Popen([sys.executable, "-m", "prefill_svc.server", "--port", str(pport),
-                                     "--metrics-port", str(pmetrics), "--kv-transfer", "ipc", *flags()], cwd=ROOT,
+                                     "--metrics-port", str(pmetrics), "--kv-transfer", "ipc", *flags("cuda:0")],
+                                    cwd=ROOT,
                                     env=env, stdout=logs["prefill"].open("w"), stderr=subprocess.STDOUT),
     }
 
