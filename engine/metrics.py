@@ -1,8 +1,9 @@
 """Prometheus metrics shared by the three roles (router, prefill, decode).
 
 Names follow vLLM's (`vllm:<name>` -> `tandem:<name>`), so a vLLM dashboard ports with one rename; every metric
-carries the labels `model` (served model name) and `role` ("router" | "prefill" | "decode"). Counters are exported
-by prometheus_client with the `_total` suffix, as vLLM's are (`tandem:prompt_tokens_total`).
+carries the labels `model` (served model name) and `role` ("router" | "prefill" | "decode" | "colocated": the
+engine inside `tandem router --colocated`, its step gauges kept apart from the router's own request metrics).
+Counters are exported by prometheus_client with the `_total` suffix, as vLLM's are (`tandem:prompt_tokens_total`).
 
 Each process creates one `Metrics(model, role)` and records into it; the metric objects live in the default
 registry, so exposing them is `start_metrics_server(port)` (prefill and decode: `--metrics-port`, an HTTP server
@@ -52,13 +53,14 @@ kv_transfer_failures = Counter("tandem:kv_transfer_failures",
                                "KV transfers that failed (deadline, layout mismatch, peer gone, cancelled).", LABELS)
 
 FINISHED_REASONS = ("stop", "length", "abort")
+ROLES = ("router", "prefill", "decode", "colocated")
 
 
 class Metrics:
     """The metric children of one process, bound to its model and role labels."""
 
     def __init__(self, model: str, role: str):
-        assert role in ("router", "prefill", "decode"), role
+        assert role in ROLES, role
         lv = dict(model=model, role=role)
         self._totals = (0, 0, 0)  # engine counters already counted: prefix queries, prefix hits, preemptions
         self.num_requests_running = num_requests_running.labels(**lv)

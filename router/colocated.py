@@ -31,6 +31,11 @@ def _add(engine, rid: str, prompt: list[int], params: SamplingParams) -> None:
     engine.add_request(rid, prompt, params)
 
 
+def _stats(engine, _outs):
+    """After each step, in the engine thread: its stats for the metrics (EngineWorker's after_step hook)."""
+    return engine.stats()
+
+
 def _abort(engine, rid: str) -> None:
     engine.abort(rid)  # no-op once the request finished and was forgotten
 
@@ -47,6 +52,9 @@ class ColocatedCore(RouterCore):
         self.max_model_len = engine.max_model_len
         self.vocab_size = engine.resolved.config.vocab_size
         self.metrics = Metrics(self.served_name, "router")
+        # The engine's step gauges (running, waiting, KV usage, prefix cache, preemptions) under role "colocated":
+        # the router's own num_requests_running counts its in-flight requests, waiting ones included.
+        self.engine_metrics = Metrics(self.served_name, "colocated")
         self._running = 0
         self._streams: dict[str, asyncio.Queue] = {}  # request id -> its StepOutputs (event loop only)
         self.worker: EngineWorker | None = None
@@ -58,7 +66,8 @@ class ColocatedCore(RouterCore):
         engine = await asyncio.to_thread(LLMEngine.from_engine_args, args)
         core = cls(RouterConfig(prefill_addrs=[], decode_addrs=[], model=args.model,
                                 served_model_name=args.served_model_name, max_model_len=args.max_model_len), engine)
-        core.worker = EngineWorker(engine, asyncio.get_running_loop(), core._on_step, name="colocated-engine")
+        core.worker = EngineWorker(engine, asyncio.get_running_loop(), core._on_step, _stats,
+                                   name="colocated-engine")
         core.worker.start()
         return core
 
@@ -73,11 +82,13 @@ class ColocatedCore(RouterCore):
         await asyncio.to_thread(self.worker.stop)
         self.worker = None
 
-    def _on_step(self, outs, _extra) -> None:
+    def _on_step(self, outs, stats) -> None:
         for out in outs:
             stream = self._streams.get(out.request_id)
             if stream is not None:
                 stream.put_nowait(out)
+        if stats is not None:
+            self.engine_metrics.observe_step(stats)
 
     async def _serve_one(self, rid: str, index: int, prompt: list[int], params: SamplingParams,
                          queue: asyncio.Queue) -> None:

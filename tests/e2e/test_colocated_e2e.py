@@ -136,6 +136,15 @@ def test_concurrent_streams_finish_and_nothing_stays_running(client):
     running = re.search(r'^tandem:num_requests_running\{[^}]*role="router"[^}]*\} (\S+)$', metrics, re.M)
     assert running is not None and float(running.group(1)) == 0.0
 
+    def engine(name: str) -> float:  # the colocated engine's own series (its step stats)
+        m = re.search(rf'^tandem:{name}\{{[^}}]*role="colocated"[^}}]*\}} (\S+)$', metrics, re.M)
+        assert m is not None, name
+        return float(m.group(1))
+
+    assert engine("prefix_cache_queries_total") >= 16  # in tokens: every prompt was looked up
+    assert engine("num_requests_running") == 0.0 and engine("num_requests_waiting") == 0.0
+    assert engine("kv_cache_usage_perc") == 0.0  # every block freed (cached blocks count as free)
+
 
 def test_serve_bench_sweeps_rates_and_probes_idle_ttft(colocated, tmp_path, capsys):
     from bench.serve import main as serve_main

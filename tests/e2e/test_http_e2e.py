@@ -320,6 +320,31 @@ def test_metrics_expose_tandem_series(client):
     assert re.search(r'^tandem:http_requests_total\{path="/v1/completions",status="200"\} [1-9]', text, re.M)
 
 
+def test_every_dashboard_query_finds_its_series_on_the_live_stack(tiny, client):
+    """docs/monitoring's Grafana dashboard: each metric a panel queries, with the role it selects, is exported by
+    this running stack (router /metrics and each worker's --metrics-port); a latency panel's histogram has
+    observations under that role once a request went through (every role exports every family, at 0 where it records
+    nothing: a panel reading the wrong role would show a flat line)."""
+    assert client.post("/v1/completions", json=greedy(prompt=PROMPTS[1], max_tokens=4)).status_code == 200
+    text = client.get("/metrics").text + "".join(
+        httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=5).text for port in tiny.metrics_ports)
+    series = [(m.group(1), dict(re.findall(r'(\w+)="([^"]*)"', m.group(2) or "")), float(m.group(3)))
+              for m in re.finditer(r"^(tandem:\w+)(?:\{([^}]*)\})? (\S+)$", text, re.M)]
+    dashboard = json.loads((ROOT / "docs/monitoring/grafana/dashboards/tandem.json").read_text())
+    queries = [t["expr"] for p in dashboard["panels"] for t in p.get("targets", [])]
+    assert len(queries) >= 15
+    missing = []
+    for expr in queries:
+        for name, selector in re.findall(r"(tandem:\w+)\{([^}]*)\}", expr):
+            role = re.search(r'role=(~?)"([^"]*)"', selector)
+            want = re.compile(role.group(2) if role else ".*")
+            observed = name.removesuffix("_bucket") + "_count" if name.endswith("_bucket") else name
+            if not any(n == observed and want.fullmatch(labels.get("role", "")) and (value > 0 or observed == name)
+                       for n, labels, value in series):
+                missing.append(f"{name}{{{selector}}}")
+    assert not missing, missing
+
+
 def test_ctrl_c_stops_every_process(tiny):
     pids = tiny.child_pids()
     assert sorted(pids) == ["decode-0", "decode-1", "prefill-0", "router"]
