@@ -16,6 +16,7 @@ The life of a request in here:
 from __future__ import annotations
 
 import asyncio
+import importlib.metadata
 import json
 import logging
 import re
@@ -35,10 +36,16 @@ from router.openai_protocol import (DEFAULT_COMPLETION_MAX_TOKENS, AssistantMess
                                     ChatCompletionChunk, ChatCompletionRequest, ChatCompletionResponse, ChatLogProbs,
                                     ChatStreamChoice, ChatTokenLogprob, CompletionChoice, CompletionChunk,
                                     CompletionLogProbs, CompletionRequest, CompletionResponse, DeltaMessage,
-                                    ErrorInfo, ErrorResponse, ModelCard, ModelList, SimpleGenerateRequest,
-                                    TopLogprob, UsageInfo, random_id)
+                                    DetokenizeRequest, DetokenizeResponse, ErrorInfo, ErrorResponse, ModelCard,
+                                    ModelList, SimpleGenerateRequest, TokenizeRequest, TokenizeResponse, TopLogprob,
+                                    UsageInfo, random_id)
 
 log = logging.getLogger("tandem.router.http")
+
+try:
+    _VERSION = importlib.metadata.version("tandem")
+except importlib.metadata.PackageNotFoundError:  # a source tree that was never pip-installed (the GPU machine)
+    _VERSION = "unknown"
 
 HTTP_REQUESTS = Counter("tandem:http_requests", "HTTP requests answered by the router, by path and status code",
                         ["path", "status"])
@@ -315,6 +322,34 @@ def create_app(core: RouterCore) -> FastAPI:
     @app.get("/v1/models")
     async def models() -> ModelList:
         return ModelList(data=[ModelCard(id=name, max_model_len=core.max_model_len) for name in core.models()])
+
+    @app.get("/version")
+    async def version() -> dict:
+        return {"version": _VERSION}
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request) -> TokenizeResponse:
+        body: TokenizeRequest = await _parse(request, TokenizeRequest)
+        check_model(body.model)
+        if (body.prompt is None) == (body.messages is None):
+            raise APIError(400, "prompt, messages: give exactly one of them", "prompt", "invalid_value")
+        if body.messages is not None:
+            if not body.messages:
+                raise APIError(400, "messages: must not be empty", "messages", "invalid_value")
+            ids = chat_prompt_ids(body)
+        else:
+            ids = tokenizer(body.prompt, add_special_tokens=body.add_special_tokens)["input_ids"]
+        return TokenizeResponse(count=len(ids), max_model_len=core.max_model_len, tokens=list(ids))
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request) -> DetokenizeResponse:
+        body: DetokenizeRequest = await _parse(request, DetokenizeRequest)
+        check_model(body.model)
+        bad = next((t for t in body.tokens if not 0 <= t < core.vocab_size), None)
+        if bad is not None:
+            raise APIError(400, f"tokens: token id {bad} is outside the vocabulary [0, {core.vocab_size})", "tokens",
+                           "invalid_value")
+        return DetokenizeResponse(prompt=tokenizer.decode(body.tokens))
 
     # ------------------------------------------------------------------------------------------ completions
     @app.post("/v1/completions")

@@ -134,6 +134,32 @@ class ChatCompletionRequest(SamplingRequest):
                     "response_format": (None, {"type": "text"})}
 
 
+class TokenizeRequest(_Body):
+    """vLLM's `POST /tokenize`: a completion's `prompt`, or a chat's `messages` through the chat template, as the
+    prompt token ids the completion endpoints would run."""
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool = True  # prompt: as /v1/completions tokenizes it
+    add_generation_prompt: bool = True  # messages: as /v1/chat/completions renders them
+
+
+class TokenizeResponse(BaseModel):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+
+
+class DetokenizeRequest(_Body):
+    """vLLM's `POST /detokenize`: token ids back to text."""
+    model: str | None = None
+    tokens: list[int]
+
+
+class DetokenizeResponse(BaseModel):
+    prompt: str
+
+
 class SimpleGenerateRequest(SamplingRequest):
     """vLLM's `POST /generate`: `prompt`, `stream` and SamplingParams' fields."""
     prompt: str

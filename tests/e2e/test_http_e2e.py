@@ -320,6 +320,17 @@ def test_metrics_expose_tandem_series(client):
     assert re.search(r'^tandem:http_requests_total\{path="/v1/completions",status="200"\} [1-9]', text, re.M)
 
 
+def test_tokenize_counts_the_prompt_tokens_the_completions_run(client):
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello, my name is"}]
+    for path, body, key in (("/v1/completions", {"prompt": PROMPTS[1]}, {"prompt": PROMPTS[1]}),
+                            ("/v1/chat/completions", {"messages": messages}, {"messages": messages})):
+        usage = client.post(path, json=greedy(max_tokens=2, **body)).json()["usage"]
+        tokens = client.post("/tokenize", json={"model": "random:tiny", **key}).json()
+        assert tokens["count"] == usage["prompt_tokens"] == len(tokens["tokens"]), (path, tokens, usage)
+    ids = client.post("/tokenize", json={"prompt": WHOLE, "add_special_tokens": False}).json()["tokens"]
+    assert client.post("/detokenize", json={"tokens": ids}).json() == {"prompt": WHOLE}
+
+
 def test_every_dashboard_query_finds_its_series_on_the_live_stack(tiny, client):
     """docs/monitoring's Grafana dashboard: each metric a panel queries, with the role it selects, is exported by
     this running stack (router /metrics and each worker's --metrics-port); a latency panel's histogram has

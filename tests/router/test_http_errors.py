@@ -133,3 +133,39 @@ async def test_metrics_are_prometheus_text_with_tandem_names(client):
     assert r.status_code == 200 and r.headers["content-type"].startswith("text/plain")
     assert 'tandem:http_requests_total{path="/v1/completions",status="400"}' in r.text
     assert "tandem:time_to_first_token_seconds" in r.text
+
+
+@pytest.mark.anyio
+async def test_tokenize_and_detokenize_need_no_worker(client):
+    from engine.loader import load_tokenizer, resolve_model
+
+    tok = load_tokenizer(resolve_model("random:tiny"))
+    r = await client.post("/tokenize", json={"prompt": "Hello, my name is"})
+    assert r.status_code == 200, r.text
+    want = tok("Hello, my name is").input_ids
+    assert r.json() == {"count": len(want), "max_model_len": 64, "tokens": want}
+    plain = (await client.post("/tokenize", json={"prompt": "Hello", "add_special_tokens": False})).json()["tokens"]
+    assert plain == tok("Hello", add_special_tokens=False).input_ids
+    chat = (await client.post("/tokenize", json={"messages": [{"role": "user", "content": "hi"}]})).json()
+    assert chat["count"] == len(chat["tokens"]) > 1 and "hi" in tok.decode(chat["tokens"])  # (equal to the chat
+    # endpoint's prompt: tests/e2e/test_http_e2e.py)
+    r = await client.post("/detokenize", json={"tokens": want})
+    assert r.status_code == 200 and r.json() == {"prompt": tok.decode(want)}
+    assert (await client.get("/version")).json()["version"]
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("path,body,param", [
+    ("/tokenize", {}, "prompt"),
+    ("/tokenize", {"prompt": "hi", "messages": [{"role": "user", "content": "hi"}]}, "prompt"),
+    ("/tokenize", {"messages": []}, "messages"),
+    ("/tokenize", {"prompt": 3}, "prompt"),
+    ("/detokenize", {"tokens": [1, 512]}, "tokens"),  # random:tiny's vocabulary is [0, 512)
+    ("/detokenize", {"tokens": [-1]}, "tokens"),
+    ("/detokenize", {}, "tokens"),
+])
+async def test_tokenize_bad_input_is_400_naming_the_field(client, path, body, param):
+    err = _assert_error(await client.post(path, json=body), 400, param)
+    if path == "/detokenize" and body.get("tokens"):
+        assert "[0, 512)" in err["message"]
+    assert (await client.post(path, json={**body, "model": "gpt-4"})).status_code in (400, 404)
