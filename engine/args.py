@@ -6,9 +6,9 @@ import ast
 import inspect
 from dataclasses import MISSING, dataclass, fields
 
-from engine.config import CacheConfig, DeviceConfig, EngineConfig, ModelConfig, SchedulerConfig
+from engine.config import CacheConfig, DeviceConfig, EngineConfig, ModelConfig, ParallelConfig, SchedulerConfig
 
-_COMPONENTS = (ModelConfig, CacheConfig, SchedulerConfig, DeviceConfig)
+_COMPONENTS = (ModelConfig, CacheConfig, SchedulerConfig, DeviceConfig, ParallelConfig)
 
 
 @dataclass
@@ -31,13 +31,14 @@ class EngineArgs:
     max_num_batched_tokens: int = 2048
     async_scheduling: bool | None = None
     device: str = "auto"
+    tensor_parallel_size: int = 1
 
     def create_engine_config(self) -> EngineConfig:
         def build(cls):
             return cls(**{f.name: getattr(self, f.name) for f in fields(cls)})
 
         return EngineConfig(model=build(ModelConfig), cache=build(CacheConfig), scheduler=build(SchedulerConfig),
-                            device=build(DeviceConfig))
+                            device=build(DeviceConfig), parallel=build(ParallelConfig))
 
     @classmethod
     def from_cli_args(cls, ns: argparse.Namespace) -> "EngineArgs":

@@ -114,8 +114,19 @@ class DeviceConfig:
 
 
 @dataclass
+class ParallelConfig:
+    tensor_parallel_size: int = 1
+    """Ranks the model's layers are split across (Megatron tensor parallelism, vLLM's flag): the engine process is rank 0, the others are spawned processes; on CUDA rank r runs on cuda:(N + r) for --device cuda:N. Must divide the attention heads, the KV heads and the MLP width."""
+
+    def __post_init__(self) -> None:
+        if self.tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size={self.tensor_parallel_size}: must be >= 1")
+
+
+@dataclass
 class EngineConfig:
     model: ModelConfig
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     device: DeviceConfig = field(default_factory=DeviceConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)

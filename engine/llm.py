@@ -42,6 +42,10 @@ class LLM:
         self.engine.stream_text = False
         self._ids = itertools.count()
 
+    def close(self) -> None:
+        """Stops the engine's tensor-parallel workers, if any (also done at interpreter exit)."""
+        self.engine.close()
+
     def get_tokenizer(self):
         return self.engine.tokenizer
 

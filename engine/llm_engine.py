@@ -33,6 +33,7 @@ from engine.quant import Fp8Linear
 from engine.request import FINISH_REASONS, FINISHED, Request, RequestStatus
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
+from engine.tp_worker import WorkerError
 
 log = logging.getLogger(__name__)
 
@@ -155,6 +156,14 @@ class LLMEngine:
         eos = self._eos_token_ids()
         self.eos_token_ids = eos
         self.runner = ModelRunner(config, resolved, eos)
+        try:
+            self._start(config, decode_graphs)
+        except BaseException:
+            self.runner.shutdown(graceful=False)
+            raise
+
+    def _start(self, config: EngineConfig, decode_graphs: bool) -> None:
+        max_model_len = self.max_model_len
         bs = config.cache.block_size
         self.kv = KVCacheManager(self.runner.num_blocks, bs, config.cache.enable_prefix_caching)
         if not self.kv.can_fit(max_model_len):
@@ -176,13 +185,20 @@ class LLMEngine:
         self._launched: _Launched | None = None  # async scheduling: the step on the device whose tokens are unread
         a = config.scheduler.async_scheduling
         self.async_scheduling = self.runner.device.type == "cuda" if a is None else a
+        # Tensor-parallel workers then receive each step's sampled tokens: the next step's inputs may be among them.
+        self.runner.share_sampled_tokens = self.async_scheduling
         self.last_stats: StepStats | None = None
         self.step_log: list[StepStats] | None = None  # set to [] to keep every step's stats (benchmarks)
         fp8 = sum(isinstance(m, Fp8Linear) for m in self.runner.model.modules())
-        log.info("engine ready: model=%s dtype=%s weights=%s kv_cache=%s device=%s blocks=%d x %d tokens, "
-                 "max_model_len=%d", self.model_name, self.runner.dtype,
+        log.info("engine ready: model=%s dtype=%s weights=%s kv_cache=%s device=%s tensor_parallel_size=%d "
+                 "blocks=%d x %d tokens, max_model_len=%d", self.model_name, self.runner.dtype,
                  f"fp8 ({fp8} linears)" if fp8 else "16-bit" if self.runner.dtype != torch.float32 else "float32",
-                 self.runner.kv_dtype, self.runner.device, self.runner.num_blocks, bs, max_model_len)
+                 self.runner.kv_dtype, self.runner.device, self.runner.tp_size, self.runner.num_blocks, bs,
+                 max_model_len)
+
+    def close(self) -> None:
+        """Stops the tensor-parallel workers, if any (also done at interpreter exit); no step runs afterwards."""
+        self.runner.shutdown()
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs, decode_graphs: bool = True) -> "LLMEngine":
@@ -338,6 +354,8 @@ class LLMEngine:
             tables = self.kv.block_tables([req.request_id for req, _ in sched.scheduled])
             try:
                 handle = self.runner.execute(sched, tables, prev.handle if prev is not None else None)
+            except WorkerError:  # the tensor-parallel group is gone: no later step can run either
+                raise
             except Exception:
                 log.exception("model step failed; aborting the %d requests of this batch", len(sched.scheduled))
                 outputs += self._abort_batch(sched)

@@ -406,7 +406,7 @@ def _materialize(modules: list[torch.nn.Module], device: torch.device | str | No
 
 
 def build_model(resolved: ResolvedModel, dtype: torch.dtype, device: torch.device | str,
-                quantization: str | None, seed: int) -> torch.nn.Module:
+                quantization: str | None, seed: int, tp_rank: int = 0, tp_size: int = 1) -> torch.nn.Module:
     """The model of `resolved` on `device`: loaded, tied, fused and quantized, each weight allocated once in its final
     dtype (vLLM's rule), never in float32 unless `dtype` is float32.
 
@@ -417,6 +417,9 @@ def build_model(resolved: ResolvedModel, dtype: torch.dtype, device: torch.devic
        model plus one layer's 16-bit weights (per output channel scales: quantizing q/k/v before fusing them gives
        the fused linear's quantization exactly, bit for bit);
     3. q/k/v and gate/up are fused (engine/model.py fuse_projections).
+    With tp_size > 1 each layer is also split for rank tp_rank (engine/tp.py shard_layer) as soon as it is filled
+    (after online quantization, so the ranks hold one process's fp8 weights and scales): a rank's peak is its shard
+    plus one whole layer; embeddings, norm and lm_head stay whole on every rank.
     The rotary cos_sin_cache is computed on `device` in float32, rounded to `dtype` and kept in float32, as the engine
     always had it (it used to pass through model.to(dtype)). Random models (`random:`) get the same weights as
     before: _random_init seeds each tensor from (seed, name) and draws it in the parameter's dtype on its device.
@@ -446,7 +449,18 @@ def build_model(resolved: ResolvedModel, dtype: torch.dtype, device: torch.devic
     online = quantization is not None and not any(isinstance(m, Fp8Linear) for m in model.model.layers.modules())
     if online:
         check_online_fp8(model, device, dtype)  # before any weight is read
-    load_weights(model, resolved, device=device, after_layer=quantize_linears if online else None)
+    hooks = [quantize_linears] if online else []
+    if tp_size > 1:
+        from engine.tp import check_tensor_parallel, shard_layer
+
+        check_tensor_parallel(config, tp_size)
+        hooks.append(lambda layer: shard_layer(layer, tp_rank, tp_size))
+
+    def after_layer(layer: torch.nn.Module) -> None:
+        for hook in hooks:
+            hook(layer)
+
+    load_weights(model, resolved, device=device, after_layer=after_layer if hooks else None)
     model.fuse_projections()
     left = [name for name, t in itertools.chain(model.named_parameters(), model.named_buffers()) if t.is_meta]
     assert not left, f"left on the meta device: {left[:4]}"

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import logging
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -39,34 +39,106 @@ class ModelInputs:
     sampled_requests: list[Request]
 
 
+# Which forward a step runs (StepPath's kind); every tensor-parallel rank runs the one rank 0 picked.
+EAGER, DECODE_GRAPH, PREFILL_GRAPH = 0, 1, 2
+
+
+@dataclass
+class StepInputs:
+    """One step's inputs on the host, packed into two buffers: what every tensor-parallel rank needs to run the same
+    forward (engine/tp_worker.py sends it to the workers as it is)."""
+    i64: np.ndarray  # input_ids, positions, slots [num_tokens] each, logits rows [num_sampled], fill dst/src [num_fill]
+    i32: np.ndarray  # seq_lens [num_seqs], query_start_loc [num_seqs + 1], block tables [num_seqs * max_blocks]
+    num_tokens: int
+    num_seqs: int
+    num_sampled: int
+    num_fill: int  # inputs that are the previous step's sampled tokens, still on the device (async scheduling)
+    max_blocks: int
+    max_query_len: int
+    max_seq_len: int
+    sampled_requests: list[Request] = field(default_factory=list)  # rank 0 only
+
+    def lengths(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """The segments' lengths in i64 and in i32, in order."""
+        t, s, f = self.num_tokens, self.num_seqs, self.num_fill
+        return (t, t, t, self.num_sampled, f, f), (s, s + 1, s * self.max_blocks)
+
+
+def _offsets(lengths, dtype) -> tuple[list[int], int]:
+    """Where each segment starts in its packed buffer, and the buffer's length: each segment starts 16-byte aligned.
+    Triton specializes kernels on pointer alignment, and a view whose alignment changed from step to step would
+    compile a second variant mid-run (a 1 s stall on the H200)."""
+    align = 16 // np.dtype(dtype).itemsize
+    offsets, total = [], 0
+    for n in lengths:
+        offsets.append(total)
+        total += -(-n // align) * align
+    return offsets, max(total, 1)
+
+
 class ModelRunner:
-    def __init__(self, config: EngineConfig, resolved: ResolvedModel, eos_token_id: int | None):
+    def __init__(self, config: EngineConfig, resolved: ResolvedModel, eos_token_id: int | None, rank: int = 0,
+                 link=None):
+        """rank > 0: a tensor-parallel worker's runner (engine/tp_worker.py), `link` its line to rank 0. On rank 0
+        with tensor_parallel_size > 1 the runner spawns the workers first (they build their shards meanwhile) and
+        keeps them in self.driver."""
         self.config = config
+        self.rank, self.tp_size = rank, config.parallel.tensor_parallel_size
         self.device = config.device.torch_device
         if self.device.type == "cuda":
             if self.device.index is None:
                 self.device = torch.device("cuda", torch.cuda.current_device())
+            self.device = torch.device("cuda", self.device.index + rank)
             use_device(self.device)
+        hf_config = resolved.config
+        self.driver = None
+        self.share_sampled_tokens = False  # the engine's async scheduling: workers then receive each step's tokens
+        if self.tp_size > 1:
+            from engine.tp import check_tensor_parallel
+
+            check_tensor_parallel(hf_config, self.tp_size, self.device)
+            if rank == 0:
+                from engine.tp_worker import TPDriver
+
+                self.driver = link = TPDriver(config, resolved, eos_token_id, self.device)
+        try:
+            self._build(config, resolved, eos_token_id, link)
+        except BaseException:
+            self.shutdown(graceful=False)
+            raise
+
+    def _build(self, config: EngineConfig, resolved: ResolvedModel, eos_token_id: int | None, link) -> None:
         hf_config = resolved.config
         self.dtype = self._resolve_dtype(config.model.dtype, hf_config, self.device)
         # Built on the meta device, each part allocated in its dtype as it loads (fp8 linears as fp8): the peak is
-        # about the final model, not a float32 copy of it (engine/loader.build_model).
-        model = build_model(resolved, self.dtype, self.device, config.model.quantization, config.model.seed)
+        # about the final model, not a float32 copy of it (engine/loader.build_model). With tensor parallelism each
+        # layer is split for this rank as it loads.
+        model = build_model(resolved, self.dtype, self.device, config.model.quantization, config.model.seed,
+                            self.rank, self.tp_size)
         model.eval()
         self.model = model
         self.hf_config = hf_config
         self.num_layers = hf_config.num_hidden_layers
-        self.num_kv_heads = hf_config.num_key_value_heads
+        self.num_heads = hf_config.num_attention_heads // self.tp_size  # this rank's
+        self.num_kv_heads = hf_config.num_key_value_heads // self.tp_size  # this rank's: its KV cache holds these
         self.head_dim = model.head_dim
         self.block_size = config.cache.block_size
         self.kv_dtype = kv_cache_torch_dtype(config.cache.kv_cache_dtype, self.dtype)
         self.sampler = Sampler(hf_config.vocab_size, eos_token_id)
+        if link is not None:
+            # Every rank has built its shard: from here on, every rank runs the same collectives in the same order.
+            link.join_group(self.device)
         self.num_blocks = self._num_blocks()
+        if self.tp_size > 1:  # block ids mean the same on every rank
+            from engine.tp_worker import min_over_ranks
+
+            self.num_blocks = min_over_ranks(self.num_blocks, self.device)
         # [num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim]: one block's bytes for all layers together.
         # Unwritten slots are never read as valid: attention masks (and on the CPU clears) everything past seq_lens.
         self.kv_cache = torch.empty(self.num_blocks, self.num_layers, 2, self.block_size, self.num_kv_heads,
                                     self.head_dim, dtype=self.kv_dtype, device=self.device)
         # fp8 KV stores x / scale: per-layer scales calibrated once here (see calibrate_kv_scales), 1.0 otherwise.
+        # With tensor parallelism each rank calibrates its own KV heads (the calibration forward runs on every rank).
         self.k_scales, self.v_scales = (self.calibrate_kv_scales() if self.kv_dtype == torch.float8_e4m3fn
                                         else ([1.0] * self.num_layers, [1.0] * self.num_layers))
         # DecodeGraphs and PrefillGraphs, captured by enable_cuda_graphs() once the engine knows max_model_len
@@ -74,6 +146,12 @@ class ModelRunner:
         self.prefill_graphs = None
         self.kv_layers = [LayerKV(self.kv_cache[:, l, 0], self.kv_cache[:, l, 1], self.k_scales[l], self.v_scales[l])
                           for l in range(self.num_layers)]
+
+    def shutdown(self, graceful: bool = True) -> None:
+        """Stops the tensor-parallel workers (a no-op without them); the runner runs no step afterwards.
+        graceful=False: kill them (they may be inside a collective rank 0 will never join)."""
+        if self.driver is not None:
+            self.driver.shutdown(graceful)
 
     @staticmethod
     def _resolve_dtype(name: str, hf_config, device: torch.device) -> torch.dtype:
@@ -135,23 +213,29 @@ class ModelRunner:
                  total / GiB, peak / GiB, budget / GiB)
         return max(budget, 0.0)
 
-    def _pack(self, segments, dtype) -> list[torch.Tensor]:
-        """The segments in one host buffer, copied to the device at once; returns their device views. Each segment
-        starts 16-byte aligned: Triton specializes kernels on pointer alignment, and a view whose alignment changed
-        from step to step would compile a second variant mid-run (a 1 s stall on the H200)."""
-        align = 16 // np.dtype(dtype).itemsize
-        offsets, total = [], 0
-        for seg in segments:
-            offsets.append(total)
-            total += -(-len(seg) // align) * align
-        host = np.zeros(max(total, 1), dtype=dtype)
+    @staticmethod
+    def _pack(segments, dtype) -> np.ndarray:
+        """The segments in one host buffer, each at its _offsets place."""
+        offsets, total = _offsets([len(seg) for seg in segments], dtype)
+        host = np.zeros(total, dtype=dtype)
         for off, seg in zip(offsets, segments):
             host[off: off + len(seg)] = seg
+        return host
+
+    def _unpack(self, host: np.ndarray, lengths) -> list[torch.Tensor]:
+        """A packed host buffer copied to the device at once; returns its segments' device views."""
+        offsets, _ = _offsets(lengths, host.dtype)
         dev = to_device_nowait(torch.from_numpy(host), self.device)
-        return [dev[off: off + len(seg)] for off, seg in zip(offsets, segments)]
+        return [dev[off: off + n] for off, n in zip(offsets, lengths)]
 
     def prepare_inputs(self, sched: SchedulerOutput, block_tables: np.ndarray | list[list[int]],
                        prev: "StepHandle | None" = None) -> ModelInputs:
+        """The step's inputs on the device (step_inputs, then device_inputs)."""
+        step = self.step_inputs(sched, block_tables, prev)
+        return self.device_inputs(step, prev.token_ids if step.num_fill else None)
+
+    def step_inputs(self, sched: SchedulerOutput, block_tables: np.ndarray | list[list[int]],
+                    prev: "StepHandle | None" = None) -> StepInputs:
         """block_tables: [num_seqs, max_blocks] int32, each scheduled request's block ids padded with 0
         (KVCacheManager.block_tables; lists of block ids are padded here). The scheduler has already advanced each
         request's num_computed_tokens past this step's tokens. An input token the host has not read yet (async
@@ -204,22 +288,32 @@ class ModelRunner:
         logits_indices = qsl[1:][samples] - 1  # [num_sampled]
         sampled = [req for (req, _), s in zip(sched.scheduled, sched.samples) if s]
         max_blocks = block_tables.shape[1]
-        # Two copies to the device: the int64 vectors packed together, and the int32 ones with the block tables.
-        ids, pos, slot_mapping, logits_idx, dst, src = self._pack(
-            (input_ids, positions, slots, logits_indices, fill_dst, fill_src), np.int64)
-        seq_lens_d, qsl_d, tables_d = self._pack((seq_lens, qsl, block_tables.ravel()), np.int32)
-        if fill_dst:
-            ids = ids.index_copy(0, dst, prev.token_ids.index_select(0, src))
+        # Two buffers: the int64 vectors packed together, and the int32 ones with the block tables.
+        i64 = self._pack((input_ids, positions, slots, logits_indices, fill_dst, fill_src), np.int64)
+        i32 = self._pack((seq_lens, qsl, block_tables.ravel()), np.int32)
+        return StepInputs(i64, i32, len(input_ids), num_seqs, len(sampled), len(fill_dst), max_blocks,
+                          int(q_lens.max()), int(seq_lens.max()), sampled)
+
+    def device_inputs(self, step: StepInputs, prev_token_ids: torch.Tensor | None = None) -> ModelInputs:
+        """Two copies to the device; the inputs that are the previous step's sampled tokens are taken from
+        prev_token_ids (on the device)."""
+        lengths64, lengths32 = step.lengths()
+        ids, pos, slot_mapping, logits_idx, dst, src = self._unpack(step.i64, lengths64)
+        seq_lens_d, qsl_d, tables_d = self._unpack(step.i32, lengths32)
+        if step.num_fill:
+            ids = ids.index_copy(0, dst, prev_token_ids.index_select(0, src))
         meta = AttentionMetadata(
-            slot_mapping=slot_mapping, block_tables=tables_d.view(num_seqs, max_blocks),
-            seq_lens=seq_lens_d, query_start_loc=qsl_d,
-            max_query_len=int(q_lens.max()), max_seq_len=int(seq_lens.max()))
-        return ModelInputs(ids, pos, meta, logits_idx, sampled)
+            slot_mapping=slot_mapping, block_tables=tables_d.view(step.num_seqs, step.max_blocks),
+            seq_lens=seq_lens_d, query_start_loc=qsl_d, max_query_len=step.max_query_len,
+            max_seq_len=step.max_seq_len)
+        return ModelInputs(ids, pos, meta, logits_idx, step.sampled_requests)
 
     def enable_cuda_graphs(self, max_model_len: int, decode: bool = True) -> None:
         """decode=False (a prefill worker, whose steps never decode) captures only the graphs for prompt steps."""
         from engine.cuda_graphs import DecodeGraphs, PrefillGraphs
 
+        if self.driver is not None:  # every rank captures the same graphs in the same order (their collectives too)
+            self.driver.call("enable_cuda_graphs", max_model_len, decode)
         sched = self.config.scheduler
         pool = None
         if decode:
@@ -232,32 +326,62 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput, block_tables: np.ndarray | list[list[int]],
                 prev: "StepHandle | None" = None) -> "StepHandle":
-        """Launches the step and returns without waiting for the device: the handle reads the sampled tokens."""
-        inputs = self.prepare_inputs(sched, block_tables, prev)
-        m = inputs.meta
-        num_seqs = len(sched.scheduled)
+        """Launches the step and returns without waiting for the device: the handle reads the sampled tokens.
+        With tensor parallelism the step goes to the workers first; a failure after that breaks the group
+        (engine/tp_worker.WorkerError)."""
+        step = self.step_inputs(sched, block_tables, prev)
+        path = self.step_path(step)
+        if self.driver is None:
+            return self._execute(step, path, prev, share=False)
+        share = self.share_sampled_tokens and step.num_sampled > 0
+        self.driver.send_step(step, path, share)
+        try:
+            return self._execute(step, path, prev, share)
+        except Exception as e:
+            raise self.driver.fail(f"rank 0's step failed: {e!r}") from e
+
+    def step_path(self, step: StepInputs) -> tuple[int, int, int]:
+        """(kind, tokens, rows): a prefill graph's key, the decode graphs, or eager."""
+        if self.prefill_graphs is not None and step.max_query_len > 1:
+            key = self.prefill_graphs.key_for(step.num_tokens, step.num_seqs)
+            if key is not None:
+                return PREFILL_GRAPH, key[0], key[1]
+        if (self.graphs is not None and step.max_query_len == 1 and step.num_sampled == step.num_seqs
+                and self.graphs.can_run(step.num_seqs)):
+            return DECODE_GRAPH, 0, 0
+        return EAGER, 0, 0
+
+    def _execute(self, step: StepInputs, path: tuple[int, int, int], prev: "StepHandle | None",
+                 share: bool) -> "StepHandle":
+        inputs = self.device_inputs(step, prev.token_ids if step.num_fill else None)
+        logits = self.forward(inputs, path)
         sampled = inputs.sampled_requests
-        key = None
-        if self.prefill_graphs is not None and m.max_query_len > 1:
-            key = self.prefill_graphs.key_for(inputs.input_ids.shape[0], num_seqs)
-        logits = None
-        if key is not None:
-            logits = self.prefill_graphs.run(key, inputs.input_ids, inputs.positions, m, inputs.logits_indices)
-        elif (self.graphs is not None and m.max_query_len == 1 and len(sampled) == num_seqs
-              and self.graphs.can_run(num_seqs)):
-            logits = self.graphs.run(inputs.input_ids, inputs.positions, m.slot_mapping, m.block_tables,
-                                     m.seq_lens)
-        else:
-            hidden = self.model(inputs.input_ids, inputs.positions, self.kv_layers, m)
-            if sampled:
-                logits = self.model.compute_logits(hidden[inputs.logits_indices])
         if not sampled:
             done = None
             if self.device.type == "cuda":
                 done = torch.cuda.Event()
                 done.record()
             return StepHandle([], None, done)
-        return StepHandle(sampled, self.sampler.sample(logits.float(), sampled))
+        sample = self.sampler.sample(logits.float(), sampled)
+        if share:  # the workers' next inputs may be these tokens (engine/tp_worker.py)
+            from engine.tp_worker import share_tokens
+
+            share_tokens(sample.token_ids)
+        return StepHandle(sampled, sample)
+
+    def forward(self, inputs: ModelInputs, path: tuple[int, int, int], logits: bool = True) -> torch.Tensor | None:
+        """Runs the step on `path`; returns the sampled rows' logits (graphs always compute them; eagerly only
+        when `logits`: a tensor-parallel worker needs none)."""
+        m = inputs.meta
+        kind, t, s = path
+        if kind == PREFILL_GRAPH:
+            return self.prefill_graphs.run((t, s), inputs.input_ids, inputs.positions, m, inputs.logits_indices)
+        if kind == DECODE_GRAPH:
+            return self.graphs.run(inputs.input_ids, inputs.positions, m.slot_mapping, m.block_tables, m.seq_lens)
+        hidden = self.model(inputs.input_ids, inputs.positions, self.kv_layers, m)
+        if logits and inputs.logits_indices.shape[0]:
+            return self.model.compute_logits(hidden[inputs.logits_indices])
+        return None
 
     @torch.inference_mode()
     def calibrate_kv_scales(self, token_ids: list[int] | None = None,
@@ -342,7 +466,7 @@ def warm_up_attention(runner: ModelRunner) -> None:
     from kernels.paged_attention import paged_attention_triton, prefill_configs
 
     kv = runner.kv_layers[0]
-    h = runner.hf_config.num_attention_heads
+    h = runner.num_heads  # this rank's
     dev = runner.device
     q = torch.zeros(32, h, runner.head_dim, dtype=runner.dtype, device=dev)
     # The step's own keys and values, as the model passes them (the kernel may read the chunk's keys from them).

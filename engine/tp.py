@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from engine.model import LlamaForCausalLM
+from engine.model import Linear, LlamaForCausalLM
 from engine.quant import Fp8Linear, check_fp8_shape
 
 
@@ -34,8 +34,8 @@ def _rows(linear: nn.Module, start: int, end: int) -> nn.Module:
         return Fp8Linear(linear.weight[start:end].clone(), linear.weight_scale[:, start:end].clone(),
                          None if linear.bias is None else linear.bias[start:end].clone(),
                          None if linear.input_scale is None else linear.input_scale.clone())
-    out = nn.Linear(linear.in_features, end - start, bias=linear.bias is not None, device=linear.weight.device,
-                    dtype=linear.weight.dtype)
+    out = Linear(linear.in_features, end - start, bias=linear.bias is not None, device=linear.weight.device,
+                 dtype=linear.weight.dtype)
     with torch.no_grad():
         out.weight.copy_(linear.weight[start:end])
         if linear.bias is not None:
@@ -52,8 +52,8 @@ def _columns(linear: nn.Module, start: int, end: int) -> nn.Module:
             check_fp8_shape(f"a row-parallel shard of {linear.in_features} columns", linear.out_features, end - start)
         return Fp8Linear(linear.weight[:, start:end].contiguous(), linear.weight_scale.clone(), None,
                          None if linear.input_scale is None else linear.input_scale.clone())
-    out = nn.Linear(end - start, linear.out_features, bias=False, device=linear.weight.device,
-                    dtype=linear.weight.dtype)
+    out = Linear(end - start, linear.out_features, bias=False, device=linear.weight.device,
+                 dtype=linear.weight.dtype)
     with torch.no_grad():
         out.weight.copy_(linear.weight[:, start:end])
     return out
@@ -74,28 +74,44 @@ class RowParallelLinear(nn.Module):
         return y
 
 
+def check_tensor_parallel(config, world: int, device: torch.device | None = None) -> None:
+    """ValueError naming the field when `world` ranks cannot split this model (or, on CUDA, find their GPUs)."""
+    for name in ("num_attention_heads", "num_key_value_heads", "intermediate_size"):
+        n = getattr(config, name)
+        if n % world:
+            raise ValueError(f"tensor_parallel_size={world}: must divide {name}={n}")
+    if device is not None and device.type == "cuda" and world > 1:
+        base, count = device.index or 0, torch.cuda.device_count()
+        if base + world > count:
+            raise ValueError(f"tensor_parallel_size={world}: ranks on cuda:{base}..cuda:{base + world - 1} need "
+                             f"{base + world} GPUs, torch.cuda.device_count()={count}")
+
+
+@torch.no_grad()
+def shard_layer(layer: nn.Module, rank: int, world: int, group=None) -> None:
+    """Splits one loaded, unfused decoder layer in place for `rank` of `world` (engine/loader.build_model calls this
+    on each layer as it loads, so the whole model never sits on one device)."""
+    attn, mlp = layer.self_attn, layer.mlp
+    assert attn.qkv_proj is None and mlp.gate_up_proj is None, "shard before fuse_projections()"
+    hq, hkv, d = attn.num_heads // world, attn.num_kv_heads // world, attn.head_dim
+    attn.q_proj = _rows(attn.q_proj, rank * hq * d, (rank + 1) * hq * d)
+    attn.k_proj = _rows(attn.k_proj, rank * hkv * d, (rank + 1) * hkv * d)
+    attn.v_proj = _rows(attn.v_proj, rank * hkv * d, (rank + 1) * hkv * d)
+    attn.o_proj = RowParallelLinear(attn.o_proj, rank, world, group)
+    attn.num_heads, attn.num_kv_heads = hq, hkv
+    inter = mlp.gate_proj.out_features // world
+    mlp.gate_proj = _rows(mlp.gate_proj, rank * inter, (rank + 1) * inter)
+    mlp.up_proj = _rows(mlp.up_proj, rank * inter, (rank + 1) * inter)
+    mlp.down_proj = RowParallelLinear(mlp.down_proj, rank, world, group)
+
+
 @torch.no_grad()
 def shard_model(model: LlamaForCausalLM, rank: int, world: int, group=None) -> LlamaForCausalLM:
     """Splits a loaded, unfused model (16-bit or fp8 linears) in place for `rank` of `world`; fuse_projections() may
     follow."""
-    cfg = model.config
-    for name, n in (("num_attention_heads", cfg.num_attention_heads), ("num_key_value_heads", cfg.num_key_value_heads),
-                    ("intermediate_size", cfg.intermediate_size)):
-        if n % world:
-            raise ValueError(f"tensor_parallel_size={world}: must divide {name}={n}")
+    check_tensor_parallel(model.config, world)
     if world == 1:
         return model
     for layer in model.model.layers:
-        attn, mlp = layer.self_attn, layer.mlp
-        assert attn.qkv_proj is None and mlp.gate_up_proj is None, "shard before fuse_projections()"
-        hq, hkv, d = attn.num_heads // world, attn.num_kv_heads // world, attn.head_dim
-        attn.q_proj = _rows(attn.q_proj, rank * hq * d, (rank + 1) * hq * d)
-        attn.k_proj = _rows(attn.k_proj, rank * hkv * d, (rank + 1) * hkv * d)
-        attn.v_proj = _rows(attn.v_proj, rank * hkv * d, (rank + 1) * hkv * d)
-        attn.o_proj = RowParallelLinear(attn.o_proj, rank, world, group)
-        attn.num_heads, attn.num_kv_heads = hq, hkv
-        inter = cfg.intermediate_size // world
-        mlp.gate_proj = _rows(mlp.gate_proj, rank * inter, (rank + 1) * inter)
-        mlp.up_proj = _rows(mlp.up_proj, rank * inter, (rank + 1) * inter)
-        mlp.down_proj = RowParallelLinear(mlp.down_proj, rank, world, group)
+        shard_layer(layer, rank, world, group)
     return model
