@@ -33,6 +33,8 @@ def main(argv=None) -> int:
     p.add_argument("--kv-cache-dtype", default="auto")
     p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
                    help="the engine's async scheduling (default: the engine's, on for CUDA)")
+    p.add_argument("--tensor-parallel-size", type=int, default=1,
+                   help="ranks the model is split across (cuda:0..; the roofline is then one rank's weight bytes)")
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
 
@@ -40,7 +42,8 @@ def main(argv=None) -> int:
 
     llm = LLM(args.model, dtype=args.dtype, max_model_len=args.input_len + args.output_len + 16,
               enable_prefix_caching=False, enforce_eager=args.enforce_eager, async_scheduling=args.async_scheduling,
-              quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype)
+              quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype,
+              tensor_parallel_size=args.tensor_parallel_size)
     vocab = llm.engine.runner.hf_config.vocab_size
     g = torch.Generator().manual_seed(0)
     prompt = torch.randint(10, vocab - 10, (args.input_len,), generator=g).tolist()
@@ -58,10 +61,12 @@ def main(argv=None) -> int:
     ttft = statistics.median(timed(1) for _ in range(args.num_iters))
     full = statistics.median(timed(args.output_len + 1) for _ in range(max(2, args.num_iters // 2)))
     decode_tps = args.output_len / (full - ttft)
+    # Rank 0's shard (with tensor parallelism every rank reads its own shard at once; embeddings and lm_head whole)
     weight_bytes = sum(t.numel() * t.element_size() for t in llm.engine.runner.model.parameters())
     roofline = args.bandwidth / weight_bytes
     print(f"model {args.model} dtype {llm.engine.runner.dtype} quantization {args.quantization} "
-          f"kv cache {args.kv_cache_dtype} device {llm.engine.runner.device}")
+          f"kv cache {args.kv_cache_dtype} device {llm.engine.runner.device} "
+          f"tensor_parallel_size {args.tensor_parallel_size}")
     print(f"TTFT ({args.input_len}-token prompt)  {ttft * 1e3:8.2f} ms")
     print(f"batch-1 decode              {decode_tps:8.1f} tok/s   ({1e3 / decode_tps:.2f} ms/token)")
     print(f"roofline (weights {weight_bytes / 1e9:.2f} GB / {args.bandwidth / 1e12:.2f} TB/s) "
@@ -69,8 +74,10 @@ def main(argv=None) -> int:
     if args.json:
         write_json(args.json, dict(model=args.model, input_len=args.input_len, output_len=args.output_len,
                                    quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype,
-                                   ttft_ms=ttft * 1e3, decode_tokens_per_s=decode_tps, roofline_tokens_per_s=roofline,
+                                   tensor_parallel_size=args.tensor_parallel_size, ttft_ms=ttft * 1e3,
+                                   decode_tokens_per_s=decode_tps, roofline_tokens_per_s=roofline,
                                    commit=git_commit()["sha"], date=time.strftime("%Y-%m-%d")))
+    llm.close()
     return 0
 
 

@@ -30,7 +30,8 @@ def run_tandem(args, prompts) -> tuple[float, int]:
     llm = LLM(args.model, dtype=args.dtype, max_model_len=args.input_len + args.output_len + 16,
               max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
               kv_cache_dtype=args.kv_cache_dtype, quantization=args.quantization, enable_prefix_caching=False,
-              seed=args.seed, async_scheduling=args.async_scheduling)
+              seed=args.seed, async_scheduling=args.async_scheduling,
+              tensor_parallel_size=args.tensor_parallel_size)
     params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
     # Warm-up with full-size prefill steps: Triton compiles one kernel per launch configuration.
     warm = max(1, min(len(prompts), args.max_num_batched_tokens // args.input_len + 1))
@@ -44,6 +45,7 @@ def run_tandem(args, prompts) -> tuple[float, int]:
     elapsed = time.perf_counter() - t0
     print_step_breakdown(llm.engine.step_log, elapsed)
     n_out = sum(len(o.outputs[0].token_ids) for o in outs)
+    llm.close()
     del llm
     return elapsed, n_out
 
@@ -123,6 +125,7 @@ def main(argv=None) -> int:
                    help="the engine's online weight quantization (engine/quant.py); transformers runs unquantized")
     p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
                    help="the engine's async scheduling (default: the engine's, on for CUDA)")
+    p.add_argument("--tensor-parallel-size", type=int, default=1, help="the engine's ranks (cuda:0, cuda:1, ...)")
     p.add_argument("--hf-batch-size", type=int, default=256)
     p.add_argument("--out-dir", default=str(Path(__file__).resolve().parent / "results"))
     args = p.parse_args(argv)
@@ -137,7 +140,9 @@ def main(argv=None) -> int:
         elapsed, n_out = (run_tandem if backend == "tandem" else run_hf)(args, prompts)
         total = n_out + args.num_prompts * args.input_len
         rec = dict(backend=backend, gpu=gpu, model=args.model,
-                   quantization=args.quantization if backend == "tandem" else None, num_prompts=args.num_prompts,
+                   quantization=args.quantization if backend == "tandem" else None,
+                   tensor_parallel_size=args.tensor_parallel_size if backend == "tandem" else 1,
+                   num_prompts=args.num_prompts,
                    input_len=args.input_len, output_len=args.output_len, elapsed_s=round(elapsed, 3),
                    output_tokens_per_s=round(n_out / elapsed, 1), total_tokens_per_s=round(total / elapsed, 1),
                    commit=git_commit()["sha"], date=time.strftime("%Y-%m-%d"), machine=machine_info())
