@@ -13,8 +13,11 @@ from that slice's amax, so tp > 1 differs from tp = 1 by that rounding (tests/en
 (`--quantization fp8`) quantizes before the split, load -> quantize_model -> shard_model -> fuse_projections, so the
 ranks hold exactly the fp8 weights and scales one process would; an fp8 checkpoint is loaded in fp8 already.
 
-Status: the model-level split is tested (tests/engine/test_tp.py: 2 gloo ranks equal one process, 16-bit and fp8).
-The engine does not drive several ranks yet: that needs a driver broadcasting each step's inputs to worker processes.
+Status: the engine drives it (`--tensor-parallel-size N`, `LLM(..., tensor_parallel_size=N)`): engine/tp_worker.py
+spawns ranks 1..N-1, engine/loader.build_model splits each layer as it loads (shard_layer), and every step runs on
+every rank. Tested on the CPU: 2 gloo ranks equal one process at the model level (tests/engine/test_tp.py, 16-bit
+and fp8) and through the engine, token for token (tests/engine/test_tp_engine.py); the 2-GPU NCCL test with CUDA
+graphs has not run yet. The disaggregated prefill/decode services refuse tp > 1 (their KV transfer moves one cache).
 """
 from __future__ import annotations
 
