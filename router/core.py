@@ -49,7 +49,7 @@ class RouterConfig:
     decode_addrs: list[str]
     """Decode instances, host:port (reachable from the prefill instances too: they send the KV there)."""
     policy: str = "round_robin"
-    """round_robin | least_loaded (see router/instances.py)."""
+    """round_robin | least_loaded | cache_aware (see router/instances.py)."""
     model: str = "smollm2"
     """The model spec the instances serve (for the tokenizer and the context length)."""
     served_model_name: str | None = None
@@ -302,11 +302,12 @@ class RouterCore:
 
     async def _first_token(self, rid: str, prompt: list[int], params_msg, decode_address: str, timeout_ms: int):
         """Sends the prompt to the first reachable prefill instance; returns (call, instance, FirstToken)."""
-        for inst in self.prefill.ordered():
+        for inst in self.prefill.ordered(prompt):
             hop(rid, "router.prefill_sent")
             call = inst.stub.Prefill(prefill_pb2.PrefillRequest(
                 request_id=rid, prompt_token_ids=prompt, params=params_msg, decode_address=decode_address,
                 kv_transfer_timeout_ms=timeout_ms))
+            self.prefill.sent(inst, prompt)
             inst.inflight += 1
             inst.inflight_tokens += len(prompt)
             try:

@@ -9,6 +9,11 @@ Policies (`--policy`):
   flight there; prefill instances by prompt tokens this router has in flight there, then by polled queued tokens.
   The in-flight counts are exact and immediate (this router sends the requests); the polled numbers are at most one
   poll interval old and also cover other routers' requests.
+- cache_aware: prefill instances by the prompt tokens each would have to compute before this prompt's first token:
+  its queue (in flight from this router + polled queued tokens, as least_loaded) plus this prompt minus the leading
+  blocks it likely holds in its prefix cache (router/prefix_index.py: the blocks of the prompts sent there). Prompts
+  that share a prefix (a system prompt, a conversation's earlier turns) go where it is cached unless that instance is
+  busier than the tokens saved; unrelated prompts spread as under least_loaded. Decode instances as least_loaded.
 """
 from __future__ import annotations
 
@@ -20,12 +25,15 @@ from dataclasses import dataclass, field
 import grpc
 
 from protos import health as health_codec
+from router.prefix_index import PrefixIndex, block_hashes
 from protos.runtime import channel
 from protos.tandem.v1 import common_pb2, decode_pb2, decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc
 
 log = logging.getLogger("tandem.router.instances")
 
-POLICIES = ("round_robin", "least_loaded")
+POLICIES = ("round_robin", "least_loaded", "cache_aware")
+DEFAULT_BLOCK_SIZE = 16  # until an instance's GetLoad says its own
+DEFAULT_INDEX_BLOCKS = 1 << 16  # an instance's prefix index before its GetLoad says how many blocks it has
 _SERVICES = {"prefill": prefill_pb2.DESCRIPTOR.services_by_name["Prefill"].full_name,
              "decode": decode_pb2.DESCRIPTOR.services_by_name["Decode"].full_name}
 _STUBS = {"prefill": prefill_pb2_grpc.PrefillStub, "decode": decode_pb2_grpc.DecodeStub}
@@ -43,6 +51,16 @@ class Instance:
     inflight: int = 0  # this router's requests there
     inflight_tokens: int = 0  # their prompt tokens (prefill)
     last_error: str = ""
+    prefixes: PrefixIndex = field(default_factory=lambda: PrefixIndex(DEFAULT_INDEX_BLOCKS))  # cache_aware
+
+    @property
+    def block_size(self) -> int:
+        return (self.load.block_size if self.load is not None else 0) or DEFAULT_BLOCK_SIZE
+
+    def queued_tokens(self) -> int:
+        """Prompt tokens ahead of a new one here: this router's in flight, or the polled queue when larger."""
+        polled = self.load or common_pb2.InstanceLoad()
+        return max(self.inflight_tokens, polled.num_queued_tokens)
 
     def score(self) -> tuple:
         polled = self.load or common_pb2.InstanceLoad()
@@ -120,12 +138,30 @@ class InstancePool:
     def healthy(self) -> list[Instance]:
         return [i for i in self.instances if i.healthy]
 
-    def ordered(self) -> list[Instance]:
-        """Healthy instances, the policy's first choice first (the others are fallbacks, in order)."""
+    def ordered(self, prompt: list[int] | None = None) -> list[Instance]:
+        """Healthy instances, the policy's first choice first (the others are fallbacks, in order). prompt: the
+        request's prompt token ids (cache_aware prefill)."""
         up = self.healthy()
         if not up:
             return []
         if self.policy == "round_robin":
             k = next(self._rr) % len(up)
             return up[k:] + up[:k]
+        if self.policy == "cache_aware" and self.role == "prefill" and prompt is not None:
+            return sorted(up, key=lambda i: (self.prefill_cost(i, prompt), i.inflight))
         return sorted(up, key=Instance.score)
+
+    @staticmethod
+    def prefill_cost(inst: Instance, prompt: list[int]) -> int:
+        """Prompt tokens `inst` would compute before this prompt's first token: its queue, plus the prompt less the
+        leading blocks it likely has cached (at least the last token is always computed)."""
+        cached = inst.prefixes.match(block_hashes(prompt, inst.block_size)) * inst.block_size
+        return inst.queued_tokens() + len(prompt) - min(cached, len(prompt) - 1)
+
+    def sent(self, inst: Instance, prompt: list[int]) -> None:
+        """A prompt went to `inst`: under cache_aware, its blocks are now likely in that instance's cache."""
+        if self.policy != "cache_aware":
+            return
+        if inst.load is not None and inst.load.num_total_blocks:
+            inst.prefixes.capacity_blocks = inst.load.num_total_blocks
+        inst.prefixes.insert(block_hashes(prompt, inst.block_size))

@@ -35,6 +35,7 @@ from dataclasses import fields
 import torch
 
 from engine.args import EngineArgs, add_engine_args
+from router.instances import POLICIES
 
 # Ports of the workers, counted up from --worker-port: prefill 0..P-1, then decode 0..D-1.
 DEFAULT_WORKER_PORT = 50060
@@ -56,8 +57,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"first worker gRPC port, prefill workers first, then decode (default: {DEFAULT_WORKER_PORT})")
     p.add_argument("--metrics-port", type=int, default=DEFAULT_METRICS_PORT,
                    help=f"first worker Prometheus port, same order (default: {DEFAULT_METRICS_PORT})")
-    p.add_argument("--policy", choices=("round_robin", "least_loaded"), default="round_robin",
-                   help="router: how to pick instances (default: round_robin)")
+    p.add_argument("--policy", choices=POLICIES, default="round_robin",
+                   help="router: how to pick instances: " + ", ".join(POLICIES) + " (router/instances.py; "
+                        "default: round_robin)")
     p.add_argument("--ready-timeout", type=float, default=900.0,
                    help="seconds to wait for the stack to be ready (default: 900)")
     p.add_argument("--stop-timeout", type=float, default=15.0,

@@ -29,6 +29,7 @@ import uvicorn
 import uvloop
 
 from engine.args import EngineArgs, add_engine_args
+from router.instances import POLICIES
 
 log = logging.getLogger("tandem.router")
 
@@ -45,8 +46,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"prefill instances, host:port[,host:port...] (default: ${ENV_PREFILL})")
     p.add_argument("--decode", default=None,
                    help=f"decode instances, host:port[,host:port...] (default: ${ENV_DECODE})")
-    p.add_argument("--policy", choices=("round_robin", "least_loaded"), default="round_robin",
-                   help="how to pick instances (default: round_robin)")
+    p.add_argument("--policy", choices=POLICIES, default="round_robin",
+                   help="how to pick instances: " + ", ".join(POLICIES) + " (router/instances.py; default: "
+                        "round_robin)")
     p.add_argument("--colocated", action="store_true",
                    help="no instances: run one engine in this process for prefill and decode alike (the "
                         "non-disaggregated baseline); every engine flag below then applies")

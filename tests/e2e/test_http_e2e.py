@@ -364,6 +364,32 @@ def test_ctrl_c_stops_every_process(tiny):
     assert "tandem up: stopped" in "".join(tiny.lines)
 
 
+def test_cache_aware_policy_sends_a_shared_prefix_to_the_prefill_that_has_it():
+    """Two prefill workers under --policy cache_aware: prompts that share a 64-token prefix all go to the worker
+    that computed it first, whose prefix cache then serves those 64 tokens of each (round_robin would alternate and
+    leave half of them uncached)."""
+    stack = Stack("--model", "random:tiny", "--policy", "cache_aware", prefill=2, decode=1).wait_ready()
+    try:
+        shared = list(range(300, 364))
+        with httpx.Client(base_url=stack.http, timeout=120) as c:
+            for k in range(4):
+                r = c.post("/v1/completions", json=greedy(prompt=shared + [10 + k, 20 + k], max_tokens=2))
+                assert r.status_code == 200, r.text
+
+        def prefill_series(port: int, name: str) -> float:
+            text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=5).text
+            m = re.search(rf'^tandem:{name}\{{[^}}]*role="prefill"[^}}]*\}} (\S+)$', text, re.M)
+            return float(m.group(1))
+
+        ports = stack.metrics_ports[:2]  # prefill-0, prefill-1
+        prompts = [prefill_series(p, "prompt_tokens_total") for p in ports]
+        hits = [prefill_series(p, "prefix_cache_hits_total") for p in ports]
+        assert sorted(prompts) == [0.0, 4 * 66.0], prompts  # every prompt on one worker
+        assert max(hits) == 3 * 64.0, hits  # the 2nd to 4th found the 64 shared tokens cached
+    finally:
+        assert stack.stop() == 0
+
+
 # ------------------------------------------------------------------------------------------------ SmolLM2
 def test_smollm2_greedy_completions_and_chat_equal_offline_engine():
     stack = Stack("--model", "smollm2", "--max-model-len", "2048", decode=1)

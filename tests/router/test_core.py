@@ -123,3 +123,55 @@ def test_no_healthy_instance_means_empty_order():
     for inst in pool.instances:
         pool.mark_down(inst, "test")
     assert pool.ordered() == []
+
+
+def test_cache_aware_prefill_goes_where_the_prefix_is_unless_that_queue_costs_more():
+    from router.prefix_index import block_hashes
+
+    pool = _pool("prefill", "cache_aware", n=2)
+    a, b = pool.instances
+    system = list(range(100, 164))  # 64 tokens: 4 blocks of 16
+    first, second = system + [1, 2, 3], system + [7, 8, 9, 10]
+    assert pool.ordered(first) == [a, b]  # nothing cached anywhere: as least_loaded (a tie: the first)
+    pool.sent(a, first)
+    assert a.prefixes.match(block_hashes(second, 16)) == 4  # the shared 64 tokens, not the differing tail
+    b.inflight_tokens = 40  # b's queue is shorter, but by less than the 64 tokens a has cached
+    a.inflight_tokens = 60
+    assert pool.prefill_cost(a, second) == 60 + 68 - 64 and pool.prefill_cost(b, second) == 40 + 68
+    assert pool.ordered(second) == [a, b]
+    a.inflight_tokens = 200  # now a's queue outweighs the cached prefix
+    assert pool.ordered(second) == [b, a]
+    assert pool.ordered([5] * 20) == [b, a]  # unrelated prompts: the shorter queue
+    b.load = common_pb2.InstanceLoad(num_queued_tokens=1000)  # polled: other routers' requests queue there
+    assert pool.ordered([5] * 20) == [a, b]
+    # A whole-prompt hit still computes its last token.
+    a.inflight_tokens = b.inflight_tokens = 0
+    b.load = None
+    assert pool.prefill_cost(a, system) == 1
+
+
+def test_cache_aware_decode_is_least_loaded_and_other_policies_record_nothing():
+    pool = _pool("decode", "cache_aware")
+    a, b, c = pool.instances
+    a.load = common_pb2.InstanceLoad(kv_cache_usage=0.5)
+    assert pool.ordered([1] * 40)[-1] is a
+    rr = _pool("prefill", "round_robin", n=2)
+    rr.sent(rr.instances[0], [1] * 40)
+    assert len(rr.instances[0].prefixes) == 0
+
+
+def test_prefix_index_forgets_tails_first_and_follows_the_polled_block_count():
+    from router.prefix_index import PrefixIndex, block_hashes
+
+    index = PrefixIndex(capacity_blocks=3)
+    one, two = block_hashes(list(range(48)), 16), block_hashes(list(range(1000, 1032)), 16)
+    assert len(one) == 3 and len(block_hashes(list(range(47)), 16)) == 2  # full blocks only
+    index.insert(one)
+    assert index.match(one) == 3
+    index.insert(two)  # 5 blocks > 3: one's last two blocks go first, its first block stays a prefix
+    assert index.match(two) == 2 and index.match(one) == 1 and len(index) == 3
+    pool = _pool("prefill", "cache_aware", n=1)
+    (inst,) = pool.instances
+    inst.load = common_pb2.InstanceLoad(num_total_blocks=2, block_size=32)
+    pool.sent(inst, list(range(96)))  # 3 blocks of 32, capacity 2: the first two stay
+    assert inst.prefixes.capacity_blocks == 2 and inst.prefixes.match(block_hashes(list(range(96)), 32)) == 2
