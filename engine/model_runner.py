@@ -84,11 +84,11 @@ class ModelRunner:
         keeps them in self.driver."""
         self.config = config
         self.rank, self.tp_size = rank, config.parallel.tensor_parallel_size
-        self.device = config.device.torch_device
+        base = self.device = config.device.torch_device  # rank r runs on the base device's index + r
         if self.device.type == "cuda":
             if self.device.index is None:
-                self.device = torch.device("cuda", torch.cuda.current_device())
-            self.device = torch.device("cuda", self.device.index + rank)
+                base = torch.device("cuda", torch.cuda.current_device())
+            self.device = torch.device("cuda", base.index + rank)
             use_device(self.device)
         hf_config = resolved.config
         self.driver = None
@@ -96,7 +96,7 @@ class ModelRunner:
         if self.tp_size > 1:
             from engine.tp import check_tensor_parallel
 
-            check_tensor_parallel(hf_config, self.tp_size, self.device)
+            check_tensor_parallel(hf_config, self.tp_size, base)
             if rank == 0:
                 from engine.tp_worker import TPDriver
 
