@@ -151,7 +151,22 @@ class ModelRunner:
         """Stops the tensor-parallel workers (a no-op without them); the runner runs no step afterwards.
         graceful=False: kill them (they may be inside a collective rank 0 will never join)."""
         if self.driver is not None:
+            self.release_cuda_graphs()
             self.driver.shutdown(graceful)
+
+    def release_cuda_graphs(self) -> None:
+        """Destroys the captured CUDA graphs. Before a tensor-parallel group is torn down: NCCL (>= 2.26) will not
+        destroy a communicator while a graph that captured one of its collectives exists (commDestroySync polls
+        until they are gone), so destroy_process_group with the graphs alive hung the engine's close() on the
+        H200s. reset() frees each graph whatever still refers to it (the engine's startup objects are gc-frozen)."""
+        for graphs in (self.graphs, self.prefill_graphs):
+            if graphs is not None:
+                if self.device.type == "cuda":
+                    torch.cuda.synchronize(self.device)
+                for g in graphs.graphs.values():
+                    g.reset()
+                graphs.graphs.clear()
+        self.graphs = self.prefill_graphs = None
 
     @staticmethod
     def _resolve_dtype(name: str, hf_config, device: torch.device) -> torch.dtype:

@@ -295,6 +295,7 @@ def worker_main(rank: int, config, resolved, eos_token_id, init_method: str, con
         if runner.device.type == "cuda":
             warm_up_attention(runner)
         _serve(runner, conn)
+        runner.release_cuda_graphs()  # before the group: NCCL waits for graphs that captured its collectives
         dist.destroy_process_group()
     except (EOFError, ConnectionError):  # rank 0 is gone (or killed us): nothing to report to
         code = 1
