@@ -34,8 +34,8 @@ def params(n: int) -> list[SamplingParams]:
 
 
 def run(model, tp: int, **kw) -> tuple[list[list[int]], int, int]:
-    """Tokens of every prompt, preemptions, prefix-cache hit tokens."""
-    llm = LLM(str(model), tensor_parallel_size=tp, **ENGINE, **kw)
+    """Tokens of every prompt, preemptions, prefix-cache hit tokens. On the CPU (gloo) unless kw names a device."""
+    llm = LLM(str(model), tensor_parallel_size=tp, **{**ENGINE, "device": "cpu", **kw})
     try:
         prompts = make_prompts(llm.engine.runner.hf_config.vocab_size)
         outs = llm.generate(prompt_token_ids=prompts, sampling_params=params(len(prompts)))
@@ -67,7 +67,9 @@ def _zombie(pid: int) -> bool:
 def test_close_ends_the_workers_and_a_killed_worker_raises(tiny_llama_dir):
     from engine.tp_worker import WorkerError
 
-    llm = LLM(str(tiny_llama_dir), tensor_parallel_size=2, **ENGINE)
+    # On the CPU also on a GPU host: a worker killed inside an NCCL collective is only seen by NCCL's watchdog
+    # (engine/tp_worker.py), and its peer's stuck kernel would block that GPU for the tests after this one.
+    llm = LLM(str(tiny_llama_dir), tensor_parallel_size=2, device="cpu", **ENGINE)
     driver = llm.engine.runner.driver
     (proc,) = driver.procs
     llm.generate(prompt_token_ids=[[5, 6, 7]], sampling_params=SamplingParams(max_tokens=2))
@@ -77,7 +79,7 @@ def test_close_ends_the_workers_and_a_killed_worker_raises(tiny_llama_dir):
     llm.close()  # twice: nothing left to do
 
     # A second engine in the same process (the first left its group); its worker killed mid-run.
-    llm = LLM(str(tiny_llama_dir), tensor_parallel_size=2, async_scheduling=True, **ENGINE)
+    llm = LLM(str(tiny_llama_dir), tensor_parallel_size=2, async_scheduling=True, device="cpu", **ENGINE)
     eng = llm.engine
     (proc,) = eng.runner.driver.procs
     for i, p in enumerate(make_prompts(512)):
