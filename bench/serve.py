@@ -11,7 +11,8 @@ so the same command measures a vLLM server. Prompts (--dataset-name): `words`, r
 token each with a real tokenizer; about five with a byte-level one), or `random`, exactly --input-len random token
 ids in [260, 512) sent as a token-id prompt (ids every model here has: above the synthetic byte-level tokenizer's
 bytes and special tokens, below the smallest preset vocabulary). Each rate of a sweep gets its own prompts, so the
-prefix cache does not carry one rate's prompts into the next. The real prompt and output lengths come back in
+prefix cache does not carry one rate's prompts into the next; --random-prefix-len puts one shared prefix before
+every prompt (a system prompt: the part the prefix cache and the router's cache_aware policy are for). The real prompt and output lengths come back in
 each stream's usage chunk and are what the throughput counts. `ignore_eos` (a vLLM extension Tandem shares) makes
 every request produce --output-len tokens.
 
@@ -79,6 +80,7 @@ WORDS = ("the of and to in is was for on that with as by at from his her they th
 
 # --dataset-name random draws token ids from here (see the module docstring).
 RANDOM_TOKEN_IDS = range(260, 512)
+PREFIX_SEED = 20241130  # --random-prefix-len's shared prefix: one for the whole run
 
 
 @dataclass
@@ -132,11 +134,20 @@ def max_rate_meeting(runs: list[dict], attainment: float) -> float | None:
     return best
 
 
-def make_prompts(n: int, input_len: int, seed: int, dataset: str = "words") -> list[str] | list[list[int]]:
-    rng = random.Random(seed)
+def make_prompts(n: int, input_len: int, seed: int, dataset: str = "words", prefix_len: int = 0,
+                 num_prefixes: int = 1) -> list[str] | list[list[int]]:
+    """n prompts of input_len random tokens (or words), each after one of num_prefixes prefixes of prefix_len
+    tokens, drawn at random (vLLM's --random-prefix-len and --prefix-repetition-num-prefixes: system prompts or
+    conversations that requests share; the same prefixes for every seed). Drawn, not in turn: prefix i mod N would
+    line up with a round-robin router's i mod instances and hand it a perfect affinity no real traffic has."""
+    rng, fixed = random.Random(seed), random.Random(PREFIX_SEED)
     if dataset == "random":
-        return [[rng.choice(RANDOM_TOKEN_IDS) for _ in range(input_len)] for _ in range(n)]
-    return [" ".join(rng.choice(WORDS) for _ in range(input_len)) for _ in range(n)]
+        prefixes = [[fixed.choice(RANDOM_TOKEN_IDS) for _ in range(prefix_len)] for _ in range(num_prefixes)]
+        return [(rng.choice(prefixes) if prefix_len else []) + [rng.choice(RANDOM_TOKEN_IDS) for _ in range(input_len)]
+                for _ in range(n)]
+    prefixes = [" ".join(fixed.choice(WORDS) for _ in range(prefix_len)) for _ in range(num_prefixes)]
+    return [(rng.choice(prefixes) + " " if prefix_len else "") + " ".join(rng.choice(WORDS) for _ in range(input_len))
+            for _ in range(n)]
 
 
 async def one_request(client: httpx.AsyncClient, args: argparse.Namespace, prompt: str | list[int],
@@ -231,16 +242,17 @@ async def idle_ttft(args: argparse.Namespace) -> tuple[dict, list[Result]]:
 
 
 def scrape(urls: list[str]) -> dict[str, dict[str, float]]:
-    """role -> {`tandem:kv_transfer_seconds_sum`, `..._count`, `tandem:time_to_first_token_seconds_sum`, `..._count`}
-    summed over the given /metrics pages (pages that do not answer are skipped)."""
+    """role -> {`tandem:kv_transfer_seconds_sum`, `..._count`, `tandem:time_to_first_token_seconds_sum`, `..._count`,
+    `tandem:prefix_cache_queries_total`, `..._hits_total`} summed over the given /metrics pages (pages that do not
+    answer are skipped)."""
     by_role: dict[str, dict[str, float]] = {}
     for url in urls:
         try:
             text = httpx.get(url, timeout=5).text
         except httpx.HTTPError:
             continue
-        for m in re.finditer(r"^(tandem:(?:kv_transfer|time_to_first_token)_seconds_(?:sum|count))(?:\{([^}]*)\})?"
-                             r"\s+(\S+)$", text, re.M):
+        for m in re.finditer(r"^(tandem:(?:(?:kv_transfer|time_to_first_token)_seconds_(?:sum|count)|"
+                             r"prefix_cache_(?:queries|hits)_total))(?:\{([^}]*)\})?\s+(\S+)$", text, re.M):
             role = (re.search(r'role="([^"]*)"', m.group(2) or "") or [None, ""])[1]
             totals = by_role.setdefault(role, {})
             totals[m.group(1)] = totals.get(m.group(1), 0.0) + float(m.group(3))
@@ -255,8 +267,14 @@ def scraped_delta(before: dict, after: dict) -> dict:
 
 def server_view(delta: dict) -> dict:
     """From a scraped_delta: each role's own mean TTFT (router: validation to first delta; prefill: queueing +
-    prefill), and the mean KV transfer time from the sender's side (role "prefill") where it is exported."""
+    prefill), the mean KV transfer time from the sender's side (role "prefill") where it is exported, and the
+    prefix cache's hit rate (prompt tokens found cached / looked up) of the engines that computed prompts."""
     out: dict = {"ttft_ms_by_role": {}}
+    for role in ("prefill", "colocated"):
+        t = delta.get(role, {})
+        if t.get("tandem:prefix_cache_queries_total"):
+            out["prefix_cache_hit_rate"] = (t.get("tandem:prefix_cache_hits_total", 0.0)
+                                            / t["tandem:prefix_cache_queries_total"])
     for role, t in sorted(delta.items()):
         if t.get("tandem:time_to_first_token_seconds_count"):
             out["ttft_ms_by_role"][role] = (1e3 * t["tandem:time_to_first_token_seconds_sum"]
@@ -303,6 +321,8 @@ def summarize(results: list[Result], duration: float, server: dict | None, slo: 
     }
     if server:
         s["server_ttft_ms_by_role"] = server["ttft_ms_by_role"]
+        if "prefix_cache_hit_rate" in server:
+            s["prefix_cache_hit_rate"] = server["prefix_cache_hit_rate"]
         if "kv_transfers" in server:
             s["kv_transfer"] = {"transfers": server["kv_transfers"], "mean_ms": server["kv_transfer_mean_ms"],
                                 "share_of_mean_ttft": server["kv_transfer_mean_ms"] / s["ttft_ms"]["mean"] if ok
@@ -327,6 +347,8 @@ def print_table(s: dict, args, rate: float) -> None:
                  f"{slo['goodput_per_s']:.3f} req/s ({100 * slo['attainment']:.0f}% of requests)"])
     for role, mean in s.get("server_ttft_ms_by_role", {}).items():
         rows.append([f"TTFT as the {role} measures it, mean (ms)", f"{mean:.1f}"])
+    if "prefix_cache_hit_rate" in s:
+        rows.append(["prefix cache hit rate (prompt tokens, engines)", f"{100 * s['prefix_cache_hit_rate']:.1f}%"])
     if "kv_transfer" in s:
         kv = s["kv_transfer"]
         rows.append(["KV transfers / mean open-to-ack (ms)", f"{kv['transfers']:.0f} / {kv['mean_ms']:.1f}"])
@@ -398,6 +420,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="words: random English words; random: --input-len random token ids (exact length)")
     p.add_argument("--num-prompts", type=int, default=64, help="requests per rate")
     p.add_argument("--input-len", type=int, default=128, help="prompt length: words, or tokens with random")
+    p.add_argument("--random-prefix-len", type=int, default=0,
+                   help="a prefix of this many tokens (words) shared by every prompt, before its --input-len "
+                        "random ones (vLLM's flag; a system prompt, for prefix caching and --policy cache_aware)")
+    p.add_argument("--num-prefixes", "--prefix-repetition-num-prefixes", type=int, default=1,
+                   help="with --random-prefix-len: this many different prefixes, each prompt after one drawn at "
+                        "random")
     p.add_argument("--output-len", type=int, default=64, help="max_tokens of each request")
     p.add_argument("--request-rate", type=float, default=math.inf,
                    help="mean arrivals per second (Poisson); inf sends all at once")
@@ -439,6 +467,9 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.num_prompts < 1 or args.input_len < 1 or args.output_len < 1 or args.request_rate <= 0:
         p.error("--num-prompts, --input-len, --output-len and --request-rate must be > 0")
+    if args.random_prefix_len < 0 or args.num_prefixes < 1:
+        p.error(f"--random-prefix-len={args.random_prefix_len}, --num-prefixes={args.num_prefixes}: must be >= 0 "
+                "and >= 1")
     if args.idle_ttft_probes < 0 or args.idle_input_len < 1 or args.idle_output_len < 1:
         p.error("--idle-ttft-probes must be >= 0, --idle-input-len and --idle-output-len >= 1")
     if not 0 < args.slo_attainment <= 1:
@@ -465,7 +496,8 @@ def main(argv: list[str] | None = None) -> int:
               flush=True)
     runs = []
     for k, rate in enumerate(rates):
-        prompts = make_prompts(args.num_prompts, args.input_len, args.seed + 1000 * k, args.dataset_name)
+        prompts = make_prompts(args.num_prompts, args.input_len, args.seed + 1000 * k, args.dataset_name,
+                               args.random_prefix_len, args.num_prefixes)
         before = scrape(metrics_urls)
         results, duration = asyncio.run(run(args, prompts, rate))
         summary = summarize(results, duration, server_view(scraped_delta(before, scrape(metrics_urls))), slo)

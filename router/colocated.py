@@ -81,6 +81,7 @@ class ColocatedCore(RouterCore):
             self.worker.submit(_abort, rid)
         await asyncio.to_thread(self.worker.stop)
         self.worker = None
+        await asyncio.to_thread(self.engine.close)  # its tensor-parallel workers, if any
 
     def _on_step(self, outs, stats) -> None:
         for out in outs:
