@@ -39,12 +39,6 @@ def build_parser(prog: str = "tandem prefill") -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    tp = build_parser().parse_args(argv).tensor_parallel_size
-    if tp > 1:  # a KV transfer reads or writes rank 0's cache only: the other ranks' KV heads would be missing
-        raise SystemExit(f"tandem prefill: tensor_parallel_size={tp}: a prefill worker sends the KV blocks of "
-                         "one cache (rank 0's); "
-                         "run it with --tensor-parallel-size 1 (tensor parallelism runs in the colocated router, "
-                         "`tandem up --colocated`, and the offline LLM)")
     return worker.main(ROLE, argv)
 
 

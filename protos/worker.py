@@ -69,6 +69,10 @@ async def serve(role: WorkerRole, engine, host: str, port: int, kv_timeout_s: fl
 
 def main(role: WorkerRole, argv: list[str] | None = None) -> int:
     ns = build_parser(role).parse_args(argv)
+    if ns.tensor_parallel_size > 1:  # a KV transfer reads or writes one cache: the other ranks' KV heads would be lost
+        raise SystemExit(f"tandem {role.name}: tensor_parallel_size={ns.tensor_parallel_size}: a {role.name} worker "
+                         "moves the KV blocks of one cache (rank 0's); run it with --tensor-parallel-size 1 (tensor "
+                         "parallelism runs in the colocated router, `tandem up --colocated`, and the offline LLM)")
     if role.core_kwargs is not None:
         role = replace(role, make_core=partial(role.make_core, **role.core_kwargs(ns)))
     logging.basicConfig(level=ns.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")

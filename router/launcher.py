@@ -14,8 +14,8 @@
 `--colocated` starts the router alone, running one engine for both phases (`tandem router --colocated`): the
 non-disaggregated baseline, behind the same APIs and ports.
 
-GPUs: with `--device cuda` (or auto on a GPU host) and at least one GPU per engine (tensor_parallel_size each), engine
-k gets its own, `--device cuda:<k x tp>`, prefill workers first (DistServe's placement: the phases never share a GPU;
+GPUs: with `--device cuda` (or auto on a GPU host) and at least one GPU per worker, worker k gets its own,
+`--device cuda:<k>`, prefill workers first (DistServe's placement: the phases never share a GPU;
 every GPU stays visible to every worker, so decode maps prefill's cache through CUDA IPC and copies over NVLink).
 With fewer GPUs, or `--device cuda:N`, the engines share one GPU, and each must be given a fixed KV-cache size
 (--kv-cache-memory or --num-gpu-blocks-override): `main()` refuses to start them otherwise.
@@ -100,16 +100,15 @@ def _on_cuda(ns: argparse.Namespace) -> bool:
 
 
 def gpu_placement(ns: argparse.Namespace, num_gpus: int) -> list[str] | None:
-    """Each worker engine's --device, in start order (prefill workers, then decode), when every engine can have
-    GPUs of its own: engine k gets cuda:<k x tp> (it runs on tp GPUs from there). None: the engines share the one
-    GPU --device names (cpu; an explicit cuda:N; too few GPUs; --colocated)."""
+    """Each worker engine's --device, in start order (prefill workers, then decode), when every engine can have a
+    GPU of its own: engine k gets cuda:<k>. None: the engines share the one GPU --device names (cpu; an explicit
+    cuda:N; too few GPUs; --colocated)."""
     if ns.colocated or not _on_cuda(ns) or ns.device not in ("cuda", "auto"):
         return None
-    tp = getattr(ns, "tensor_parallel_size", 1)
     engines = _count(ns.prefill) + _count(ns.decode)
-    if engines * tp > num_gpus:
+    if engines > num_gpus:
         return None
-    return [f"cuda:{k * tp}" for k in range(engines)]
+    return [f"cuda:{k}" for k in range(engines)]
 
 
 def launch_commands(ns: argparse.Namespace, address=None, num_gpus: int = 0) -> dict[str, list[str]]:
@@ -198,14 +197,16 @@ def _check(ns: argparse.Namespace, num_gpus: int = 0) -> str | None:
         return None
     if _count(ns.prefill) < 1 or _count(ns.decode) < 1:
         return f"--prefill={_count(ns.prefill)} --decode={_count(ns.decode)}: each must be >= 1"
+    if ns.tensor_parallel_size > 1:
+        return (f"--tensor-parallel-size={ns.tensor_parallel_size}: prefill and decode workers run one GPU each "
+                "(a KV transfer moves one cache); use --colocated for tensor parallelism")
     engines = _count(ns.prefill) + _count(ns.decode)
     shared = _on_cuda(ns) and gpu_placement(ns, num_gpus) is None
     if shared and ns.kv_cache_memory is None and ns.num_gpu_blocks_override is None:
         # Each engine sizes its KV cache as gpu_memory_utilization x the whole GPU, minus what every process holds
         # when it looks: engines started together on one GPU race for the same memory.
-        return (f"--device={ns.device} with {engines} engines on one GPU ({num_gpus} on this host, "
-                f"{engines * getattr(ns, 'tensor_parallel_size', 1)} needed for one each): give each a fixed KV "
-                "cache with "
+        return (f"--device={ns.device} with {engines} engines on one GPU ({num_gpus} on this host, {engines} "
+                "needed for one each): give each a fixed KV cache with "
                 "--kv-cache-memory GiB (e.g. 24 for a 7B model's prefill and decode on one 141 GB H200) or "
                 "--num-gpu-blocks-override; --gpu-memory-utilization counts the other engines' memory as used")
     return None

@@ -163,11 +163,13 @@ def test_each_engine_gets_gpus_of_its_own_when_the_host_has_enough():
     assert devices == {"prefill-0": "cuda:0", "decode-0": "cuda:1", "decode-1": "cuda:2"}
     assert _check(ns, num_gpus=4) is None  # no GPU is shared: each engine may size its cache from its GPU
     assert "--device" not in cmds["router"]
-    ns.tensor_parallel_size = 2  # engine k runs on cuda:2k and cuda:2k+1
-    assert gpu_placement(ns, 6) == ["cuda:0", "cuda:2", "cuda:4"]
     # Too few GPUs: the engines share the default one and need fixed KV caches.
-    assert gpu_placement(ns, 5) is None
-    assert _check(ns, num_gpus=5).startswith("--device=cuda with 3 engines on one GPU (5 on this host, 6 needed")
+    assert gpu_placement(ns, 2) is None
+    assert _check(ns, num_gpus=2).startswith("--device=cuda with 3 engines on one GPU (2 on this host, 3 needed")
+    # Tensor parallelism runs in the colocated engine only (the workers move one cache's KV).
+    tp = build_parser().parse_args(["--device", "cuda", "--tensor-parallel-size", "2"])
+    assert _check(tp, num_gpus=8).startswith("--tensor-parallel-size=2: prefill and decode workers run one GPU")
+    assert _check(build_parser().parse_args(["--colocated", "--tensor-parallel-size", "2"]), num_gpus=2) is None
     # An explicit GPU, the CPU and --colocated: no placement.
     for argv in (["--device", "cuda:1"], ["--device", "cpu"], ["--colocated", "--device", "cuda"]):
         assert gpu_placement(build_parser().parse_args(argv), 8) is None
