@@ -11,9 +11,9 @@ so the same command measures a vLLM server. Prompts (--dataset-name): `words`, r
 token each with a real tokenizer; about five with a byte-level one), or `random`, exactly --input-len random token
 ids in [260, 512) sent as a token-id prompt (ids every model here has: above the synthetic byte-level tokenizer's
 bytes and special tokens, below the smallest preset vocabulary). Each rate of a sweep gets its own prompts, so the
-prefix cache does not carry one rate's prompts into the next; --random-prefix-len puts one shared prefix before
-every prompt (a system prompt: the part the prefix cache and the router's cache_aware policy are for). The real prompt and output lengths come back in
-each stream's usage chunk and are what the throughput counts. `ignore_eos` (a vLLM extension Tandem shares) makes
+prefix cache does not carry one rate's prompts into the next; --random-prefix-len puts a shared prefix (one of
+--num-prefixes) before every prompt (a system prompt: what the prefix cache and the router's cache_aware policy are
+for). The real prompt and output lengths come back in each stream's usage chunk and are what the throughput counts. `ignore_eos` (a vLLM extension Tandem shares) makes
 every request produce --output-len tokens.
 
 Reported per request rate: TTFT, inter-token latency (ITL: the gaps between streamed chunks; the first gap, where a
