@@ -38,6 +38,10 @@ def build_parser(role: WorkerRole, prog: str | None = None) -> argparse.Argument
     p.add_argument("--port", type=int, default=role.default_port, help="gRPC port")
     p.add_argument("--metrics-port", type=int, default=0, help="Prometheus /metrics HTTP port (0: off)")
     p.add_argument("--kv-transfer-timeout", type=float, default=30.0, help=role.kv_timeout_help)
+    p.add_argument("--shutdown-grace", type=float, default=25.0,
+                   help="on SIGTERM/SIGINT: seconds the requests in flight get to finish, with health NOT_SERVING so "
+                        "routers send no new ones (a rolling restart drops nothing); within compose's 30 s "
+                        "stop_grace_period (default: 25)")
     p.add_argument("--log-level", default="INFO")
     if role.add_args is not None:
         role.add_args(p)
@@ -46,7 +50,7 @@ def build_parser(role: WorkerRole, prog: str | None = None) -> argparse.Argument
 
 
 async def serve(role: WorkerRole, engine, host: str, port: int, kv_timeout_s: float,
-                stop: asyncio.Event | None = None) -> None:
+                stop: asyncio.Event | None = None, shutdown_grace_s: float = 25.0) -> None:
     log = logging.getLogger(f"tandem.{role.name}")
     core = role.make_core(engine, Metrics(engine.model_name, role.name), kv_timeout_s)
     await core.start()
@@ -63,8 +67,24 @@ async def serve(role: WorkerRole, engine, host: str, port: int, kv_timeout_s: fl
         loop.add_signal_handler(sig, stop.set)
     await stop.wait()
     await set_serving(hs, [role.service_name], False)
-    await server.stop(grace=2.0)
+    await drain(core, shutdown_grace_s, log)
+    await server.stop(grace=1.0)
     await core.close()
+
+
+async def drain(core, grace_s: float, log, poll_s: float = 0.05) -> None:
+    """A stopping worker keeps serving what it tracks (streams, reservations whose KV is still to come) until none is
+    left or grace_s runs out. Its health already says NOT_SERVING: routers stop picking it at their next poll (1 s),
+    and a request that still arrives is served like the others. Then the gRPC server stops."""
+    deadline = asyncio.get_running_loop().time() + grace_s
+    left = (await core.load()).num_tracked_requests
+    if left:
+        log.info("draining: %d request(s) in flight, up to %.0f s", left, grace_s)
+    while left and asyncio.get_running_loop().time() < deadline:
+        await asyncio.sleep(poll_s)
+        left = (await core.load()).num_tracked_requests
+    if left:
+        log.warning("drain: %d request(s) still in flight after %.0f s: cancelling them", left, grace_s)
 
 
 def main(role: WorkerRole, argv: list[str] | None = None) -> int:
@@ -81,5 +101,5 @@ def main(role: WorkerRole, argv: list[str] | None = None) -> int:
     # A prefill worker's decode CUDA graphs would never replay: it captures only the prompt steps' graphs.
     engine = LLMEngine.from_engine_args(EngineArgs.from_cli_args(ns), decode_graphs=role.decodes)
     start_metrics_server(ns.metrics_port, ns.host)
-    uvloop.run(serve(role, engine, ns.host, ns.port, ns.kv_transfer_timeout))
+    uvloop.run(serve(role, engine, ns.host, ns.port, ns.kv_transfer_timeout, shutdown_grace_s=ns.shutdown_grace))
     return 0

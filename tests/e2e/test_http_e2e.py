@@ -390,6 +390,43 @@ def test_cache_aware_policy_sends_a_shared_prefix_to_the_prefill_that_has_it():
         assert stack.stop() == 0
 
 
+def test_a_stopping_decode_worker_finishes_its_streams_first():
+    """SIGTERM to the only decode worker while a long stream runs (a rolling restart): its health turns
+    NOT_SERVING at once (the router's /health goes 503: no decode capacity for new requests), the stream still runs
+    to its last token, well past the old 2 s cut-off, and then the worker exits."""
+    stack = Stack("--model", "random:tiny", prefill=1, decode=1).wait_ready()
+    try:
+        decode_pid = stack.child_pids()["decode-0"]
+        tokens, health, t_term, finish = 0, [], None, None
+        with httpx.Client(base_url=stack.http, timeout=120) as c:
+            body = greedy(prompt=WHOLE, max_tokens=1900, ignore_eos=True, stream=True)
+            with c.stream("POST", "/v1/completions", json=body) as r:
+                for _, event in sse_events(r):
+                    if event == "[DONE]":
+                        break
+                    assert "error" not in event, event
+                    choice = event["choices"][0]
+                    tokens += 1 if choice["text"] or choice["finish_reason"] is None else 0
+                    finish = choice["finish_reason"] or finish
+                    if t_term is None and tokens == 20:
+                        os.kill(decode_pid, signal.SIGTERM)
+                        t_term = time.monotonic()
+                    elif t_term is not None and len(health) < 3 and time.monotonic() - t_term > 1.5:
+                        health.append(c.get("/health").status_code)
+            t_done = time.monotonic()
+        assert finish == "length", finish
+        if t_done - t_term < 2.5:
+            pytest.skip(f"the stream ended {t_done - t_term:.1f} s after SIGTERM: too fast to tell a drain from "
+                        "the old 2 s grace on this machine")
+        assert health and set(health) == {503}, health  # NOT_SERVING while draining
+        deadline = time.monotonic() + 15
+        while alive(decode_pid) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not alive(decode_pid)
+    finally:
+        stack.stop()
+
+
 # ------------------------------------------------------------------------------------------------ SmolLM2
 def test_smollm2_greedy_completions_and_chat_equal_offline_engine():
     stack = Stack("--model", "smollm2", "--max-model-len", "2048", decode=1)
