@@ -3,7 +3,9 @@
 The life of a request inside a decode instance:
 1. The router calls Decode: `decode()` validates the parameters and reserves blocks for the whole prompt
    (`engine.reserve_prefilled`). No room: RESOURCE_EXHAUSTED, and the router tries another instance. Otherwise it
-   answers Reserved and arms a timer for the transfer deadline.
+   answers Reserved and arms a timer for the transfer deadline. With prefix caching, the prompt's leading full
+   blocks that this engine already holds (an earlier transferred prompt's, cached at its commit) are shared, not
+   reserved again: their KV is there, and the transfer's bytes for them are dropped unwritten (`num_reused`).
 2. The prefill instance opens TransferKv with the same request id: `transfer()` checks the KvTransferOpen (a live
    reservation: the router sends the prompt to prefill while it asks for the reservation, so an open that comes
    first waits for its Decode call and reservation, `_reservation`; then the cache layout field by field, prompt
@@ -73,6 +75,7 @@ class _Dec:
     reserved: asyncio.Future  # True once block_ids are reserved, False if refused or the call ended first
     out: asyncio.Queue = field(default_factory=asyncio.Queue)  # StepOutput | Exception
     block_ids: list[int] | None = None
+    num_reused: int = 0  # leading block_ids this engine already held for this prefix: their KV is not written
     transfer_open: bool = False
     committed: bool = False
     expired: bool = False  # the transfer deadline passed: the reservation is being freed
@@ -111,12 +114,14 @@ class DecodeCore:
         self.worker.stop()
 
     # ---- engine thread ----------------------------------------------------------------------------------------
-    def _reserve(self, engine, rid: str, prompt: list[int], params) -> list[int] | None:
+    def _reserve(self, engine, rid: str, prompt: list[int], params) -> tuple[list[int] | None, int]:
+        """The reserved block ids (None: no room) and how many leading ones already hold this prompt's KV."""
         ids = engine.reserve_prefilled(rid, prompt, params)
         hop(rid, "decode.reserved")
-        if ids is not None:
-            self._live.add(rid)
-        return ids
+        if ids is None:
+            return None, 0
+        self._live.add(rid)
+        return ids, engine.reused_prefix_blocks(rid)
 
     def _write(self, engine, rid: str, block_ids: list[int], data: bytes | memoryview) -> None:
         if rid not in self._live:
@@ -223,7 +228,7 @@ class DecodeCore:
         if arrival is not None and not arrival.done():
             arrival.set_result(d)
         try:
-            d.block_ids = await self.worker.call(self._reserve, request_id, prompt, params)
+            d.block_ids, d.num_reused = await self.worker.call(self._reserve, request_id, prompt, params)
             d.reserved.set_result(d.block_ids is not None)
             if d.block_ids is None:
                 raise ServiceError(grpc.StatusCode.RESOURCE_EXHAUSTED,
@@ -319,13 +324,15 @@ class DecodeCore:
             if self._reqs.get(rid) is not d or d.expired:
                 raise ServiceError(grpc.StatusCode.ABORTED, f"request_id={rid!r}: the reservation was freed")
 
-        def run_of(first: int, n: int, field: str) -> list[int]:
+        def run_of(first: int, n: int, field: str) -> tuple[list[int], int]:
+            """The run's reserved block ids, and how many of its leading blocks to skip: a prefix this engine
+            already held (shared with other requests, its KV already there; the prefill sends every block)."""
             if n < 1 or first + n > len(d.block_ids):
                 raise ServiceError(grpc.StatusCode.INVALID_ARGUMENT,
                                    f"{field}.first_block_index={first}, {n} blocks: must lie within the "
                                    f"{len(d.block_ids)} reserved blocks")
             received[first:first + n] = b"\x01" * n
-            return d.block_ids[first:first + n]
+            return d.block_ids[first:first + n], min(n, max(0, d.num_reused - first))
 
         try:
             bad = layout_mismatch(self.layout, op.layout)
@@ -365,14 +372,16 @@ class DecodeCore:
                         raise ServiceError(grpc.StatusCode.INVALID_ARGUMENT,
                                            f"blocks.data: {size} bytes, must be num_blocks * block_bytes = "
                                            f"{b.num_blocks * block_bytes}")
-                    ids = run_of(b.first_block_index, b.num_blocks, "blocks")
+                    ids, skip = run_of(b.first_block_index, b.num_blocks, "blocks")
                     while queued and (queued[0][0].done() or queued_bytes + size > WRITE_WINDOW_BYTES):
                         done, n = queued.popleft()
                         await done  # raises the write's error
                         queued_bytes -= n
                     check_live()
-                    queued.append((self.worker.queue(self._write, rid, ids, b.data), size))
-                    queued_bytes += size
+                    if skip < len(ids):
+                        data = memoryview(b.data)[skip * block_bytes:] if skip else b.data
+                        queued.append((self.worker.queue(self._write, rid, ids[skip:], data), size))
+                        queued_bytes += size
                     nbytes += size
                     self.path_metrics.add_bytes(path, size)
                 elif kind == "ready":
@@ -383,8 +392,9 @@ class DecodeCore:
                         raise ServiceError(grpc.StatusCode.INVALID_ARGUMENT,
                                            f"ready.block_ids: {bad_id} is past the prefill cache's "
                                            f"{src.shape[0]} blocks")
-                    ids = run_of(r.first_block_index, len(src_ids), "ready")
-                    await self.worker.call(self._copy, rid, ids, src, src_ids)  # queued on the GPU, not waited for
+                    ids, skip = run_of(r.first_block_index, len(src_ids), "ready")
+                    if skip < len(ids):  # queued on the GPU, not waited for
+                        await self.worker.call(self._copy, rid, ids[skip:], src, src_ids[skip:])
                     nbytes += len(src_ids) * block_bytes
                     self.path_metrics.add_bytes(path, len(src_ids) * block_bytes)
                 elif kind == "commit":

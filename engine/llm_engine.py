@@ -305,19 +305,29 @@ class LLMEngine:
 
     # ---- decode side of a KV transfer ------------------------------------------------------------------------
     def reserve_prefilled(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> list[int] | None:
-        """Reserves blocks for a prompt whose KV will arrive from a prefill instance. None: no room now."""
+        """Reserves blocks for a prompt whose KV will arrive from a prefill instance. None: no room now.
+        With prefix caching the prompt's leading full blocks that this engine already holds (an earlier transferred
+        prompt's, registered at its commit) are shared, not reserved again: the first
+        `reused_prefix_blocks(request_id)` of the returned ids already hold this prompt's KV, and a transfer must
+        not write them (other requests may be reading them)."""
         if request_id in self.children or request_id in self.reserved:
             raise ValueError(f"request_id={request_id!r}: already in use")
         if params.n != 1:
             raise ValueError(f"n={params.n}: a transferred request carries one completion; fan out in the router")
         max_tokens = self.validate(prompt_token_ids, params)
         req = Request(request_id, prompt_token_ids, params, max_tokens)
-        if not self.kv.allocate_slots(req, len(prompt_token_ids)):
+        hits, num_hit_tokens = self.kv.get_computed_blocks(req)
+        if not self.kv.allocate_slots(req, len(prompt_token_ids) - num_hit_tokens, hits):
             self.kv.free(req)
             return None
+        req.num_cached_tokens = num_hit_tokens
         req.status = RequestStatus.RESERVED
         self.reserved[request_id] = req
         return list(self.kv.get_block_ids(request_id))
+
+    def reused_prefix_blocks(self, request_id: str) -> int:
+        """Of a reservation's blocks, how many leading ones this engine already held (see reserve_prefilled)."""
+        return self.reserved[request_id].num_cached_tokens // self.kv.block_size
 
     def commit_prefilled(self, request_id: str, first_token_id: int) -> StepOutput:
         """The prompt's KV has arrived: the request joins the batch with its first token already emitted.

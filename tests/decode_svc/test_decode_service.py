@@ -179,6 +179,49 @@ def test_blocks_arrive_bit_exact(engine, monkeypatch, register, window):
     assert torch.equal(got, data) and load.num_used_blocks == 0
 
 
+def test_a_reused_prefix_is_not_written():
+    """With prefix caching, a prompt whose first 64 tokens an earlier transferred prompt had shares those 4 blocks
+    (they were cached at its commit): the transfer still carries them (the prefill cannot know), but only the fifth
+    block is written; the shared ones keep their contents, which running requests may be reading."""
+    from engine import EngineArgs, LLMEngine
+    from decode_one import ARGS
+
+    engine = LLMEngine.from_engine_args(EngineArgs(**ARGS))
+    layout = layout_of(engine.kv_cache)
+    gen = torch.Generator().manual_seed(2)
+    first = torch.randint(0, 256, (4, layout.block_bytes), dtype=torch.uint8, generator=gen)
+    second = torch.randint(0, 256, (5, layout.block_bytes), dtype=torch.uint8, generator=gen)
+
+    async def transfer(stub, rid, n_tokens, data):
+        call = stub.Decode(decode_req(rid, n_tokens, max_tokens=2, ignore_eos=True))
+        assert (await call.read()).reserved.num_blocks == data.shape[0]
+
+        async def messages():
+            yield kv.KvTransferMessage(open=kv.KvTransferOpen(request_id=rid, layout=layout,
+                                                              num_prompt_tokens=n_tokens, num_blocks=data.shape[0]))
+            yield KvBlocksOut(0, data.shape[0], data.numel(), StagedBlocks([data]))
+            yield kv.KvTransferMessage(commit=kv.KvTransferCommit(first_token_id=65))
+
+        return call, await stub.transfer_kv(messages())
+
+    async def scenario(stub, core):
+        call, _ = await transfer(stub, "a", 64, first)
+        ids_a = core._reqs["a"].block_ids
+        while await call.read() is not grpc.aio.EOF:
+            pass
+        call, ack = await transfer(stub, "b", 80, second)  # [3] * 80: the 64 of "a" and one more block
+        d = core._reqs["b"]
+        got = await core.worker.call(lambda eng: block_rows(eng.kv_cache)[d.block_ids].clone())
+        while await call.read() is not grpc.aio.EOF:
+            pass
+        return ids_a, d.block_ids, d.num_reused, ack, got, await idle(stub)
+
+    ids_a, ids_b, reused, ack, got, load = run(engine, scenario)
+    assert reused == 4 and ids_b[:4] == ids_a and ack.num_blocks == 5
+    assert torch.equal(got[:4], first) and torch.equal(got[4], second[4])  # the shared four kept "a"'s bytes
+    assert load.num_used_blocks == 0
+
+
 def test_a_failed_write_fails_the_transfer_and_frees(engine, monkeypatch):
     calls = []
 

@@ -364,28 +364,36 @@ def test_ctrl_c_stops_every_process(tiny):
     assert "tandem up: stopped" in "".join(tiny.lines)
 
 
-def test_cache_aware_policy_sends_a_shared_prefix_to_the_prefill_that_has_it():
+def test_cache_aware_policy_sends_a_shared_prefix_to_the_prefill_that_has_it(tiny_llm):
     """Two prefill workers under --policy cache_aware: prompts that share a 64-token prefix all go to the worker
     that computed it first, whose prefix cache then serves those 64 tokens of each (round_robin would alternate and
-    leave half of them uncached)."""
+    leave half of them uncached). The decode worker reuses its own copy of those 64 tokens' blocks for the 2nd to
+    4th prompt (it skips their incoming KV) and still generates what the offline engine does."""
     stack = Stack("--model", "random:tiny", "--policy", "cache_aware", prefill=2, decode=1).wait_ready()
     try:
         shared = list(range(300, 364))
+        prompts = [shared + [10 + k, 20 + k] for k in range(4)]
+        got = []
         with httpx.Client(base_url=stack.http, timeout=120) as c:
-            for k in range(4):
-                r = c.post("/v1/completions", json=greedy(prompt=shared + [10 + k, 20 + k], max_tokens=2))
+            for prompt in prompts:
+                r = c.post("/v1/completions", json=greedy(prompt=prompt, max_tokens=6, ignore_eos=True, **IDS))
                 assert r.status_code == 200, r.text
+                got.append(ids_of(r.json()["choices"][0]["logprobs"]["tokens"]))
+        want = tiny_llm.generate([{"prompt_token_ids": p} for p in prompts],
+                                 SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))
+        assert got == [w.outputs[0].token_ids for w in want]
 
-        def prefill_series(port: int, name: str) -> float:
+        def series(port: int, name: str, role: str) -> float:
             text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=5).text
-            m = re.search(rf'^tandem:{name}\{{[^}}]*role="prefill"[^}}]*\}} (\S+)$', text, re.M)
+            m = re.search(rf'^tandem:{name}\{{[^}}]*role="{role}"[^}}]*\}} (\S+)$', text, re.M)
             return float(m.group(1))
 
         ports = stack.metrics_ports[:2]  # prefill-0, prefill-1
-        prompts = [prefill_series(p, "prompt_tokens_total") for p in ports]
-        hits = [prefill_series(p, "prefix_cache_hits_total") for p in ports]
-        assert sorted(prompts) == [0.0, 4 * 66.0], prompts  # every prompt on one worker
+        prompt_tokens = [series(p, "prompt_tokens_total", "prefill") for p in ports]
+        hits = [series(p, "prefix_cache_hits_total", "prefill") for p in ports]
+        assert sorted(prompt_tokens) == [0.0, 4 * 66.0], prompt_tokens  # every prompt on one worker
         assert max(hits) == 3 * 64.0, hits  # the 2nd to 4th found the 64 shared tokens cached
+        assert series(stack.metrics_ports[2], "prefix_cache_hits_total", "decode") == 3 * 64.0
     finally:
         assert stack.stop() == 0
 

@@ -50,6 +50,34 @@ def test_handoff_equals_one_engine(engines, params):
     assert out.new_token_ids == first
 
 
+def test_a_transferred_prompt_shares_the_prefix_blocks_decode_already_holds(engines):
+    """The second prompt starts with the first one's 64 tokens: decode reserves only the blocks after them, its KV
+    arrives only for those (as the decode service skips the rest), and it still decodes what one engine does."""
+    pre, dec = engines
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    shared = [(i * 53) % 500 + 7 for i in range(64)]  # 4 full blocks of 16, unlike the other tests' prompts
+    held = []
+    for k, tail in enumerate(([7, 8, 9], [11, 12, 13, 14, 15])):
+        prompt, rid = shared + tail, f"shared{k}"
+        pre.add_request(rid + "-one", prompt, params)
+        expected, _, _ = run(pre, rid + "-one")
+        pre.add_request(rid, prompt, SamplingParams(temperature=0.0, max_tokens=1), kv_hold=True)
+        first, _, _ = run(pre, rid)
+        src = pre.get_block_ids(rid)
+        dst = dec.reserve_prefilled(rid, prompt, params)
+        reused = dec.reused_prefix_blocks(rid)
+        assert reused == (0 if k == 0 else 4), reused
+        if k == 1:
+            assert dst[:4] == held[:4]  # the first prompt's blocks, cached at its commit
+        dec.kv_cache[dst[reused:]] = pre.kv_cache[src[reused:]]
+        pre.release_kv(rid)
+        dec.commit_prefilled(rid, first[0])
+        rest, _, _ = run(dec, rid)
+        assert first + rest == expected, k
+        held = dst
+    assert all(r == 0 for r in pre.kv.pool.ref_cnt) and all(r == 0 for r in dec.kv.pool.ref_cnt)
+
+
 def test_reserve_refuses_when_full_and_abort_frees(engines):
     _, dec = engines
     prompt = list(range(3, 400))
