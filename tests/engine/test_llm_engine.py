@@ -196,8 +196,10 @@ def test_gc_frozen_leaves_the_heap_out_and_gives_it_back():
     with gc_frozen(collect=True):
         frozen = gc.get_freeze_count()
         assert frozen > 0 and not any(o is before for o in gc.get_objects())
-        with gc_frozen():  # already frozen: leaves it as it is
-            assert gc.get_freeze_count() == frozen
-        assert gc.get_freeze_count() == frozen
+        # Already frozen: leaves it as it is (nothing frozen again; the count may only fall, as frozen objects that
+        # lose their last reference are freed, e.g. by a thread of an earlier test winding down: CI saw 2 go).
+        with gc_frozen():
+            assert 0 < gc.get_freeze_count() <= frozen
+        assert 0 < gc.get_freeze_count() <= frozen
     assert gc.get_freeze_count() == 0
     assert any(o is before for o in gc.get_objects(generation=2))
