@@ -148,14 +148,21 @@ class InstancePool:
             k = next(self._rr) % len(up)
             return up[k:] + up[:k]
         if self.policy == "cache_aware" and self.role == "prefill" and prompt is not None:
-            return sorted(up, key=lambda i: (self.prefill_cost(i, prompt), i.inflight))
+            hashes: dict[int, list[int]] = {}  # block size -> the prompt's block hashes: once, not per instance
+            return sorted(up, key=lambda i: (self.prefill_cost(i, prompt, hashes), i.inflight))
         return sorted(up, key=Instance.score)
 
     @staticmethod
-    def prefill_cost(inst: Instance, prompt: list[int]) -> int:
+    def prefill_cost(inst: Instance, prompt: list[int], hashes: dict[int, list[int]] | None = None) -> int:
         """Prompt tokens `inst` would compute before this prompt's first token: its queue, plus the prompt less the
-        leading blocks it likely has cached (at least the last token is always computed)."""
-        cached = inst.prefixes.match(block_hashes(prompt, inst.block_size)) * inst.block_size
+        leading blocks it likely has cached (at least the last token is always computed). hashes: the prompt's
+        block hashes by block size, filled as needed (shared across the instances of one pick)."""
+        bs = inst.block_size
+        if hashes is None:
+            hashes = {}
+        if bs not in hashes:
+            hashes[bs] = block_hashes(prompt, bs)
+        cached = inst.prefixes.match(hashes[bs]) * bs
         return inst.queued_tokens() + len(prompt) - min(cached, len(prompt) - 1)
 
     def sent(self, inst: Instance, prompt: list[int]) -> None:
