@@ -1,8 +1,9 @@
 """Owns the model, the KV cache tensor and the sampler; turns a SchedulerOutput into sampled tokens.
 
-prepare_inputs flattens the scheduled requests into one token batch (prefill chunks and decodes together) with
-the attention metadata; execute runs the model, computes logits only for the requests whose scheduled tokens reach
-their end, and samples one token for each of them.
+step_inputs flattens the scheduled requests into one token batch (prefill chunks and decodes together) in two
+packed host buffers, device_inputs copies them to the device as the inputs and the attention metadata (a
+tensor-parallel worker receives rank 0's buffers and runs the same two steps); execute runs the model, computes
+logits only for the requests whose scheduled tokens reach their end, and samples one token for each of them.
 """
 from __future__ import annotations
 

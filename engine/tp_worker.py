@@ -22,8 +22,8 @@ Failures. A worker that dies breaks the group: rank 0 sees it when it sends the 
 or as an error inside a collective (gloo), and raises WorkerError (the engine does not swallow it as a bad batch);
 the other workers are killed and every worker is reaped. A worker whose rank 0 is gone sees its socket close and
 exits. A worker dying while rank 0 waits on the GPU for an NCCL collective is only seen when NCCL's watchdog times
-out. Shutdown (LLMEngine.close, also at interpreter exit): rank 0 sends stop, all ranks pass a barrier and destroy
-the group, the workers leave with os._exit (interpreter teardown with gloo's threads winding down aborted a rank
+out. Shutdown (LLMEngine.close, also at interpreter exit): every rank destroys its CUDA graphs (NCCL will not destroy a
+communicator a live graph captured), rank 0 sends stop, all ranks pass a barrier and destroy the group, the workers leave with os._exit (interpreter teardown with gloo's threads winding down aborted a rank
 now and then: tests/engine/test_tp.py).
 """
 from __future__ import annotations
