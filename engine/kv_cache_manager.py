@@ -15,10 +15,7 @@ import numpy as np
 
 from engine.block_pool import BlockHash, BlockPool, hash_block_tokens
 from engine.request import Request
-
-
-def cdiv(a: int, b: int) -> int:
-    return -(-a // b)
+from engine.utils import cdiv
 
 
 class KVCacheManager:
