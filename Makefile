@@ -6,7 +6,7 @@ venv:
 	@bash scripts/bootstrap
 
 serve: venv
-	$(PY) -m engine.cli up $(ARGS)
+	$(PY) -m cli up $(ARGS)
 
 test: venv
 	$(PY) -m pytest -q $(ARGS)

@@ -50,7 +50,7 @@ serve_mode() {
   local name=$1 reserve=$2; shift 2
   local log="$OUT/$name.server.log" t0=$SECONDS status=0 ready_timeout bench_timeout
   ready_timeout=$(cap "$READY_TIMEOUT" $((reserve + 40)))
-  $PY -m engine.cli up "${engine_flags[@]}" --http-port "$PORT" --grpc-port $((PORT + 1)) \
+  $PY -m cli up "${engine_flags[@]}" --http-port "$PORT" --grpc-port $((PORT + 1)) \
       --worker-port $((PORT + 10)) --metrics-port $((PORT + 20)) "$@" >"$log" 2>&1 &
   local pid=$!
   until grep -q "tandem up: ready" "$log"; do

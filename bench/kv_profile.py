@@ -74,7 +74,7 @@ class SenderProfile:
 
     def install(self) -> None:
         """Times kv_sender's staging and encoding of blocks (the wait for a CUDA cache's copies to the host apart)."""
-        import prefill_svc.kv_sender as sender
+        import kv_transfer.sender as sender
 
         stage, encode, events = sender.stage_blocks, sender.encode_blocks, self.events
 
@@ -98,7 +98,7 @@ class SenderProfile:
 
     def serializer(self, serialize):
         """TransferKv's request serializer, noting when each KvBlocks message's bytes go to gRPC."""
-        from prefill_svc.kv_sender import KvBlocksOut
+        from kv_transfer.sender import KvBlocksOut
 
         def timed(msg):
             wire = serialize(msg)
@@ -158,7 +158,7 @@ class _ReceiverProbes:
 
         import decode_svc.core as core
         import decode_svc.servicer as servicer
-        from prefill_svc.kv_layout import ReceivedBlocks
+        from kv_transfer.layout import ReceivedBlocks
 
         parse, write, transfer, add_to_server = (servicer.parse_transfer_message, core.write_blocks,
                                                  core.DecodeCore.transfer, servicer.add_to_server)
@@ -255,7 +255,7 @@ def decode_main(argv: list[str]) -> int:
     probes = _ReceiverProbes(ns.warmup)
     probes.install()
     from decode_svc import server
-    from prefill_svc.kv_layout import retain_freed_memory
+    from kv_transfer.layout import retain_freed_memory
 
     retain_freed_memory()  # (as the first transfer does: the sink measured before it gets the same malloc)
     try:

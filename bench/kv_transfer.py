@@ -8,7 +8,7 @@
 
 The decode side is a real decode service (`python -m decode_svc.server`, its own process: CUDA IPC cannot map a
 cache inside the process that exported it). The prefill side is this process: an engine computes each prompt's KV
-(kv_hold, as the prefill service does), then the prefill service's own sender (`prefill_svc.kv_sender.KvSender`)
+(kv_hold, as the prefill service does), then the prefill service's own sender (`kv_transfer.sender.KvSender`)
 streams it over a real TransferKv call. The path is negotiated once per run with the KvHandshake (on CUDA IPC the
 decode service maps this process's cache then: the one-time mapping is not timed).
 
@@ -60,11 +60,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench import kv_profile  # noqa: E402
 from bench.common import REPO_ROOT, format_table, write_json  # noqa: E402
 from engine import EngineArgs, LLMEngine, SamplingParams  # noqa: E402
-from prefill_svc.kv_ipc import GRPC, PATH_LABELS  # noqa: E402
-from prefill_svc.kv_layout import block_rows  # noqa: E402
-from prefill_svc.kv_sender import KvSender, serialize  # noqa: E402
-from protos.runtime import GRPC_OPTIONS, ServiceError  # noqa: E402
+from kv_transfer.cuda_ipc import GRPC, PATH_LABELS  # noqa: E402
+from kv_transfer.layout import block_rows  # noqa: E402
+from kv_transfer.sender import KvSender, serialize  # noqa: E402
 from protos.tandem.v1 import common_pb2, decode_pb2, decode_pb2_grpc  # noqa: E402
+from serving.convert import ServiceError  # noqa: E402
+from serving.rpc import GRPC_OPTIONS
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -93,7 +94,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "of KvSender.transfer_kv's pre-serialized blocks")
     p.add_argument("--message-bytes", type=int, default=None,
                    help="gRPC path: KV payload per message, rounded down to whole blocks (at least one; default: "
-                        "prefill_svc.kv_sender.MESSAGE_BYTES)")
+                        "kv_transfer.sender.MESSAGE_BYTES)")
     p.add_argument("--profile", action="store_true",
                    help="gRPC path: per-stage times, CPU by thread, the host's gRPC ceiling and cProfiles of both "
                         "sides (see above)")

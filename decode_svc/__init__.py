@@ -1,1 +1,5 @@
-"""The decode service: receives prompts' KV from prefill instances and generates the rest in a continuous batch."""
+"""The decode service: reserves blocks for prompts, receives their KV from prefill instances and decodes them in one
+continuous batch.
+
+May import: engine/, serving/, kv_transfer/, protos/. Never prefill_svc/, router/ or cli/.
+"""

@@ -41,13 +41,17 @@ import grpc
 
 import torch
 
-from engine.metrics import Metrics
-from prefill_svc.engine_worker import EngineWorker, hop
-from prefill_svc.kv_ipc import CUDA_IPC, GRPC, copy_blocks, host_identity, import_cache, ipc_refusal
-from prefill_svc.kv_layout import ReceivedBlocks, layout_mismatch, layout_of, retain_freed_memory, write_blocks
-from prefill_svc.kv_metrics import KvPathMetrics
-from protos.runtime import ServiceError, delta_to_proto, sampling_from_proto
+from engine.utils import cdiv
+from kv_transfer.cuda_ipc import CUDA_IPC, GRPC, copy_blocks, host_identity, import_cache, ipc_refusal
+from kv_transfer.layout import ReceivedBlocks, layout_mismatch, layout_of, retain_freed_memory, write_blocks
+from kv_transfer.metrics import KvPathMetrics
 from protos.tandem.v1 import common_pb2, decode_pb2, kv_transfer_pb2
+from serving.config import KvTransferConfig
+from serving.convert import delta_to_proto, sampling_from_proto
+from serving.engine_thread import EngineThread
+from serving.errors import ServiceError
+from serving.hops import hop
+from serving.metrics import Metrics
 
 log = logging.getLogger("tandem.decode")
 
@@ -59,10 +63,6 @@ RESERVATION_WAIT_S = 2.0
 # Payload of a transfer's KvBlocks queued on the engine thread and not yet written, at most (received messages past
 # it wait). Writes queue behind engine steps, so the window lets the transfer go on during a step.
 WRITE_WINDOW_BYTES = 64 << 20
-
-
-def cdiv(a: int, b: int) -> int:
-    return -(-a // b)
 
 
 @dataclass
@@ -84,7 +84,7 @@ class _Dec:
 
 
 class DecodeCore:
-    def __init__(self, engine, metrics: Metrics, default_kv_timeout_s: float = 30.0):
+    def __init__(self, engine, metrics: Metrics, default_kv_timeout_s: float = KvTransferConfig.timeout_s):
         self.engine = engine
         self.metrics = metrics
         self.default_kv_timeout_s = default_kv_timeout_s
@@ -101,10 +101,10 @@ class DecodeCore:
         self._sources: dict[bytes, torch.Tensor] = {}  # written by the engine thread: mapped prefill caches
         self._reqs: dict[str, _Dec] = {}  # event loop only
         self._arrivals: dict[str, asyncio.Future] = {}  # event loop: transfers waiting for their Decode call
-        self.worker: EngineWorker | None = None
+        self.worker: EngineThread | None = None
 
     async def start(self) -> None:
-        self.worker = EngineWorker(self.engine, asyncio.get_running_loop(), self._on_step, self._after_step,
+        self.worker = EngineThread(self.engine, asyncio.get_running_loop(), self._on_step, self._after_step,
                                    name="decode-engine")
         self.worker.start()
 

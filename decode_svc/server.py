@@ -1,7 +1,7 @@
 """`tandem decode`: one decode instance (grpc.aio on uvloop) serving tandem.v1.Decode, grpc.health.v1 and
 reflection on --host:--port, and Prometheus metrics on --metrics-port (HTTP GET /metrics; 0 = off).
 
-The life of a request is told in decode_svc/core.py; the process around it in protos/worker.py.
+The life of a request is told in decode_svc/core.py; the process around it in serving/worker.py.
 """
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ import argparse
 
 from decode_svc.core import DecodeCore
 from decode_svc.servicer import add_to_server
-from protos import worker
 from protos.tandem.v1 import decode_pb2
+from serving import worker
 
 ROLE = worker.WorkerRole(
     name="decode",

@@ -11,9 +11,9 @@ from __future__ import annotations
 import grpc
 
 from decode_svc.core import DecodeCore
-from prefill_svc.kv_layout import parse_transfer_message
-from protos.runtime import grpc_method
+from kv_transfer.layout import parse_transfer_message
 from protos.tandem.v1 import common_pb2, decode_pb2, decode_pb2_grpc, kv_transfer_pb2
+from serving.errors import grpc_method
 
 SERVICE = decode_pb2.DESCRIPTOR.services_by_name["Decode"].full_name
 

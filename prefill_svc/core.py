@@ -33,19 +33,20 @@ from dataclasses import dataclass
 import grpc
 
 from engine.llm_engine import stop_holdback
-from engine.metrics import Metrics
-from prefill_svc.engine_worker import EngineWorker, hop
-from prefill_svc.kv_ipc import CUDA_IPC
-from prefill_svc.kv_metrics import KvPathMetrics
-from prefill_svc.kv_sender import KvSender
-from protos.runtime import ServiceError, channel, delta_to_proto, sampling_from_proto
+from engine.utils import cdiv
+from kv_transfer.cuda_ipc import CUDA_IPC
+from kv_transfer.metrics import KvPathMetrics
+from kv_transfer.sender import KvSender
 from protos.tandem.v1 import common_pb2, decode_pb2_grpc, prefill_pb2
+from serving.config import KvTransferConfig
+from serving.convert import delta_to_proto, sampling_from_proto
+from serving.engine_thread import EngineThread
+from serving.errors import ServiceError
+from serving.hops import hop
+from serving.metrics import Metrics
+from serving.rpc import channel
 
 log = logging.getLogger("tandem.prefill")
-
-
-def cdiv(a: int, b: int) -> int:
-    return -(-a // b)
 
 
 def handoff_text(first_text: str, params) -> str:
@@ -83,7 +84,7 @@ class _Req:
 
 
 class PrefillCore:
-    def __init__(self, engine, metrics: Metrics, default_kv_timeout_s: float = 30.0, kv_transfer: str = "auto"):
+    def __init__(self, engine, metrics: Metrics, default_kv_timeout_s: float = KvTransferConfig.timeout_s, kv_transfer: str = "auto"):
         self.engine = engine  # owned by the worker thread once start() ran; read-only constants below
         self.metrics = metrics
         self.default_kv_timeout_s = default_kv_timeout_s
@@ -95,10 +96,10 @@ class PrefillCore:
         self._tx: dict[str, _Tx] = {}  # engine thread only
         self._reqs: dict[str, _Req] = {}  # event loop only
         self._channels: dict[str, grpc.aio.Channel] = {}
-        self.worker: EngineWorker | None = None
+        self.worker: EngineThread | None = None
 
     async def start(self) -> None:
-        self.worker = EngineWorker(self.engine, asyncio.get_running_loop(), self._on_step, self._after_step,
+        self.worker = EngineThread(self.engine, asyncio.get_running_loop(), self._on_step, self._after_step,
                                    name="prefill-engine")
         self.worker.start()
 

@@ -1,17 +1,17 @@
 """`tandem prefill`: one prefill instance (grpc.aio on uvloop) serving tandem.v1.Prefill, grpc.health.v1 and
 reflection on --host:--port, and Prometheus metrics on --metrics-port (HTTP GET /metrics; 0 = off).
 
-The life of a request is told in prefill_svc/core.py; the process around it in protos/worker.py.
+The life of a request is told in prefill_svc/core.py; the process around it in serving/worker.py.
 """
 from __future__ import annotations
 
 import argparse
 
+from kv_transfer.cuda_ipc import PATHS
 from prefill_svc.core import PrefillCore
-from prefill_svc.kv_ipc import PATHS
 from prefill_svc.servicer import PrefillServicer
-from protos import worker
 from protos.tandem.v1 import prefill_pb2, prefill_pb2_grpc
+from serving import worker
 
 
 def add_args(p: argparse.ArgumentParser) -> None:

@@ -3,8 +3,8 @@ protos.runtime.grpc_method."""
 from __future__ import annotations
 
 from prefill_svc.core import PrefillCore
-from protos.runtime import grpc_method
 from protos.tandem.v1 import prefill_pb2_grpc
+from serving.errors import grpc_method
 
 
 class PrefillServicer(prefill_pb2_grpc.PrefillServicer):

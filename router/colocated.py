@@ -6,7 +6,7 @@ The life of a request in here:
 1. `RouterCore.generate()` validates and tokenizes it and fans n > 1 out into sub-requests, as for the disaggregated
    stack (the same code: this class only replaces how one sub-request is served).
 2. `_serve_one` adds the prompt to the engine (`engine.add_request`, in the engine's own thread, prefill_svc's
-   EngineWorker); the engine's scheduler mixes its prefill chunks with the running requests' decode steps under one
+   EngineThread); the engine's scheduler mixes its prefill chunks with the running requests' decode steps under one
    token budget (chunked prefill): no KV leaves the engine, and prefill and decode share every step.
 3. Each step's outputs come back to the event loop (`_on_step`) and go to the request's stream as GenerateDeltas,
    the first token included, until the request finishes.
@@ -18,11 +18,11 @@ import asyncio
 import logging
 
 from engine.args import EngineArgs
-from engine.metrics import Metrics
 from engine.sampling_params import SamplingParams
-from prefill_svc.engine_worker import EngineWorker
-from protos.runtime import logprobs_from_proto, logprobs_to_proto
 from router.core import _FIELD_IN_MESSAGE, GenerateDelta, RequestError, RouterConfig, RouterCore
+from serving.convert import logprobs_from_proto, logprobs_to_proto
+from serving.engine_thread import EngineThread
+from serving.metrics import Metrics
 
 log = logging.getLogger("tandem.router.colocated")
 
@@ -32,7 +32,7 @@ def _add(engine, rid: str, prompt: list[int], params: SamplingParams) -> None:
 
 
 def _stats(engine, _outs):
-    """After each step, in the engine thread: its stats for the metrics (EngineWorker's after_step hook)."""
+    """After each step, in the engine thread: its stats for the metrics (EngineThread's after_step hook)."""
     return engine.stats()
 
 
@@ -57,7 +57,7 @@ class ColocatedCore(RouterCore):
         self.engine_metrics = Metrics(self.served_name, "colocated")
         self._running = 0
         self._streams: dict[str, asyncio.Queue] = {}  # request id -> its StepOutputs (event loop only)
-        self.worker: EngineWorker | None = None
+        self.worker: EngineThread | None = None
 
     @classmethod
     async def from_engine_args(cls, args: EngineArgs) -> "ColocatedCore":
@@ -66,7 +66,7 @@ class ColocatedCore(RouterCore):
         engine = await asyncio.to_thread(LLMEngine.from_engine_args, args)
         core = cls(RouterConfig(prefill_addrs=[], decode_addrs=[], model=args.model,
                                 served_model_name=args.served_model_name, max_model_len=args.max_model_len), engine)
-        core.worker = EngineWorker(engine, asyncio.get_running_loop(), core._on_step, _stats,
+        core.worker = EngineThread(engine, asyncio.get_running_loop(), core._on_step, _stats,
                                    name="colocated-engine")
         core.worker.start()
         return core

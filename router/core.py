@@ -32,12 +32,13 @@ from dataclasses import dataclass, replace
 
 import grpc
 
-from engine.metrics import Metrics
 from engine.sampling_params import SamplingParams
-from prefill_svc.engine_worker import hop
-from protos.runtime import finish_from_proto, logprobs_from_proto, sampling_to_proto
 from protos.tandem.v1 import decode_pb2, prefill_pb2
 from router.instances import Instance, InstancePool
+from serving.config import KvTransferConfig
+from serving.convert import finish_from_proto, logprobs_from_proto, sampling_to_proto
+from serving.hops import hop
+from serving.metrics import Metrics
 
 log = logging.getLogger("tandem.router.core")
 
@@ -48,7 +49,7 @@ class RouterConfig:
     """Prefill instances, host:port."""
     decode_addrs: list[str]
     """Decode instances, host:port (reachable from the prefill instances too: they send the KV there)."""
-    policy: str = "round_robin"
+    policy: str = InstancePool.policy
     """round_robin | least_loaded | cache_aware (see router/instances.py)."""
     model: str = "smollm2"
     """The model spec the instances serve (for the tokenizer and the context length)."""
@@ -56,9 +57,9 @@ class RouterConfig:
     """Name clients use (default: the model's own name)."""
     max_model_len: int | None = None
     """Context length (default: the model's); must match the instances'."""
-    kv_transfer_timeout_s: float = 30.0
+    kv_transfer_timeout_s: float = KvTransferConfig.timeout_s
     """Deadline of one KV transfer, from the decode reservation to the commit."""
-    poll_interval_s: float = 1.0
+    poll_interval_s: float = InstancePool.poll_interval_s
     """Seconds between health polls of each instance."""
 
     def __post_init__(self) -> None:

@@ -13,10 +13,13 @@ import uuid
 
 import grpc
 
-from protos.runtime import (add_health_and_reflection, finish_to_proto, grpc_method, logprobs_to_proto, new_server,
-                            sampling_from_proto, set_serving)
+from serving.convert import finish_to_proto, logprobs_to_proto, sampling_from_proto
+
+from serving.errors import grpc_method
+
 from protos.tandem.v1 import common_pb2, generate_pb2, generate_pb2_grpc
 from router.core import GenerateRequest, RequestError, RouterCore
+from serving.rpc import add_health_and_reflection, new_server, set_serving
 
 SERVICE_NAME = generate_pb2.DESCRIPTOR.services_by_name["Generate"].full_name
 

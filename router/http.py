@@ -30,7 +30,6 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, Counter, generate_latest
 from pydantic import BaseModel, ValidationError
 
-from prefill_svc.engine_worker import hop
 from router.core import GenerateDelta, GenerateRequest, RequestError, RouterCore
 from router.openai_protocol import (DEFAULT_COMPLETION_MAX_TOKENS, AssistantMessage, ChatChoice,
                                     ChatCompletionChunk, ChatCompletionRequest, ChatCompletionResponse, ChatLogProbs,
@@ -39,6 +38,7 @@ from router.openai_protocol import (DEFAULT_COMPLETION_MAX_TOKENS, AssistantMess
                                     DetokenizeRequest, DetokenizeResponse, ErrorInfo, ErrorResponse, ModelCard,
                                     ModelList, SimpleGenerateRequest, TokenizeRequest, TokenizeResponse, TopLogprob,
                                     UsageInfo, random_id)
+from serving.hops import hop
 
 log = logging.getLogger("tandem.router.http")
 

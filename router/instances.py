@@ -24,10 +24,10 @@ from dataclasses import dataclass, field
 
 import grpc
 
-from protos import health as health_codec
-from router.prefix_index import PrefixIndex, block_hashes
-from protos.runtime import channel
+from serving import health as health_codec
 from protos.tandem.v1 import common_pb2, decode_pb2, decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc
+from router.prefix_index import PrefixIndex, block_hashes
+from serving.rpc import channel
 
 log = logging.getLogger("tandem.router.instances")
 
@@ -45,7 +45,7 @@ class Instance:
     address: str
     channel: grpc.aio.Channel
     stub: object
-    health: object  # grpc.health.v1 Check, as a callable (protos/health.py)
+    health: object  # grpc.health.v1 Check, as a callable (serving/health.py)
     healthy: bool = False
     load: common_pb2.InstanceLoad | None = None
     inflight: int = 0  # this router's requests there

@@ -29,6 +29,7 @@ import uvicorn
 import uvloop
 
 from engine.args import EngineArgs, add_engine_args
+from router.core import RouterConfig
 from router.instances import POLICIES
 
 log = logging.getLogger("tandem.router")
@@ -37,18 +38,23 @@ ENV_PREFILL = "TANDEM_PREFILL_ADDRS"
 ENV_DECODE = "TANDEM_DECODE_ADDRS"
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="tandem router", description=__doc__.split("\n\n")[0])
+def add_router_args(p: argparse.ArgumentParser) -> None:
+    """The router's flags that `tandem up` passes on too (declared once, here)."""
     p.add_argument("--host", default="127.0.0.1", help="address to bind both APIs to (default: 127.0.0.1)")
     p.add_argument("--grpc-port", type=int, default=50051, help="public gRPC API port (default: 50051)")
     p.add_argument("--http-port", type=int, default=8000, help="OpenAI HTTP API port (default: 8000)")
+    p.add_argument("--policy", choices=POLICIES, default=RouterConfig.policy,
+                   help="how to pick instances: " + ", ".join(POLICIES) + " (router/instances.py; default: "
+                        f"{RouterConfig.policy})")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="tandem router", description=__doc__.split("\n\n")[0])
+    add_router_args(p)
     p.add_argument("--prefill", default=None,
                    help=f"prefill instances, host:port[,host:port...] (default: ${ENV_PREFILL})")
     p.add_argument("--decode", default=None,
                    help=f"decode instances, host:port[,host:port...] (default: ${ENV_DECODE})")
-    p.add_argument("--policy", choices=POLICIES, default="round_robin",
-                   help="how to pick instances: " + ", ".join(POLICIES) + " (router/instances.py; default: "
-                        "round_robin)")
     p.add_argument("--colocated", action="store_true",
                    help="no instances: run one engine in this process for prefill and decode alike (the "
                         "non-disaggregated baseline); every engine flag below then applies")
@@ -105,7 +111,7 @@ class _Uvicorn(uvicorn.Server):
 
 
 async def serve(ns: argparse.Namespace, prefill: list[str], decode: list[str]) -> None:
-    from router.core import RouterConfig, RouterCore
+    from router.core import RouterCore
     from router.grpc_server import start_grpc_server
     from router.http import create_app
 

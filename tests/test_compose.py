@@ -7,7 +7,7 @@ import jsonschema
 import pytest
 import yaml
 
-from router.launcher import build_parser, launch_commands
+from cli.up import build_parser, launch_commands
 
 ROOT = Path(__file__).resolve().parents[1]
 SCHEMA = ROOT.parent / "shared" / "schemas" / "compose-spec.json"

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import yaml
 
-from router.launcher import build_parser, launch_commands
+from cli.up import build_parser, launch_commands
 
 ROOT = Path(__file__).resolve().parents[1]
 MONITORING = ROOT / "docs" / "monitoring"

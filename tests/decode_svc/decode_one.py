@@ -8,10 +8,10 @@ import grpc
 
 from decode_svc.core import DecodeCore
 from decode_svc.servicer import add_to_server
-from engine.metrics import Metrics
-from prefill_svc.kv_sender import KvSender
-from protos.runtime import new_server
+from kv_transfer.sender import KvSender
 from protos.tandem.v1 import common_pb2, decode_pb2_grpc
+from serving.metrics import Metrics
+from serving.rpc import new_server
 
 ARGS = dict(model="random:tiny", device="cpu", num_gpu_blocks_override=64, max_model_len=1024, block_size=16)
 

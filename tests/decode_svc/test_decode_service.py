@@ -10,8 +10,8 @@ import torch
 
 import decode_svc.core as core_module
 from decode_svc.servicer import DecodeServicer, add_to_server
-from prefill_svc.kv_layout import StagedBlocks, block_rows, layout_of
-from prefill_svc.kv_sender import KvBlocksOut
+from kv_transfer.layout import StagedBlocks, block_rows, layout_of
+from kv_transfer.sender import KvBlocksOut
 from protos.tandem.v1 import common_pb2, decode_pb2, decode_pb2_grpc, kv_transfer_pb2 as kv
 from decode_one import idle, run_decode
 

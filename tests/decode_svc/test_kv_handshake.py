@@ -6,8 +6,8 @@ from __future__ import annotations
 import grpc
 import pytest
 
-from prefill_svc.kv_ipc import host_identity
-from prefill_svc.kv_layout import layout_of
+from kv_transfer.cuda_ipc import host_identity
+from kv_transfer.layout import layout_of
 from protos.tandem.v1 import common_pb2, decode_pb2, kv_transfer_pb2 as kv
 from decode_one import idle, run_decode
 

@@ -28,7 +28,7 @@ IDS = {"logprobs": 0, "return_tokens_as_token_ids": True}
 def colocated():
     """`tandem up --colocated --model random:tiny`, once ready: (base URL, process, its output lines)."""
     base = free_port_block(2)
-    proc = subprocess.Popen([sys.executable, "-m", "engine.cli", "up", "--colocated", "--model", "random:tiny",
+    proc = subprocess.Popen([sys.executable, "-m", "cli", "up", "--colocated", "--model", "random:tiny",
                              "--http-port", str(base), "--grpc-port", str(base + 1)],
                             cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             env={**os.environ, "PYTHONUNBUFFERED": "1"})

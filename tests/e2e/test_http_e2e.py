@@ -32,7 +32,7 @@ class Stack:
         self.worker_ports = {f"{role}-{i}": base + 2 + k for k, (role, i) in enumerate(
             [("prefill", i) for i in range(prefill)] + [("decode", i) for i in range(decode)])}
         self.metrics_ports = [base + 2 + prefill + decode + k for k in range(prefill + decode)]
-        self.argv = [sys.executable, "-m", "engine.cli", "up", "--http-port", str(base), "--grpc-port",
+        self.argv = [sys.executable, "-m", "cli", "up", "--http-port", str(base), "--grpc-port",
                      str(base + 1), "--worker-port", str(base + 2), "--metrics-port", str(self.metrics_ports[0]),
                      "--prefill", str(prefill), "--decode", str(decode), *args]
         self.proc = subprocess.Popen(self.argv, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,

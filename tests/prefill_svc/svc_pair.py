@@ -8,11 +8,11 @@ import grpc
 
 from decode_svc.core import DecodeCore
 from decode_svc.servicer import add_to_server
-from engine.metrics import Metrics
 from prefill_svc.core import PrefillCore
 from prefill_svc.servicer import PrefillServicer
-from protos.runtime import new_server
 from protos.tandem.v1 import decode_pb2_grpc, prefill_pb2_grpc
+from serving.metrics import Metrics
+from serving.rpc import new_server
 
 # 100-token prompts prefill in 4 chunks of 32 tokens and fill 7 blocks of 16.
 ARGS = dict(model="random:tiny", device="cpu", num_gpu_blocks_override=256, max_model_len=1024, block_size=16,

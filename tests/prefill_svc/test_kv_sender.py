@@ -13,14 +13,15 @@ from prometheus_client import REGISTRY
 from decode_svc.core import DecodeCore
 from decode_svc.servicer import add_to_server
 from engine import LLM, SamplingParams
-from engine.metrics import Metrics
+from kv_transfer.cuda_ipc import CUDA_IPC, GRPC, host_identity
+from kv_transfer.layout import block_rows
+from kv_transfer.sender import KvBlocksOut, KvSender, serialize
 from prefill_svc.core import PrefillCore
-from prefill_svc.kv_ipc import CUDA_IPC, GRPC, host_identity
-from prefill_svc.kv_layout import block_rows
-from prefill_svc.kv_sender import KvBlocksOut, KvSender, serialize
 from prefill_svc.server import ROLE, build_parser
-from protos.runtime import ServiceError, new_server
 from protos.tandem.v1 import common_pb2, decode_pb2, decode_pb2_grpc, kv_transfer_pb2 as kv, prefill_pb2
+from serving.errors import ServiceError
+from serving.metrics import Metrics
+from serving.rpc import new_server
 from svc_pair import ARGS, free_port, run_pair
 
 PROMPT = list(range(20, 120))  # 100 tokens: 7 blocks, prefilled in 4 chunks

@@ -1,7 +1,7 @@
 """`tandem up --colocated` and `tandem router --colocated`: the command line, and the flags each refuses."""
 import pytest
 
-from router.launcher import _check, build_parser, launch_commands
+from cli.up import _check, build_parser, launch_commands
 from router.server import build_parser as router_parser
 from router.server import engine_only_flags
 from router.server import main as router_main

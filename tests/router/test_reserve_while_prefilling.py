@@ -18,14 +18,14 @@ import decode_svc.core as decode_module
 from decode_svc.core import DecodeCore
 from decode_svc.servicer import add_to_server
 from engine import LLM, EngineArgs, LLMEngine, SamplingParams
-from engine.metrics import Metrics
+from kv_transfer.layout import layout_of
 from prefill_svc.core import PrefillCore
-from prefill_svc.kv_layout import layout_of
 from prefill_svc.servicer import PrefillServicer
-from protos.runtime import add_health_and_reflection, new_server, set_serving
 from protos.tandem.v1 import (common_pb2, decode_pb2, decode_pb2_grpc, kv_transfer_pb2 as kv, prefill_pb2,
                               prefill_pb2_grpc)
 from router.core import GenerateRequest, RequestError, RouterConfig, RouterCore
+from serving.metrics import Metrics
+from serving.rpc import add_health_and_reflection, new_server, set_serving
 
 # 64 blocks of 16 tokens per engine; prompts up to 256 tokens prefill in one step.
 ARGS = dict(model="random:tiny", device="cpu", num_gpu_blocks_override=64, max_model_len=1024, block_size=16,

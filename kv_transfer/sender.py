@@ -29,10 +29,10 @@ from dataclasses import dataclass
 import grpc
 import torch
 
-from prefill_svc.kv_ipc import CUDA_IPC, GRPC, PATH_LABELS, PATHS, export_cache, host_identity
-from prefill_svc.kv_layout import StagedBlocks, encode_blocks, layout_of, retain_freed_memory, stage_blocks
-from protos.runtime import ServiceError
+from kv_transfer.cuda_ipc import CUDA_IPC, GRPC, PATH_LABELS, PATHS, export_cache, host_identity
+from kv_transfer.layout import StagedBlocks, encode_blocks, layout_of, retain_freed_memory, stage_blocks
 from protos.tandem.v1 import decode_pb2, kv_transfer_pb2 as kv
+from serving.errors import ServiceError
 
 log = logging.getLogger("tandem.prefill.kv")
 

@@ -35,7 +35,7 @@ from dataclasses import fields
 import torch
 
 from engine.args import EngineArgs, add_engine_args
-from router.instances import POLICIES
+from router.server import add_router_args
 
 # Ports of the workers, counted up from --worker-port: prefill 0..P-1, then decode 0..D-1.
 DEFAULT_WORKER_PORT = 50060
@@ -50,24 +50,24 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--colocated", action="store_true",
                    help="no workers: the router runs one engine for prefill and decode alike (the baseline the "
                         "disaggregated stack is measured against)")
-    p.add_argument("--host", default="127.0.0.1", help="address every process binds to (default: 127.0.0.1)")
-    p.add_argument("--grpc-port", type=int, default=50051, help="router: public gRPC API port (default: 50051)")
-    p.add_argument("--http-port", type=int, default=8000, help="router: OpenAI HTTP API port (default: 8000)")
+    add_router_args(p)
+    _action(p, "host").help = "address every process binds to (default: 127.0.0.1)"
     p.add_argument("--worker-port", type=int, default=DEFAULT_WORKER_PORT,
                    help=f"first worker gRPC port, prefill workers first, then decode (default: {DEFAULT_WORKER_PORT})")
     p.add_argument("--metrics-port", type=int, default=DEFAULT_METRICS_PORT,
                    help=f"first worker Prometheus port, same order (default: {DEFAULT_METRICS_PORT})")
-    p.add_argument("--policy", choices=POLICIES, default="round_robin",
-                   help="router: how to pick instances: " + ", ".join(POLICIES) + " (router/instances.py; "
-                        "default: round_robin)")
     p.add_argument("--ready-timeout", type=float, default=900.0,
                    help="seconds to wait for the stack to be ready (default: 900)")
     p.add_argument("--stop-timeout", type=float, default=15.0,
                    help="seconds a child gets to exit before SIGKILL (default: 15)")
     add_engine_args(p)
-    device = next(a for a in p._actions if a.dest == "device")
+    device = _action(p, "device")
     device.default, device.help = "cpu", "cpu, cuda or auto (default: cpu, unlike the workers' own auto)"
     return p
+
+
+def _action(p: argparse.ArgumentParser, dest: str) -> argparse.Action:
+    return next(a for a in p._actions if a.dest == dest)
 
 
 def _engine_flags(ns: argparse.Namespace, names: tuple[str, ...] | None = None) -> list[str]:
@@ -227,7 +227,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         for name, cmd in cmds.items():
             # `tandem` may not be on PATH (a venv not activated): run the same entry point with this interpreter.
-            children[name] = subprocess.Popen([sys.executable, "-m", "engine.cli", *cmd[1:]],
+            children[name] = subprocess.Popen([sys.executable, "-m", "cli", *cmd[1:]],
                                               start_new_session=True, preexec_fn=_die_with_parent)
             print(f"tandem up: started {name} (pid {children[name].pid}): {' '.join(cmd)}", flush=True)
         ready, deadline = False, time.monotonic() + ns.ready_timeout

@@ -1,4 +1,4 @@
-"""prefill_svc/kv_ipc.py on the CPU: the host identity and every reason two processes cannot use CUDA IPC. The
+"""kv_transfer/cuda_ipc.py on the CPU: the host identity and every reason two processes cannot use CUDA IPC. The
 mapping and the copy themselves need CUDA: tests/e2e/test_kv_ipc_cuda.py."""
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from prefill_svc.kv_ipc import copy_blocks, export_cache, host_identity, ipc_refusal
+from kv_transfer.cuda_ipc import copy_blocks, export_cache, host_identity, ipc_refusal
 from protos.tandem.v1 import kv_transfer_pb2 as kv
 
 GPU_A, GPU_B = "11111111-2222-3333-4444-555555555555", "66666666-7777-8888-9999-000000000000"

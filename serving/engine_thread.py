@@ -1,14 +1,10 @@
-"""The one thread that owns an engine (shared by the prefill and the decode service).
+"""The one thread that owns an engine (shared by the prefill and decode services and the colocated router).
 
 The engine is not thread-safe, so everything that touches it (adding, aborting, reserving, reading or writing KV
 blocks, stepping) runs in this thread. The asyncio side sends commands through a queue (`call` awaits the result,
 `submit` does not); between commands the thread steps the engine whenever it has work, hands the step's outputs to
 the event loop (`loop.call_soon_threadsafe(on_step, outputs, None)`), then runs the service's `after_step` hook (in
 this thread, e.g. to read freshly filled KV blocks) and hands over what it returns (`on_step([], extra)`).
-
-`hop(rid, event)` writes one line of a request's timeline (logger `tandem.hops` at DEBUG, off by default;
-CLOCK_MONOTONIC nanoseconds, comparable across the processes of one host); the router, prefill and decode all log
-through it, and bench/ttft_hops.py turns the lines into the per-hop table of a request's time to first token.
 """
 from __future__ import annotations
 
@@ -20,20 +16,12 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-log = logging.getLogger("tandem.engine_worker")
+log = logging.getLogger("tandem.engine_thread")
 
 _STOP = object()
 
-_hops = logging.getLogger("tandem.hops")
 
-
-def hop(rid: str, event: str, t_ns: int | None = None) -> None:
-    """Logs that request `rid` passed `event` at t_ns (default: now), when tandem.hops is at DEBUG."""
-    if _hops.isEnabledFor(logging.DEBUG):
-        _hops.debug("hop %s %s %d", rid, event, time.monotonic_ns() if t_ns is None else t_ns)
-
-
-class EngineWorker:
+class EngineThread:
     def __init__(self, engine, loop: asyncio.AbstractEventLoop, on_step: Callable[[list, Any], None],
                  after_step: Callable[[Any, list], Any] | None = None, name: str = "engine"):
         self.engine = engine

@@ -8,16 +8,32 @@
 from __future__ import annotations
 
 import argparse
-import importlib
 import sys
 
-# Role commands live beside their code; imported only when chosen (a decode worker never imports FastAPI).
+
+
+def _role_main(cmd: str):
+    """The main() of a role's command, imported only when chosen (a decode worker never imports FastAPI)."""
+    if cmd == "up":
+        from cli.up import main
+    elif cmd == "router":
+        from router.server import main
+    elif cmd == "prefill":
+        from prefill_svc.server import main
+    elif cmd == "decode":
+        from decode_svc.server import main
+    else:
+        assert cmd == "plan", cmd
+        from engine.plan import main
+    return main
+
+
 ROLES = {
-    "up": ("router.launcher", "start router, prefill and decode processes on this machine"),
-    "router": ("router.server", "the router: OpenAI HTTP API and the public gRPC API"),
-    "prefill": ("prefill_svc.server", "a prefill worker"),
-    "decode": ("decode_svc.server", "a decode worker"),
-    "plan": ("engine.plan", "KV-cache sizing for a model and a memory budget"),
+    "up": "start router, prefill and decode processes on this machine",
+    "router": "the router: OpenAI HTTP API and the public gRPC API",
+    "prefill": "a prefill worker",
+    "decode": "a decode worker",
+    "plan": "KV-cache sizing for a model and a memory budget",
 }
 
 
@@ -56,7 +72,7 @@ def generate_main(argv: list[str]) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    commands = {"generate": "generate text offline", **{k: v[1] for k, v in ROLES.items()}}
+    commands = {"generate": "generate text offline", **ROLES}
     if not argv or argv[0] in ("-h", "--help") or argv[0] not in commands:
         print(__doc__.strip())
         if argv and argv[0] not in ("-h", "--help"):
@@ -66,8 +82,7 @@ def main(argv: list[str] | None = None) -> int:
     cmd, rest = argv[0], argv[1:]
     if cmd == "generate":
         return generate_main(rest)
-    module = importlib.import_module(ROLES[cmd][0])
-    return module.main(rest) or 0
+    return _role_main(cmd)(rest) or 0
 
 
 if __name__ == "__main__":

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from router.launcher import build_parser, launch_commands
+from cli.up import build_parser, launch_commands
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -92,7 +92,7 @@ def _alive(pid: int) -> bool:
 def _tandem_up() -> tuple[subprocess.Popen, dict[str, int]]:
     """`tandem up` with random:tiny on free ports, once it says it is ready; and its children's pids by name."""
     base = _free_base(6)
-    proc = subprocess.Popen([sys.executable, "-m", "engine.cli", "up", "--model", "random:tiny", "--http-port",
+    proc = subprocess.Popen([sys.executable, "-m", "cli", "up", "--model", "random:tiny", "--http-port",
                              str(base), "--grpc-port", str(base + 1), "--worker-port", str(base + 2),
                              "--metrics-port", str(base + 4)],
                             cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
@@ -155,7 +155,7 @@ def test_router_takes_instances_from_flags_or_environment(monkeypatch):
 
 
 def test_each_engine_gets_gpus_of_its_own_when_the_host_has_enough():
-    from router.launcher import _check, gpu_placement
+    from cli.up import _check, gpu_placement
 
     ns = build_parser().parse_args(["--prefill", "1", "--decode", "2", "--device", "cuda"])
     cmds = launch_commands(ns, num_gpus=4)

@@ -1,6 +1,6 @@
 """KV transfer metrics labelled by path ("grpc" | "ipc"), for prefill and decode.
 
-`engine/metrics.py`'s `tandem:kv_transfer_bytes` and `tandem:kv_transfer_seconds` count every transfer whatever its
+`serving/metrics.py`'s `tandem:kv_transfer_bytes` and `tandem:kv_transfer_seconds` count every transfer whatever its
 path (both keep doing so); these two families add the `path` label beside `model` and `role`:
 `tandem:kv_transfer_path_bytes_total` and `tandem:kv_transfer_path_seconds` (open to ack on prefill, open to commit
 on decode). They live here because the engine's metric module is shared by all roles and owned elsewhere; folding
@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from prometheus_client import Counter, Histogram
 
-from engine.metrics import LABELS, Metrics, _TRANSFER_BUCKETS
-from prefill_svc.kv_ipc import PATH_LABELS
+from kv_transfer.cuda_ipc import PATH_LABELS
+from serving.metrics import LABELS, Metrics, _TRANSFER_BUCKETS
 
 _path_bytes = Counter("tandem:kv_transfer_path_bytes",
                       "KV bytes sent (prefill) or received (decode), by transfer path.", LABELS + ("path",))

@@ -1,4 +1,4 @@
-"""protos/health.py: the hand-encoded grpc.health.v1 Check agrees with the generated messages, and the fallback
+"""serving/health.py: the hand-encoded grpc.health.v1 Check agrees with the generated messages, and the fallback
 server (used where grpcio-health-checking is missing) answers both the standard stub and our client."""
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from protos import health
+from serving import health
 
 
 @pytest.mark.parametrize("service", ["", "tandem.v1.Prefill", "x" * 300])

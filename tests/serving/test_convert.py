@@ -1,4 +1,4 @@
-"""protos/runtime.py conversions: every SamplingParams field crosses the wire and comes back equal."""
+"""serving/rpc.py conversions: every SamplingParams field crosses the wire and comes back equal."""
 from __future__ import annotations
 
 from dataclasses import fields
@@ -6,15 +6,14 @@ from dataclasses import fields
 import pytest
 
 from engine.sampling_params import SamplingParams
-from protos.runtime import (delta_to_proto, finish_from_proto, finish_to_proto, logprobs_from_proto,
-                            logprobs_to_proto, sampling_from_proto, sampling_to_proto)
 from protos.tandem.v1 import common_pb2
+from serving.convert import (delta_to_proto, finish_from_proto, finish_to_proto, logprobs_from_proto, logprobs_to_proto, sampling_from_proto, sampling_to_proto)
 
 
 def test_every_sampling_field_has_a_proto_field():
     proto_fields = set(common_pb2.SamplingParams.DESCRIPTOR.fields_by_name)
     missing = [f.name for f in fields(SamplingParams) if f.name not in proto_fields]
-    assert not missing, f"add these SamplingParams fields to common.proto and protos/runtime.py: {missing}"
+    assert not missing, f"add these SamplingParams fields to common.proto and serving/rpc.py: {missing}"
 
 
 @pytest.mark.parametrize("params", [

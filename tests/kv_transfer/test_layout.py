@@ -1,4 +1,4 @@
-"""The bytes of block runs on the GRPC path (prefill_svc/kv_layout.py): the hand-written KvBlocks encoding is
+"""The bytes of block runs on the GRPC path (kv_transfer/layout.py): the hand-written KvBlocks encoding is
 protobuf's, byte for byte; the receiver's parser agrees with protobuf's on every input (or hands it to protobuf); the
 round trip cache -> bytes -> cache is bit-exact, contiguous or scattered, on the CPU and (where present) on CUDA; the
 malloc setting both sides' processes take keeps message buffers off the page-fault path."""
@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from prefill_svc.kv_layout import (MAX_DIRECT_RUNS, ReceivedBlocks, block_rows, encode_blocks, id_runs,
+from kv_transfer.layout import (MAX_DIRECT_RUNS, ReceivedBlocks, block_rows, encode_blocks, id_runs,
                                    parse_transfer_message, stage_blocks, write_blocks)
 from protos.tandem.v1 import kv_transfer_pb2 as kv
 
@@ -130,7 +130,7 @@ def test_a_broken_message_fails_as_protobuf_fails(raw):
 
 _CHURN = """
 import resource, sys
-from prefill_svc.kv_layout import retain_freed_memory
+from kv_transfer.layout import retain_freed_memory
 if sys.argv[1] == "tuned":
     assert retain_freed_memory() and retain_freed_memory()
 def cycle():  # what a transfer does to the heap: many message-sized buffers, filled, then freed

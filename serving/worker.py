@@ -15,8 +15,9 @@ from functools import partial
 import uvloop
 
 from engine.args import EngineArgs, add_engine_args
-from engine.metrics import Metrics, start_metrics_server
-from protos.runtime import add_health_and_reflection, new_server, set_serving
+from serving.config import KvTransferConfig, WorkerConfig
+from serving.metrics import Metrics, start_metrics_server
+from serving.rpc import add_health_and_reflection, new_server, set_serving
 
 
 @dataclass
@@ -37,11 +38,11 @@ def build_parser(role: WorkerRole, prog: str | None = None) -> argparse.Argument
     p.add_argument("--host", default="127.0.0.1", help="address to listen on")
     p.add_argument("--port", type=int, default=role.default_port, help="gRPC port")
     p.add_argument("--metrics-port", type=int, default=0, help="Prometheus /metrics HTTP port (0: off)")
-    p.add_argument("--kv-transfer-timeout", type=float, default=30.0, help=role.kv_timeout_help)
-    p.add_argument("--shutdown-grace", type=float, default=25.0,
-                   help="on SIGTERM/SIGINT: seconds the requests in flight get to finish, with health NOT_SERVING so "
-                        "routers send no new ones (a rolling restart drops nothing); within compose's 30 s "
-                        "stop_grace_period (default: 25)")
+    p.add_argument("--kv-transfer-timeout", type=float, default=KvTransferConfig.timeout_s,
+                   help=f"{role.kv_timeout_help} (default: {KvTransferConfig.timeout_s:g})")
+    p.add_argument("--shutdown-grace", type=float, default=WorkerConfig.shutdown_grace_s,
+                   help=f"on SIGTERM/SIGINT: seconds the requests in flight get to finish, with health NOT_SERVING "
+                        f"so routers send no new ones (default: {WorkerConfig.shutdown_grace_s:g})")
     p.add_argument("--log-level", default="INFO")
     if role.add_args is not None:
         role.add_args(p)
@@ -50,7 +51,8 @@ def build_parser(role: WorkerRole, prog: str | None = None) -> argparse.Argument
 
 
 async def serve(role: WorkerRole, engine, host: str, port: int, kv_timeout_s: float,
-                stop: asyncio.Event | None = None, shutdown_grace_s: float = 25.0) -> None:
+                stop: asyncio.Event | None = None,
+                shutdown_grace_s: float = WorkerConfig.shutdown_grace_s) -> None:
     log = logging.getLogger(f"tandem.{role.name}")
     core = role.make_core(engine, Metrics(engine.model_name, role.name), kv_timeout_s)
     await core.start()

@@ -1,0 +1,79 @@
+"""protobuf <-> core conversions shared by the router and the workers: sampling parameters, finish reasons,
+logprobs, token deltas."""
+from __future__ import annotations
+
+from typing import Any
+
+from protos.tandem.v1 import common_pb2
+
+_OPTIONAL_FIELDS = ("n", "temperature", "top_p", "top_k", "min_p", "seed", "max_tokens", "min_tokens", "ignore_eos",
+                    "logprobs", "presence_penalty", "frequency_penalty", "repetition_penalty", "skip_special_tokens",
+                    "include_stop_str_in_output")
+_FINISH = {None: common_pb2.FINISH_REASON_UNSPECIFIED, "stop": common_pb2.FINISH_REASON_STOP,
+           "length": common_pb2.FINISH_REASON_LENGTH, "abort": common_pb2.FINISH_REASON_ABORT}
+_FINISH_NAME = {v: k for k, v in _FINISH.items()}
+
+
+def sampling_from_proto(msg: common_pb2.SamplingParams, **overrides: Any):
+    """The engine's SamplingParams (validated: ValueError names the field) from the proto; unset fields keep the
+    engine's defaults."""
+    from engine.sampling_params import SamplingParams
+
+    kw: dict[str, Any] = {f: getattr(msg, f) for f in _OPTIONAL_FIELDS if msg.HasField(f)}
+    if msg.stop:
+        kw["stop"] = list(msg.stop)
+    if msg.stop_token_ids:
+        kw["stop_token_ids"] = list(msg.stop_token_ids)
+    kw.update(overrides)
+    return SamplingParams(**kw)
+
+
+def sampling_to_proto(params) -> common_pb2.SamplingParams:
+    msg = common_pb2.SamplingParams()
+    for f in _OPTIONAL_FIELDS:
+        v = getattr(params, f, None)
+        if v is not None:
+            setattr(msg, f, v)
+    msg.stop.extend(params.stop or [])
+    msg.stop_token_ids.extend(params.stop_token_ids or [])
+    return msg
+
+
+def finish_to_proto(reason: str | None) -> int:
+    return _FINISH.get(reason, common_pb2.FINISH_REASON_ABORT)
+
+
+def finish_from_proto(value: int) -> str | None:
+    return _FINISH_NAME.get(value)
+
+
+def logprobs_to_proto(logprobs: list[dict[int, float]] | None, token_ids: list[int]) -> list:
+    """One PositionLogprobs per token: the sampled token first, then the other candidates by logprob."""
+    out = []
+    for tok, lp in zip(token_ids, logprobs or []):
+        pos = common_pb2.PositionLogprobs()
+        if tok in lp:
+            pos.candidates.add(token_id=tok, logprob=lp[tok])
+        for t, v in sorted(lp.items(), key=lambda kv: -kv[1]):
+            if t != tok:
+                pos.candidates.add(token_id=t, logprob=v)
+        out.append(pos)
+    return out
+
+
+def logprobs_from_proto(positions) -> list[dict[int, float]] | None:
+    if not positions:
+        return None
+    return [{c.token_id: c.logprob for c in p.candidates} for p in positions]
+
+
+def delta_to_proto(out, token_ids: list[int] | None = None, text: str | None = None) -> common_pb2.TokenDelta:
+    """A TokenDelta from an engine StepOutput (token_ids/text override its own, e.g. to drop a repeated token)."""
+    toks = out.new_token_ids if token_ids is None else token_ids
+    d = common_pb2.TokenDelta(token_ids=toks, text=out.new_text if text is None else text,
+                              finish_reason=finish_to_proto(out.finish_reason) if out.finished else 0,
+                              stop_reason="" if out.stop_reason is None else str(out.stop_reason),
+                              num_output_tokens=out.num_output_tokens)
+    if out.new_logprobs and toks:
+        d.logprobs.extend(logprobs_to_proto(out.new_logprobs, toks))
+    return d
