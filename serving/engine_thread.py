@@ -86,7 +86,7 @@ class EngineThread:
         use_device(self.engine.runner.device)  # this thread steps the engine: its kernels go to the engine's GPU
 
         # The start-up heap (model, tokenizer, libraries) stays out of full collections while the engine serves:
-        # walking it stalled a step for 140-170 ms at batch 512.
+        # walking it stalled steps at large batches (measured: bench/RESULTS.md).
         with gc_frozen(collect=True):
             self._serve()
 

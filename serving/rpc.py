@@ -21,10 +21,10 @@ except ImportError:  # pragma: no cover
 
 log = logging.getLogger("tandem.rpc")
 
-# A KV transfer message carries about 1 MiB of payload but at least one block (kv_transfer/sender.py); the limits
+# A KV transfer message carries a few MiB of payload but at least one block (kv_transfer/sender.py); the limits
 # leave room for very large blocks and for the public API's long prompts. The HTTP/2 settings stay gRPC's defaults:
 # on loopback, a larger max frame size, initial window (lookahead_bytes, BDP probing off) or TCP read chunk made no
-# difference to the KV bytes path (bench/kv_transfer.py, 2-core dev machine).
+# difference to the KV bytes path (measured with bench/kv_transfer.py on loopback).
 MAX_MESSAGE_BYTES = 512 * 1024 * 1024
 GRPC_OPTIONS = [
     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
