@@ -9,6 +9,7 @@ from collections.abc import Iterable
 import grpc
 
 from serving import health as health_codec
+from serving.tls import TlsConfig
 
 try:  # optional: the GPU image has grpcio only (see serving/health.py)
     from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -26,17 +27,42 @@ log = logging.getLogger("tandem.rpc")
 # on loopback, a larger max frame size, initial window (lookahead_bytes, BDP probing off) or TCP read chunk made no
 # difference to the KV bytes path (measured with bench/kv_transfer.py on loopback).
 MAX_MESSAGE_BYTES = 512 * 1024 * 1024
-GRPC_OPTIONS = [
-    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-    ("grpc.keepalive_time_ms", 30_000),
+# Keepalive: every channel pings an idle connection at this interval (so a dead peer is noticed and NATs keep the
+# connection), and every server accepts pings that often, with or without calls in flight. gRPC's server default
+# refuses pings without data more often than every 5 minutes: two such pings, and it answers GOAWAY too_many_pings
+# and drops the connection (what a decode worker once did to the router after an idle period).
+KEEPALIVE_TIME_MS = 30_000
+_SIZES = [("grpc.max_send_message_length", MAX_MESSAGE_BYTES), ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES)]
+GRPC_OPTIONS = [  # a channel's
+    *_SIZES,
+    ("grpc.keepalive_time_ms", KEEPALIVE_TIME_MS),
     ("grpc.keepalive_permit_without_calls", 1),
+    ("grpc.http2.max_pings_without_data", 0),
+]
+SERVER_OPTIONS = [
+    *_SIZES,
+    ("grpc.keepalive_time_ms", KEEPALIVE_TIME_MS),
+    ("grpc.keepalive_permit_without_calls", 1),
+    ("grpc.http2.min_recv_ping_interval_without_data_ms", KEEPALIVE_TIME_MS // 2),
     ("grpc.http2.max_pings_without_data", 0),
 ]
 
 
 def new_server() -> grpc.aio.Server:
-    return grpc.aio.server(options=GRPC_OPTIONS)
+    return grpc.aio.server(options=SERVER_OPTIONS)
+
+
+def add_port(server: grpc.aio.Server, address: str, tls: TlsConfig | None = None,
+             require_client_auth: bool = True) -> int:
+    """Listens on address ("host:port"): plaintext without `tls`; with it TLS, and mutual TLS unless
+    require_client_auth is False (the router's public API). Returns the port; OSError when it cannot bind."""
+    if tls is None:
+        port = server.add_insecure_port(address)
+    else:
+        port = server.add_secure_port(address, tls.server_credentials(require_client_auth))
+    if port == 0:
+        raise OSError(f"cannot bind a gRPC server to {address}")
+    return port
 
 
 def add_health_and_reflection(server: grpc.aio.Server, service_names: Iterable[str]):
@@ -65,5 +91,9 @@ async def set_serving(hs, service_names: Iterable[str], serving: bool) -> None:
         await hs.set(name, status)
 
 
-def channel(address: str) -> grpc.aio.Channel:
-    return grpc.aio.insecure_channel(address, options=GRPC_OPTIONS)
+def channel(address: str, tls: TlsConfig | None = None) -> grpc.aio.Channel:
+    """A channel to another Tandem process: plaintext, or mutual TLS with `tls` (this process's certificate, the
+    peer's checked against the CA and the address)."""
+    if tls is None:
+        return grpc.aio.insecure_channel(address, options=GRPC_OPTIONS)
+    return grpc.aio.secure_channel(address, tls.channel_credentials(), options=GRPC_OPTIONS)

@@ -17,7 +17,8 @@ import uvloop
 from engine.args import EngineArgs, add_engine_args
 from serving.config import KvTransferConfig, WorkerConfig
 from serving.metrics import Metrics, start_metrics_server
-from serving.rpc import add_health_and_reflection, new_server, set_serving
+from serving.rpc import add_health_and_reflection, add_port, new_server, set_serving
+from serving.tls import TlsConfig, add_tls_args
 
 
 @dataclass
@@ -44,6 +45,7 @@ def build_parser(role: WorkerRole, prog: str | None = None) -> argparse.Argument
                    help=f"on SIGTERM/SIGINT: seconds the requests in flight get to finish, with health NOT_SERVING "
                         f"so routers send no new ones (default: {WorkerConfig.shutdown_grace_s:g})")
     p.add_argument("--log-level", default="INFO")
+    add_tls_args(p)
     if role.add_args is not None:
         role.add_args(p)
     add_engine_args(p)
@@ -52,17 +54,20 @@ def build_parser(role: WorkerRole, prog: str | None = None) -> argparse.Argument
 
 async def serve(role: WorkerRole, engine, host: str, port: int, kv_timeout_s: float,
                 stop: asyncio.Event | None = None,
-                shutdown_grace_s: float = WorkerConfig.shutdown_grace_s) -> None:
+                shutdown_grace_s: float = WorkerConfig.shutdown_grace_s, tls: TlsConfig | None = None) -> None:
+    """Serves `role` on host:port (mutual TLS with `tls`: only clients whose certificate our CA signed) until stop
+    is set or SIGINT/SIGTERM, then drains."""
     log = logging.getLogger(f"tandem.{role.name}")
     core = role.make_core(engine, Metrics(engine.model_name, role.name), kv_timeout_s)
     await core.start()
     server = new_server()
     role.add_servicer(core, server)
     hs = add_health_and_reflection(server, [role.service_name])
-    server.add_insecure_port(f"{host}:{port}")
+    add_port(server, f"{host}:{port}", tls)
     await server.start()
     await set_serving(hs, [role.service_name], True)
-    log.info("%s serving %s on %s:%d", role.name, engine.model_name, host, port)
+    log.info("%s serving %s on %s:%d (%s)", role.name, engine.model_name, host, port,
+             "mutual TLS" if tls else "plaintext")
     stop = stop or asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -90,7 +95,12 @@ async def drain(core, grace_s: float, log, poll_s: float = 0.05) -> None:
 
 
 def main(role: WorkerRole, argv: list[str] | None = None) -> int:
-    ns = build_parser(role).parse_args(argv)
+    parser = build_parser(role)
+    ns = parser.parse_args(argv)
+    try:
+        tls = TlsConfig.from_cli_args(ns)
+    except ValueError as e:
+        parser.error(str(e))
     if ns.tensor_parallel_size > 1:  # a KV transfer reads or writes one cache: the other ranks' KV heads would be lost
         raise SystemExit(f"tandem {role.name}: tensor_parallel_size={ns.tensor_parallel_size}: a {role.name} worker "
                          "moves the KV blocks of one cache (rank 0's); run it with --tensor-parallel-size 1 (tensor "
@@ -103,5 +113,6 @@ def main(role: WorkerRole, argv: list[str] | None = None) -> int:
     # A prefill worker's decode CUDA graphs would never replay: it captures only the prompt steps' graphs.
     engine = LLMEngine.from_engine_args(EngineArgs.from_cli_args(ns), decode_graphs=role.decodes)
     start_metrics_server(ns.metrics_port, ns.host)
-    uvloop.run(serve(role, engine, ns.host, ns.port, ns.kv_transfer_timeout, shutdown_grace_s=ns.shutdown_grace))
+    uvloop.run(serve(role, engine, ns.host, ns.port, ns.kv_transfer_timeout, shutdown_grace_s=ns.shutdown_grace,
+                     tls=tls))
     return 0
