@@ -7,6 +7,7 @@ from __future__ import annotations
 import functools
 import inspect
 import logging
+import time
 
 import grpc
 
@@ -48,6 +49,36 @@ def status_of(exc: BaseException) -> tuple[grpc.StatusCode, str]:
     return grpc.StatusCode.INTERNAL, f"{type(exc).__name__}: {exc}"
 
 
+class _FailureLog:
+    """Logs unexpected failures (INTERNAL) with their traceback, at most once per `interval_s` for each method and
+    exception type; the ones in between are counted and the count goes with the next line. A peer that sends
+    garbage in a loop then writes a line every few seconds, not a traceback per call."""
+
+    def __init__(self, interval_s: float = 10.0):
+        self.interval_s = interval_s
+        self._last: dict[tuple[str, type], tuple[float, int]] = {}  # -> (time logged, failures since)
+
+    def __call__(self, where: str, exc: BaseException) -> None:
+        key, now = (where, type(exc)), time.monotonic()
+        logged, since = self._last.get(key, (None, 0))
+        if logged is not None and now - logged < self.interval_s:
+            self._last[key] = (logged, since + 1)
+            return
+        self._last[key] = (now, 0)
+        more = f" (and {since} more time(s) in the last {now - logged:.0f} s)" if since else ""
+        log.error("%s failed%s", where, more, exc_info=exc)
+
+
+log_failure = _FailureLog()
+
+
+async def _abort(context, where: str, exc: Exception) -> None:
+    code, msg = status_of(exc)
+    if code == grpc.StatusCode.INTERNAL:
+        log_failure(where, exc)
+    await context.abort(code, msg)
+
+
 def grpc_method(fn):
     """Wraps an async servicer method (unary or server-streaming): errors end the RPC via `status_of`."""
     if inspect.isasyncgenfunction(fn):
@@ -59,10 +90,7 @@ def grpc_method(fn):
             except grpc.aio.AbortError:
                 raise
             except Exception as exc:  # noqa: BLE001 - the one place errors become status codes
-                code, msg = status_of(exc)
-                if code == grpc.StatusCode.INTERNAL:
-                    log.exception("%s failed", fn.__qualname__)
-                await context.abort(code, msg)
+                await _abort(context, fn.__qualname__, exc)
         return stream
 
     @functools.wraps(fn)
@@ -72,8 +100,5 @@ def grpc_method(fn):
         except grpc.aio.AbortError:
             raise
         except Exception as exc:  # noqa: BLE001
-            code, msg = status_of(exc)
-            if code == grpc.StatusCode.INTERNAL:
-                log.exception("%s failed", fn.__qualname__)
-            await context.abort(code, msg)
+            await _abort(context, fn.__qualname__, exc)
     return unary

@@ -1,0 +1,155 @@
+"""serving.rpc.add_service: malformed request bytes end the call with INVALID_ARGUMENT naming the message, on every
+kind of method (unary, server-streaming, client-streaming), instead of gRPC's INTERNAL; valid ones reach the
+servicer parsed. serving.errors' failure log writes one traceback per interval, with a count, not one per call."""
+from __future__ import annotations
+
+import asyncio
+import logging
+import socket
+
+import grpc
+import pytest
+
+from protos.tandem.v1 import common_pb2, decode_pb2, kv_transfer_pb2 as kv
+from serving import errors
+from serving.errors import grpc_method
+from serving.rpc import add_port, add_service, channel, new_server
+
+DECODE = decode_pb2.DESCRIPTOR.services_by_name["Decode"]
+TRUNCATED = b"\x0a\x05ab"  # field 1, length 5, two bytes: no protobuf parser accepts it
+
+
+class Echo:
+    """A Decode servicer that answers from what it was sent (and fails on request)."""
+
+    @grpc_method
+    async def Decode(self, request, context):
+        for _ in range(2):
+            yield decode_pb2.DecodeResponse(reserved=decode_pb2.Reserved(num_blocks=len(request.prompt_token_ids)))
+
+    @grpc_method
+    async def TransferKv(self, messages, context):
+        n = 0
+        async for msg in messages:
+            n += msg.blocks.num_blocks
+        return kv.KvTransferAck(request_id="echo", num_blocks=n)
+
+    @grpc_method
+    async def KvHandshake(self, request, context):
+        return kv.KvHandshakeResponse(reason=request.host.hostname)
+
+    @grpc_method
+    async def GetLoad(self, request, context):
+        raise RuntimeError("boom")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _path(method: str) -> str:
+    return f"/{DECODE.full_name}/{method}"
+
+
+def run(scenario):
+    async def main():
+        address = f"127.0.0.1:{_free_port()}"
+        server = new_server()
+        add_service(server, DECODE, Echo())
+        add_port(server, address)
+        await server.start()
+        try:
+            async with channel(address) as ch:
+                return await scenario(ch)
+        finally:
+            await server.stop(0)
+    return asyncio.run(main())
+
+
+async def _code(call) -> grpc.StatusCode | str:
+    try:
+        await call
+    except grpc.aio.AioRpcError as e:
+        return f"{e.code().name}: {e.details()}"
+    return "OK"
+
+
+def test_valid_requests_reach_the_servicer_parsed():
+    async def scenario(ch):
+        stub_unary = ch.unary_unary(_path("KvHandshake"), request_serializer=kv.KvHandshakeRequest.SerializeToString,
+                                    response_deserializer=kv.KvHandshakeResponse.FromString)
+        stream = ch.unary_stream(_path("Decode"), request_serializer=decode_pb2.DecodeRequest.SerializeToString,
+                                 response_deserializer=decode_pb2.DecodeResponse.FromString)
+        upload = ch.stream_unary(_path("TransferKv"), request_serializer=kv.KvTransferMessage.SerializeToString,
+                                 response_deserializer=kv.KvTransferAck.FromString)
+
+        async def blocks():
+            for n in (2, 3):
+                yield kv.KvTransferMessage(blocks=kv.KvBlocks(num_blocks=n))
+
+        hs = await stub_unary(kv.KvHandshakeRequest(host=kv.HostIdentity(hostname="h1")))
+        deltas = [r async for r in stream(decode_pb2.DecodeRequest(prompt_token_ids=[1, 2, 3]))]
+        ack = await upload(blocks())
+        return hs.reason, [d.reserved.num_blocks for d in deltas], ack.num_blocks
+
+    assert run(scenario) == ("h1", [3, 3], 5)
+
+
+def test_malformed_bytes_are_invalid_argument_on_every_kind_of_method():
+    raw = dict(request_serializer=lambda b: b, response_deserializer=lambda b: b)
+
+    async def scenario(ch):
+        async def one_good_then_garbage():
+            yield kv.KvTransferMessage(blocks=kv.KvBlocks(num_blocks=1)).SerializeToString()
+            yield TRUNCATED
+
+        async def read_all(call):
+            return [r async for r in call]
+
+        return {
+            "unary": await _code(ch.unary_unary(_path("KvHandshake"), **raw)(TRUNCATED)),
+            "server-streaming": await _code(read_all(ch.unary_stream(_path("Decode"), **raw)(TRUNCATED))),
+            "client-streaming": await _code(ch.stream_unary(_path("TransferKv"), **raw)(one_good_then_garbage())),
+        }
+
+    got = run(scenario)
+    # (protobuf's own words after "DecodeError" differ between its versions)
+    prefix = "INVALID_ARGUMENT: tandem.v1.Decode.{}: tandem.v1.{}: not a valid message (DecodeError: "
+    assert got["unary"].startswith(prefix.format("KvHandshake", "KvHandshakeRequest")), got
+    assert got["server-streaming"].startswith(prefix.format("Decode", "DecodeRequest")), got
+    assert got["client-streaming"].startswith(prefix.format("TransferKv", "KvTransferMessage")), got
+
+
+def test_repeated_failures_log_one_traceback_per_interval(caplog, monkeypatch):
+    monkeypatch.setattr(errors, "log_failure", errors._FailureLog(interval_s=3600))
+    call_count = 30
+
+    async def scenario(ch):
+        get_load = ch.unary_unary(_path("GetLoad"), request_serializer=common_pb2.GetLoadRequest.SerializeToString,
+                                  response_deserializer=common_pb2.InstanceLoad.FromString)
+        return [await _code(get_load(common_pb2.GetLoadRequest())) for _ in range(call_count)]
+
+    with caplog.at_level(logging.ERROR, logger="tandem.rpc"):
+        codes = run(scenario)
+    assert codes == ["INTERNAL: RuntimeError: boom"] * call_count
+    records = [r for r in caplog.records if r.name == "tandem.rpc"]
+    assert len(records) == 1 and records[0].exc_info is not None, [r.getMessage() for r in records]
+
+
+def test_the_failure_log_counts_what_it_held_back(caplog):
+    clock = [0.0]
+    log = errors._FailureLog(interval_s=10)
+    monkey_time = pytest.MonkeyPatch()
+    monkey_time.setattr(errors.time, "monotonic", lambda: clock[0])
+    try:
+        with caplog.at_level(logging.ERROR, logger="tandem.rpc"):
+            for t in (0, 1, 2, 3, 11, 12):
+                clock[0] = t
+                log("Svc.M", RuntimeError("x"))
+            log("Svc.M", ValueError("another type is its own line"))
+    finally:
+        monkey_time.undo()
+    messages = [r.getMessage() for r in caplog.records]
+    assert messages == ["Svc.M failed", "Svc.M failed (and 3 more time(s) in the last 11 s)", "Svc.M failed"], messages
