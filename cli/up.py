@@ -35,12 +35,15 @@ from dataclasses import fields
 import torch
 
 from engine.args import EngineArgs, add_engine_args
+from serving.config import WorkerConfig
 from router.server import add_router_args
 
 # Ports of the workers, counted up from --worker-port: prefill 0..P-1, then decode 0..D-1.
 DEFAULT_WORKER_PORT = 50060
 # Each worker's Prometheus /metrics port, counted up the same way from --metrics-port.
 DEFAULT_METRICS_PORT = 9100
+# What a child gets beyond its shutdown grace to exit before SIGKILL (the server's own stop and the engine's close).
+_STOP_MARGIN_S = 5.0
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -58,8 +61,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"first worker Prometheus port, same order (default: {DEFAULT_METRICS_PORT})")
     p.add_argument("--ready-timeout", type=float, default=900.0,
                    help="seconds to wait for the stack to be ready (default: 900)")
-    p.add_argument("--stop-timeout", type=float, default=15.0,
-                   help="seconds a child gets to exit before SIGKILL (default: 15)")
+    p.add_argument("--shutdown-grace", type=float, default=None,
+                   help="on Ctrl-C/SIGTERM: seconds the requests in flight get to finish, passed to the router and "
+                        f"every worker (default: their own, {WorkerConfig.shutdown_grace_s:g} s for workers)")
+    p.add_argument("--stop-timeout", type=float, default=None,
+                   help="seconds a child gets to exit before SIGKILL (default: its shutdown grace + "
+                        f"{_STOP_MARGIN_S:g} s, so a draining worker is not killed mid-drain)")
     add_engine_args(p)
     device = _action(p, "device")
     device.default, device.help = "cpu", "cpu, cuda or auto (default: cpu, unlike the workers' own auto)"
@@ -84,6 +91,18 @@ def _engine_flags(ns: argparse.Namespace, names: tuple[str, ...] | None = None) 
         elif value is not None:
             out += [flag, str(value)]
     return out
+
+
+def _process_flags(ns: argparse.Namespace) -> list[str]:
+    """The flags every process gets, router and workers alike (only where given: their defaults are their own)."""
+    return [] if ns.shutdown_grace is None else ["--shutdown-grace", f"{ns.shutdown_grace:g}"]
+
+
+def stop_timeout(ns: argparse.Namespace) -> float:
+    """Seconds a child gets to exit after SIGTERM: --stop-timeout, else its grace and a margin."""
+    if ns.stop_timeout is not None:
+        return ns.stop_timeout
+    return (WorkerConfig.shutdown_grace_s if ns.shutdown_grace is None else ns.shutdown_grace) + _STOP_MARGIN_S
 
 
 def _local(host: str) -> str:
@@ -120,9 +139,10 @@ def launch_commands(ns: argparse.Namespace, address=None, num_gpus: int = 0) -> 
     address = address or (lambda name: _local(ns.host))
     engine = _engine_flags(ns)
     devices = gpu_placement(ns, num_gpus)
+    every = _process_flags(ns)
     if ns.colocated:
         return {"router": ["tandem", "router", "--colocated", "--host", ns.host, "--grpc-port", str(ns.grpc_port),
-                           "--http-port", str(ns.http_port), *engine]}
+                           "--http-port", str(ns.http_port), *every, *engine]}
     cmds: dict[str, list[str]] = {}
     k = 0
     for role, count in (("prefill", _count(ns.prefill)), ("decode", _count(ns.decode))):
@@ -132,7 +152,7 @@ def launch_commands(ns: argparse.Namespace, address=None, num_gpus: int = 0) -> 
                 at = flags.index("--device")
                 flags = [*flags[:at + 1], devices[k], *flags[at + 2:]]
             cmds[f"{role}-{i}"] = ["tandem", role, "--host", ns.host, "--port", str(ns.worker_port + k),
-                                   "--metrics-port", str(ns.metrics_port + k), *flags]
+                                   "--metrics-port", str(ns.metrics_port + k), *every, *flags]
             k += 1
 
     def addrs(role: str) -> str:
@@ -141,7 +161,7 @@ def launch_commands(ns: argparse.Namespace, address=None, num_gpus: int = 0) -> 
 
     cmds["router"] = ["tandem", "router", "--host", ns.host, "--grpc-port", str(ns.grpc_port),
                       "--http-port", str(ns.http_port), "--prefill", addrs("prefill"), "--decode", addrs("decode"),
-                      "--policy", ns.policy, *_engine_flags(ns, ("model", "served_model_name", "max_model_len"))]
+                      "--policy", ns.policy, *every, *_engine_flags(ns, ("model", "served_model_name", "max_model_len"))]
     return cmds
 
 
@@ -258,7 +278,7 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C must not cut the clean-up short
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
-        _stop_all(children, ns.stop_timeout)
+        _stop_all(children, stop_timeout(ns))
     print("tandem up: stopped", flush=True)
     return status
 

@@ -66,6 +66,23 @@ def test_each_command_parses_with_its_roles_own_parser():
         assert ns.model == "smollm2" and ns.max_model_len == 512
 
 
+def test_shutdown_grace_goes_to_every_process_and_the_stop_timeout_covers_it():
+    from decode_svc.server import build_parser as decode_parser
+    from prefill_svc.server import build_parser as prefill_parser
+    from router.server import build_parser as router_parser
+    from cli.up import stop_timeout
+
+    parsers = {"prefill": prefill_parser(), "decode": decode_parser(), "router": router_parser()}
+    for argv in (["--shutdown-grace", "40"], ["--shutdown-grace", "40", "--colocated"]):
+        for cmd in commands(*argv).values():
+            assert parsers[cmd[1]].parse_args(cmd[2:]).shutdown_grace == 40, cmd
+    assert all("--shutdown-grace" not in cmd for cmd in commands().values())  # their own defaults
+    # A child gets SIGKILL only after its grace: the workers' 25 s drain used to be cut at a fixed 15 s.
+    assert stop_timeout(build_parser().parse_args([])) == 30
+    assert stop_timeout(build_parser().parse_args(["--shutdown-grace", "40"])) == 45
+    assert stop_timeout(build_parser().parse_args(["--shutdown-grace", "40", "--stop-timeout", "3"])) == 3
+
+
 def _free_base(n: int) -> int:
     while True:
         with socket.socket() as s:
