@@ -73,8 +73,8 @@ class SenderProfile:
         self.ceiling: dict | None = None  # grpc_ceiling's result
 
     def install(self) -> None:
-        """Times kv_sender's staging and encoding of blocks (the wait for a CUDA cache's copies to the host apart)."""
-        import kv_transfer.sender as sender
+        """Times grpc_bytes's staging and encoding of blocks (the wait for a CUDA cache's copies to the host apart)."""
+        import kv_transfer.grpc_bytes as sender
 
         stage, encode, events = sender.stage_blocks, sender.encode_blocks, self.events
 
@@ -98,7 +98,7 @@ class SenderProfile:
 
     def serializer(self, serialize):
         """TransferKv's request serializer, noting when each KvBlocks message's bytes go to gRPC."""
-        from kv_transfer.sender import KvBlocksOut
+        from kv_transfer.grpc_bytes import KvBlocksOut
 
         def timed(msg):
             wire = serialize(msg)
@@ -158,9 +158,11 @@ class _ReceiverProbes:
 
         import decode_svc.core as core
         import decode_svc.servicer as servicer
-        from kv_transfer.layout import ReceivedBlocks
+        import kv_transfer.grpc_bytes as grpc_bytes
+        import kv_transfer.receiver as receiver
+        from kv_transfer.grpc_bytes import ReceivedBlocks
 
-        parse, write, transfer, add_to_server = (servicer.parse_transfer_message, core.write_blocks,
+        parse, write, transfer, add_to_server = (receiver.parse_transfer_message, grpc_bytes.write_blocks,
                                                  core.DecodeCore.transfer, servicer.add_to_server)
         probes = self
 
@@ -226,8 +228,8 @@ class _ReceiverProbes:
             server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler("tandem.bench.Sink", {
                 "Count": grpc.stream_unary_rpc_method_handler(sink)}),))
 
-        servicer.parse_transfer_message = timed_parse
-        core.write_blocks = on_engine("write", write)
+        receiver.parse_transfer_message = timed_parse
+        grpc_bytes.write_blocks = on_engine("write", write)
         core.DecodeCore._commit = on_engine("commit", core.DecodeCore._commit)
         core.DecodeCore.transfer = probed_transfer
         servicer.add_to_server = add_with_sink

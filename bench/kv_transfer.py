@@ -60,9 +60,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench import kv_profile  # noqa: E402
 from bench.common import REPO_ROOT, format_table, write_json  # noqa: E402
 from engine import EngineArgs, LLMEngine, SamplingParams  # noqa: E402
-from kv_transfer.cuda_ipc import GRPC, PATH_LABELS  # noqa: E402
+from kv_transfer.base import GRPC  # noqa: E402
+from kv_transfer.grpc_bytes import serialize  # noqa: E402
 from kv_transfer.layout import block_rows  # noqa: E402
-from kv_transfer.sender import KvSender, serialize  # noqa: E402
+from kv_transfer.registry import PATH_LABELS  # noqa: E402
+from kv_transfer.sender import KvSender  # noqa: E402
 from protos.tandem.v1 import common_pb2, decode_pb2, decode_pb2_grpc  # noqa: E402
 from serving.convert import ServiceError  # noqa: E402
 from serving.rpc import GRPC_OPTIONS
@@ -94,7 +96,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "of KvSender.transfer_kv's pre-serialized blocks")
     p.add_argument("--message-bytes", type=int, default=None,
                    help="gRPC path: KV payload per message, rounded down to whole blocks (at least one; default: "
-                        "kv_transfer.sender.MESSAGE_BYTES)")
+                        "kv_transfer.grpc_bytes.MESSAGE_BYTES)")
     p.add_argument("--profile", action="store_true",
                    help="gRPC path: per-stage times, CPU by thread, the host's gRPC ceiling and cProfiles of both "
                         "sides (see above)")

@@ -2,16 +2,16 @@
 protos.runtime.grpc_method.
 
 `add_to_server` registers it with the generated handlers except one: TransferKv's messages are parsed by
-`kv_layout.parse_transfer_message`, which hands KvBlocks over as ReceivedBlocks whose payload is a view of the received
-bytes (protobuf's parser would copy it twice). DecodeCore takes either form, so the generated
-`add_DecodeServicer_to_server` works too, only slower.
+`KvReceiver.deserialize`, which hands KvBlocks over with a payload that is a view of the received bytes (protobuf's
+parser would copy it twice). DecodeCore takes either form, so the generated `add_DecodeServicer_to_server` works too,
+only slower.
 """
 from __future__ import annotations
 
 import grpc
 
 from decode_svc.core import DecodeCore
-from kv_transfer.layout import parse_transfer_message
+from kv_transfer.receiver import KvReceiver
 from protos.tandem.v1 import common_pb2, decode_pb2, decode_pb2_grpc, kv_transfer_pb2
 from serving.errors import grpc_method
 
@@ -50,7 +50,7 @@ def add_to_server(core: DecodeCore, server: grpc.aio.Server) -> None:
             s.Decode, request_deserializer=decode_pb2.DecodeRequest.FromString,
             response_serializer=decode_pb2.DecodeResponse.SerializeToString),
         "TransferKv": grpc.stream_unary_rpc_method_handler(
-            s.TransferKv, request_deserializer=parse_transfer_message,
+            s.TransferKv, request_deserializer=KvReceiver.deserialize,
             response_serializer=kv_transfer_pb2.KvTransferAck.SerializeToString),
         "KvHandshake": grpc.unary_unary_rpc_method_handler(
             s.KvHandshake, request_deserializer=kv_transfer_pb2.KvHandshakeRequest.FromString,

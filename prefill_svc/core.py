@@ -2,17 +2,19 @@
 
 The life of a request inside a prefill instance:
 1. `prefill()` validates the sampling parameters, picks the transfer path to the decode target the router named
-   (`KvSender.path_to`: CUDA IPC on the same host, else gRPC bytes; one handshake per decode instance) and queues
+   (`OutgoingTransfer.negotiate`, kv_transfer/sender.py: CUDA IPC on the same host, else gRPC bytes; one handshake
+   per decode instance) and queues
    the prompt in the engine with max_tokens=1 and kv_hold=True (the engine keeps the blocks after the first token).
    It queues it without waiting (`submit`: an error comes back through the request's `first` future) and does
    nothing else until the first output: the event loop stays off the GIL while the engine thread steps.
 2. The engine thread runs chunked prefill, batching chunks of many prompts under the token budget. After each step
-   the `_after_step` hook (still in the engine thread) ships the blocks that became full (`KvSender.block_messages`:
-   their bytes, staged in pinned memory by copies queued on the engine's stream and encoded once; or, on CUDA IPC,
-   their ids: the engine only reports steps whose device work is complete) and the loop queues the messages. The
-   first chunk's blocks open the KV transfer stream (Decode.TransferKv, a KvTransferOpen describing the cache
-   layout and the path, `_start_sender`): the transfer of chunk k overlaps the compute of chunk k+1. The step that
-   finishes the prompt also samples the first token; the hook then sends the last, partial block too.
+   the `_after_step` hook (still in the engine thread) ships the blocks that became full (`KvSender.block_messages`,
+   which asks the path's transport in kv_transfer/: `grpc_bytes`, their bytes, staged in pinned memory by copies
+   queued on the engine's stream and encoded once; or `cuda_ipc`, their ids: the engine only reports steps whose
+   device work is complete) and the loop queues the messages. The first chunk's blocks open the KV transfer stream
+   (Decode.TransferKv, a KvTransferOpen describing the cache layout and the path: `OutgoingTransfer.run`, started by
+   `_start_sender`): the transfer of chunk k overlaps the compute of chunk k+1. The step that finishes the prompt
+   also samples the first token; the hook then sends the last, partial block too.
 3. The first token is streamed back to the router at once (FirstToken): the engine thread hands it over before it
    reads the prompt's last blocks, and long before the transfer completes. A prompt of one chunk opens its
    transfer only now, after the FirstToken went out.
@@ -34,9 +36,8 @@ import grpc
 
 from engine.llm_engine import stop_holdback
 from engine.utils import cdiv
-from kv_transfer.cuda_ipc import CUDA_IPC
 from kv_transfer.metrics import KvPathMetrics
-from kv_transfer.sender import KvSender
+from kv_transfer.sender import KvSender, OutgoingTransfer
 from protos.tandem.v1 import common_pb2, decode_pb2_grpc, prefill_pb2
 from serving.config import KvTransferConfig
 from serving.convert import delta_to_proto, sampling_from_proto
@@ -75,16 +76,13 @@ class _Req:
     first: asyncio.Future
     tx: asyncio.Queue | None = None
     blocks_queued: asyncio.Future | None = None  # set once every block message of the prompt is in tx
-    path: int = 0  # kv_transfer_pb2.KvTransferPath, once a decode target was named
-    address: str = ""  # the decode target
-    timeout: float = 0.0  # seconds the transfer may take
-    sender: asyncio.Task | None = None  # the transfer (PrefillCore._send), once started
-    sent_bytes: int = 0
-    sent_blocks: int = 0
+    transfer: OutgoingTransfer | None = None  # once a decode target was named
+    sender: asyncio.Task | None = None  # the transfer (OutgoingTransfer.run), once started
 
 
 class PrefillCore:
-    def __init__(self, engine, metrics: Metrics, default_kv_timeout_s: float = KvTransferConfig.timeout_s, kv_transfer: str = "auto"):
+    def __init__(self, engine, metrics: Metrics, default_kv_timeout_s: float = KvTransferConfig.timeout_s,
+                 kv_transfer: str = KvTransferConfig.transport):
         self.engine = engine  # owned by the worker thread once start() ran; read-only constants below
         self.metrics = metrics
         self.default_kv_timeout_s = default_kv_timeout_s
@@ -230,13 +228,13 @@ class PrefillCore:
             if decode_address:
                 r.tx = asyncio.Queue()
                 r.blocks_queued = loop.create_future()
-                r.address, r.timeout = decode_address, kv_timeout_s or self.default_kv_timeout_s
-                r.path = await self.sender.path_to(decode_address, decode_pb2_grpc.DecodeStub(
-                    self._channel(decode_address)))
+                r.transfer = OutgoingTransfer(self.sender, request_id, len(prompt), decode_address,
+                                              kv_timeout_s or self.default_kv_timeout_s, self.path_metrics)
+                await r.transfer.negotiate(decode_pb2_grpc.DecodeStub(self._channel(decode_address)))
             # Nothing else runs on this loop for the request until its first token (or its first chunk's blocks):
             # the engine thread's step does not share the GIL with loop work (submit, not call; the transfer opens
             # after the step).
-            self.worker.submit(self._add, request_id, prompt, first_params, r.path if decode_address else None)
+            self.worker.submit(self._add, request_id, prompt, first_params, r.transfer.path if r.transfer else None)
             out = await r.first  # raises when the engine refused the prompt or the transfer failed before
             if out.finish_reason == "abort":
                 raise ServiceError(grpc.StatusCode.INTERNAL, "the engine aborted the request (model step failed)")
@@ -263,8 +261,8 @@ class PrefillCore:
             tail = time.monotonic() - t_first
             self.metrics.kv_transfer_tail_seconds.observe(tail)
             yield prefill_pb2.PrefillResponse(transfer_done=prefill_pb2.TransferDone(
-                transfer_bytes=r.sent_bytes, num_blocks=r.sent_blocks, transfer_seconds=seconds, tail_seconds=tail,
-                path=r.path))
+                transfer_bytes=r.transfer.sent_bytes, num_blocks=r.transfer.sent_blocks, transfer_seconds=seconds,
+                tail_seconds=tail, path=r.transfer.path))
         finally:
             self._reqs.pop(request_id, None)
             if r.sender is not None and not r.sender.done():
@@ -273,35 +271,4 @@ class PrefillCore:
 
     async def _send(self, r: _Req) -> float:
         """Streams r's transfer to its decode target; returns its duration in seconds once decode acknowledged."""
-        address, timeout = r.address, r.timeout
-        transfer_kv = self.sender.transfer_kv(self._channel(address))
-        t0 = time.monotonic()
-        num_blocks = cdiv(r.num_prompt_tokens, self.block_size)
-
-        async def messages():
-            hop(r.request_id, "prefill.tx_open")
-            yield self.sender.open_message(r.request_id, r.num_prompt_tokens, num_blocks, int(timeout * 1000), r.path)
-            while True:
-                msg = await r.tx.get()
-                nbytes, nblocks = self.sender.payload_bytes(msg)
-                if nblocks:
-                    r.sent_bytes += nbytes
-                    r.sent_blocks += nblocks
-                    self.path_metrics.add_bytes(r.path, nbytes)
-                yield msg
-                if self.sender.is_commit(msg):
-                    return
-
-        try:
-            await transfer_kv(messages(), timeout=timeout)
-        except asyncio.CancelledError:
-            raise
-        except grpc.aio.AioRpcError as e:
-            self.metrics.kv_transfer_failures.inc()
-            if r.path == CUDA_IPC:
-                self.sender.forget(address)  # the next request asks again (the decode instance may have restarted)
-            log.warning("kv transfer of %s to %s failed: %s %s", r.request_id, address, e.code().name, e.details())
-            raise ServiceError(e.code(), f"kv transfer to decode {address} failed: {e.details()}") from None
-        seconds = time.monotonic() - t0
-        self.path_metrics.observe_seconds(r.path, seconds)
-        return seconds
+        return await r.transfer.run(self._channel(r.transfer.address), r.tx)

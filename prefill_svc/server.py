@@ -7,18 +7,20 @@ from __future__ import annotations
 
 import argparse
 
-from kv_transfer.cuda_ipc import PATHS
+from kv_transfer.registry import CHOICES
 from prefill_svc.core import PrefillCore
 from prefill_svc.servicer import PrefillServicer
 from protos.tandem.v1 import prefill_pb2, prefill_pb2_grpc
 from serving import worker
+from serving.config import KvTransferConfig
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--kv-transfer", choices=PATHS, default="auto",
+    p.add_argument("--kv-transfer", choices=CHOICES, default=KvTransferConfig.transport,
                    help="how KV blocks reach decode instances: ipc = GPU to GPU through CUDA IPC (same host, a CUDA "
                         "cache on both sides), grpc = block bytes over the TransferKv stream (any host), auto = ipc "
-                        "where the handshake with a decode instance allows it, else grpc (default: auto)")
+                        f"where the handshake with a decode instance allows it, else grpc (default: "
+                        f"{KvTransferConfig.transport})")
 
 
 ROLE = worker.WorkerRole(

@@ -8,10 +8,10 @@ import grpc
 import pytest
 import torch
 
-import decode_svc.core as core_module
+import kv_transfer.grpc_bytes as grpc_bytes
 from decode_svc.servicer import DecodeServicer, add_to_server
-from kv_transfer.layout import StagedBlocks, block_rows, layout_of
-from kv_transfer.sender import KvBlocksOut
+from kv_transfer.grpc_bytes import KvBlocksOut, StagedBlocks
+from kv_transfer.layout import block_rows, layout_of
 from protos.tandem.v1 import common_pb2, decode_pb2, decode_pb2_grpc, kv_transfer_pb2 as kv
 from decode_one import idle, run_decode
 
@@ -152,7 +152,7 @@ def test_blocks_arrive_bit_exact(engine, monkeypatch, register, window):
     """Blocks in any order and run length, as pre-serialized KvBlocks (parsed without a copy by add_to_server's
     deserializer, or by protobuf under the generated registration) land bit-exact in the reserved blocks."""
     if window is not None:
-        monkeypatch.setattr(core_module, "WRITE_WINDOW_BYTES", window)
+        monkeypatch.setattr(grpc_bytes, "WRITE_WINDOW_BYTES", window)
     layout = layout_of(engine.kv_cache)
     data = torch.randint(0, 256, (4, layout.block_bytes), dtype=torch.uint8, generator=torch.Generator().manual_seed(1))
 
@@ -230,7 +230,7 @@ def test_a_failed_write_fails_the_transfer_and_frees(engine, monkeypatch):
         if len(calls) == 2:
             raise RuntimeError("copy failed")
 
-    monkeypatch.setattr(core_module, "write_blocks", write_blocks)
+    monkeypatch.setattr(grpc_bytes, "write_blocks", write_blocks)
     layout = layout_of(engine.kv_cache)
 
     async def scenario(stub, core):

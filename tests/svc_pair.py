@@ -1,11 +1,14 @@
-"""A prefill and a decode service in one process (real engines, real gRPC on loopback), for the prefill tests."""
+"""A prefill and a decode service in one process (real engines, real gRPC on loopback), for the prefill and the
+kv_transfer tests (tests/ is on sys.path: its conftest.py; their conftests take the `engines` fixture from here)."""
 from __future__ import annotations
 
 import asyncio
 import socket
 
 import grpc
+import pytest
 
+from engine import EngineArgs, LLMEngine
 from decode_svc.core import DecodeCore
 from decode_svc.servicer import add_to_server
 from prefill_svc.core import PrefillCore
@@ -17,6 +20,12 @@ from serving.rpc import new_server
 # 100-token prompts prefill in 4 chunks of 32 tokens and fill 7 blocks of 16.
 ARGS = dict(model="random:tiny", device="cpu", num_gpu_blocks_override=256, max_model_len=1024, block_size=16,
             max_num_batched_tokens=32)
+
+
+@pytest.fixture(scope="module")
+def engines():
+    """A prefill engine and a decode engine (random:tiny on the CPU), shared by a module's tests."""
+    return LLMEngine.from_engine_args(EngineArgs(**ARGS)), LLMEngine.from_engine_args(EngineArgs(**ARGS))
 
 
 def free_port() -> int:

@@ -1,4 +1,4 @@
-"""The prefill side's choice of KV transfer path, on the CPU: the --kv-transfer flag, the handshake with a real
+"""kv_transfer/sender.py: the prefill side's choice of KV transfer path, on the CPU: the --kv-transfer flag, the handshake with a real
 decode service (in-process, real gRPC on loopback), and whole transfers on the forced and the automatic path, which
 on CPU caches must be the gRPC bytes path (the metrics by path say which one moved the bytes)."""
 from __future__ import annotations
@@ -13,9 +13,11 @@ from prometheus_client import REGISTRY
 from decode_svc.core import DecodeCore
 from decode_svc.servicer import add_to_server
 from engine import LLM, SamplingParams
-from kv_transfer.cuda_ipc import CUDA_IPC, GRPC, host_identity
+from kv_transfer.base import CUDA_IPC, GRPC
+from kv_transfer.cuda_ipc import host_identity
+from kv_transfer.grpc_bytes import KvBlocksOut, serialize
 from kv_transfer.layout import block_rows
-from kv_transfer.sender import KvBlocksOut, KvSender, serialize
+from kv_transfer.sender import KvSender
 from prefill_svc.core import PrefillCore
 from prefill_svc.server import ROLE, build_parser
 from protos.tandem.v1 import common_pb2, decode_pb2, decode_pb2_grpc, kv_transfer_pb2 as kv, prefill_pb2
