@@ -1,10 +1,10 @@
 """The tandem.v1.Decode servicer: protobuf in, DecodeCore, protobuf out. Errors become status codes in
-protos.runtime.grpc_method.
+serving.errors.grpc_method.
 
-`add_to_server` registers it with the generated handlers except one: TransferKv's messages are parsed by
-`KvReceiver.deserialize`, which hands KvBlocks over with a payload that is a view of the received bytes (protobuf's
-parser would copy it twice). DecodeCore takes either form, so the generated `add_DecodeServicer_to_server` works too,
-only slower.
+`add_to_server` registers it through serving.rpc.add_service, which parses each request inside the call (malformed
+bytes: INVALID_ARGUMENT). TransferKv's messages are parsed by `KvReceiver.deserialize`, which hands KvBlocks over
+with a payload that is a view of the received bytes (protobuf's parser would copy it twice). DecodeCore takes either
+form, so the generated `add_DecodeServicer_to_server` works too, only slower.
 """
 from __future__ import annotations
 
@@ -12,10 +12,11 @@ import grpc
 
 from decode_svc.core import DecodeCore
 from kv_transfer.receiver import KvReceiver
-from protos.tandem.v1 import common_pb2, decode_pb2, decode_pb2_grpc, kv_transfer_pb2
+from protos.tandem.v1 import decode_pb2, decode_pb2_grpc
 from serving.errors import grpc_method
+from serving.rpc import add_service
 
-SERVICE = decode_pb2.DESCRIPTOR.services_by_name["Decode"].full_name
+SERVICE = decode_pb2.DESCRIPTOR.services_by_name["Decode"]
 
 
 class DecodeServicer(decode_pb2_grpc.DecodeServicer):
@@ -43,23 +44,5 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
 
 
 def add_to_server(core: DecodeCore, server: grpc.aio.Server) -> None:
-    """Serves tandem.v1.Decode from `core` on `server`."""
-    s = DecodeServicer(core)
-    handlers = {
-        "Decode": grpc.unary_stream_rpc_method_handler(
-            s.Decode, request_deserializer=decode_pb2.DecodeRequest.FromString,
-            response_serializer=decode_pb2.DecodeResponse.SerializeToString),
-        "TransferKv": grpc.stream_unary_rpc_method_handler(
-            s.TransferKv, request_deserializer=KvReceiver.deserialize,
-            response_serializer=kv_transfer_pb2.KvTransferAck.SerializeToString),
-        "KvHandshake": grpc.unary_unary_rpc_method_handler(
-            s.KvHandshake, request_deserializer=kv_transfer_pb2.KvHandshakeRequest.FromString,
-            response_serializer=kv_transfer_pb2.KvHandshakeResponse.SerializeToString),
-        "GetLoad": grpc.unary_unary_rpc_method_handler(
-            s.GetLoad, request_deserializer=common_pb2.GetLoadRequest.FromString,
-            response_serializer=common_pb2.InstanceLoad.SerializeToString),
-    }
-    assert set(handlers) == set(decode_pb2.DESCRIPTOR.services_by_name["Decode"].methods_by_name), \
-        "a Decode method without a handler"
-    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, handlers),))
-    server.add_registered_method_handlers(SERVICE, handlers)
+    """Serves tandem.v1.Decode from `core` on `server` (TransferKv's messages through KvReceiver.deserialize)."""
+    add_service(server, SERVICE, DecodeServicer(core), parsers={"TransferKv": KvReceiver.deserialize})

@@ -46,6 +46,7 @@ from serving.errors import ServiceError
 from serving.hops import hop
 from serving.metrics import Metrics
 from serving.rpc import channel
+from serving.tls import TlsConfig
 
 log = logging.getLogger("tandem.prefill")
 
@@ -82,7 +83,7 @@ class _Req:
 
 class PrefillCore:
     def __init__(self, engine, metrics: Metrics, default_kv_timeout_s: float = KvTransferConfig.timeout_s,
-                 kv_transfer: str = KvTransferConfig.transport):
+                 kv_transfer: str = KvTransferConfig.transport, tls: TlsConfig | None = None):
         self.engine = engine  # owned by the worker thread once start() ran; read-only constants below
         self.metrics = metrics
         self.default_kv_timeout_s = default_kv_timeout_s
@@ -94,6 +95,7 @@ class PrefillCore:
         self._tx: dict[str, _Tx] = {}  # engine thread only
         self._reqs: dict[str, _Req] = {}  # event loop only
         self._channels: dict[str, grpc.aio.Channel] = {}
+        self.tls = tls  # mutual TLS to the decode instances (serving/tls.py), or plaintext
         self.worker: EngineThread | None = None
 
     async def start(self) -> None:
@@ -208,7 +210,7 @@ class PrefillCore:
     def _channel(self, address: str) -> grpc.aio.Channel:
         ch = self._channels.get(address)
         if ch is None:
-            ch = self._channels[address] = channel(address)
+            ch = self._channels[address] = channel(address, self.tls)
         return ch
 
     async def prefill(self, request_id: str, prompt: list[int], params_msg: common_pb2.SamplingParams,

@@ -10,9 +10,11 @@ import argparse
 from kv_transfer.registry import CHOICES
 from prefill_svc.core import PrefillCore
 from prefill_svc.servicer import PrefillServicer
-from protos.tandem.v1 import prefill_pb2, prefill_pb2_grpc
+from protos.tandem.v1 import prefill_pb2
 from serving import worker
 from serving.config import KvTransferConfig
+from serving.rpc import add_service
+from serving.tls import TlsConfig
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
@@ -29,9 +31,10 @@ ROLE = worker.WorkerRole(
     default_port=50061,
     kv_timeout_help="seconds a KV transfer may take when the router gives no deadline",
     make_core=PrefillCore,
-    add_servicer=lambda core, server: prefill_pb2_grpc.add_PrefillServicer_to_server(PrefillServicer(core), server),
+    add_servicer=lambda core, server: add_service(server, prefill_pb2.DESCRIPTOR.services_by_name["Prefill"],
+                                                  PrefillServicer(core)),
     add_args=add_args,
-    core_kwargs=lambda ns: {"kv_transfer": ns.kv_transfer},
+    core_kwargs=lambda ns: {"kv_transfer": ns.kv_transfer, "tls": TlsConfig.from_cli_args(ns)},
     decodes=False,
 )
 

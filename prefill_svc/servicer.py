@@ -1,5 +1,5 @@
 """The tandem.v1.Prefill servicer: protobuf in, PrefillCore, protobuf out. Errors become status codes in
-protos.runtime.grpc_method."""
+serving.errors.grpc_method; requests are parsed by serving.rpc.add_service (malformed: INVALID_ARGUMENT)."""
 from __future__ import annotations
 
 from prefill_svc.core import PrefillCore

@@ -33,6 +33,7 @@ def run_decode(engine, scenario, register=add_to_server):
             async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as ch:
                 stub = decode_pb2_grpc.DecodeStub(ch)
                 stub.transfer_kv = KvSender.transfer_kv(ch)
+                stub.channel = ch
                 return await scenario(stub, core)
         finally:
             await server.stop(0)

@@ -255,3 +255,37 @@ def test_a_failed_write_fails_the_transfer_and_frees(engine, monkeypatch):
     assert transfer_error.code() == grpc.StatusCode.INTERNAL and "copy failed" in transfer_error.details()
     assert decode_error.code() == grpc.StatusCode.ABORTED and "copy failed" in decode_error.details()
     assert load.num_used_blocks == 0
+
+
+def test_malformed_protobuf_is_invalid_argument_and_frees_the_reservation(engine):
+    """Bytes that are no KvTransferMessage after a valid open: the transfer and its Decode call fail with
+    INVALID_ARGUMENT, the reservation is freed, and a unary call with garbage gets the same code."""
+    truncated = b"\x0a\x05ab"  # field 1, length 5, two bytes
+
+    async def scenario(stub, core):
+        call = stub.Decode(decode_req("m", 20))
+        await call.read()
+        layout = layout_of(engine.kv_cache)
+        raw = stub.channel.stream_unary("/tandem.v1.Decode/TransferKv", request_serializer=lambda b: b,
+                                        response_deserializer=kv.KvTransferAck.FromString)
+
+        async def messages():
+            yield kv.KvTransferMessage(open=kv.KvTransferOpen(request_id="m", layout=layout, num_prompt_tokens=20,
+                                                              num_blocks=2)).SerializeToString()
+            yield truncated
+
+        with pytest.raises(grpc.aio.AioRpcError) as transfer:
+            await raw(messages())
+        with pytest.raises(grpc.aio.AioRpcError) as decode:
+            await call.read()
+        with pytest.raises(grpc.aio.AioRpcError) as unary:
+            await stub.channel.unary_unary("/tandem.v1.Decode/KvHandshake", request_serializer=lambda b: b,
+                                                        response_deserializer=lambda b: b)(truncated)
+        return transfer.value, decode.value, unary.value, await idle(stub)
+
+    transfer, decode, unary, load = run(engine, scenario)
+    assert transfer.code() == grpc.StatusCode.INVALID_ARGUMENT, transfer
+    assert transfer.details().startswith("tandem.v1.Decode.TransferKv: tandem.v1.KvTransferMessage: not a valid message")
+    assert decode.code() == grpc.StatusCode.ABORTED and "not a valid message" in decode.details(), decode
+    assert unary.code() == grpc.StatusCode.INVALID_ARGUMENT and "KvHandshakeRequest" in unary.details(), unary
+    assert load.num_used_blocks == 0 and load.num_tracked_requests == 0

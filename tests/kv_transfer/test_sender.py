@@ -41,7 +41,7 @@ def path_bytes(role: str, path: str) -> float:
 def test_the_flag_and_its_validation(engines):
     assert build_parser().parse_args([]).kv_transfer == "auto"
     ns = build_parser().parse_args(["--kv-transfer", "grpc"])
-    assert ROLE.core_kwargs(ns) == {"kv_transfer": "grpc"}
+    assert ROLE.core_kwargs(ns) == {"kv_transfer": "grpc", "tls": None}
     with pytest.raises(SystemExit):
         build_parser().parse_args(["--kv-transfer", "nvlink"])
     with pytest.raises(ValueError, match=r"^kv_transfer='ipc': CUDA IPC needs the KV cache on a CUDA device, this "
