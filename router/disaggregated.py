@@ -26,7 +26,9 @@ from dataclasses import dataclass, replace
 
 import grpc
 
+from engine.args import EngineArgs
 from engine.sampling_params import SamplingParams
+from engine.utils import cdiv
 from protos.tandem.v1 import decode_pb2, prefill_pb2
 from router.backend import Backend, GenerateDelta, RequestError, invalid_argument
 from router.instances import Instance, InstancePool
@@ -45,11 +47,11 @@ class RouterConfig:
     """Decode instances, host:port (reachable from the prefill instances too: they send the KV there)."""
     policy: str = InstancePool.policy
     """round_robin | least_loaded | cache_aware (see router/instances.py)."""
-    model: str = "smollm2"
+    model: str = EngineArgs.model
     """The model spec the instances serve (for the tokenizer and the context length)."""
-    served_model_name: str | None = None
+    served_model_name: str | None = EngineArgs.served_model_name
     """Name clients use (default: the model's own name)."""
-    max_model_len: int | None = None
+    max_model_len: int | None = EngineArgs.max_model_len
     """Context length (default: the model's); must match the instances'."""
     kv_transfer_timeout_s: float = KvTransferConfig.timeout_s
     """Deadline of one KV transfer, from the decode reservation to the commit."""
@@ -126,7 +128,7 @@ class DisaggregatedBackend(Backend):
         load = inst.load
         if load is None or not load.block_size or not load.num_total_blocks:
             return True
-        need = -(-(len(prompt) + 1) // load.block_size)
+        need = cdiv(len(prompt) + 1, load.block_size)
         return load.num_total_blocks - load.num_used_blocks >= 2 * need
 
     async def _open_decode(self, inst: Instance, rid: str, prompt: list[int], params_msg, timeout_ms: int,
