@@ -1,16 +1,16 @@
-"""`tandem router --colocated`: the router's API over one engine in this process that runs both phases, prefill and
-decode, of every request: the non-disaggregated baseline (vLLM's or SGLang's single-engine serving) that Tandem's
+"""`tandem router --colocated`: the router's backend that runs one engine in this process for both phases, prefill
+and decode, of every request: the non-disaggregated baseline (vLLM's or SGLang's single-engine serving) that Tandem's
 prefill/decode split is measured against, behind the same OpenAI HTTP and gRPC front (bench/gpu_serve.sh).
 
-The life of a request in here:
-1. `RouterCore.generate()` validates and tokenizes it and fans n > 1 out into sub-requests, as for the disaggregated
-   stack (the same code: this class only replaces how one sub-request is served).
-2. `_serve_one` adds the prompt to the engine (`engine.add_request`, in the engine's own thread, prefill_svc's
+The life of a sub-request in here (RouterCore, router/core.py, has validated, tokenized and fanned it out, as for
+the disaggregated backend):
+1. `serve_one` adds the prompt to the engine (`engine.add_request`, in the engine's own thread, serving's
    EngineThread); the engine's scheduler mixes its prefill chunks with the running requests' decode steps under one
    token budget (chunked prefill): no KV leaves the engine, and prefill and decode share every step.
-3. Each step's outputs come back to the event loop (`_on_step`) and go to the request's stream as GenerateDeltas,
-   the first token included, until the request finishes.
-4. Closing the stream (a client gone, an error, or the end) aborts the request in the engine, which frees its blocks.
+2. Each step's outputs come back to the event loop (`_on_step`) and go to the request's stream as GenerateDeltas,
+   the first token included, logprobs in the disaggregated backend's order, until the request finishes.
+3. Cancelling `serve_one` (a client gone, an error, or the end) aborts the request in the engine, which frees its
+   blocks.
 """
 from __future__ import annotations
 
@@ -19,8 +19,8 @@ import logging
 
 from engine.args import EngineArgs
 from engine.sampling_params import SamplingParams
-from router.core import _FIELD_IN_MESSAGE, GenerateDelta, RequestError, RouterConfig, RouterCore
-from serving.convert import logprobs_from_proto, logprobs_to_proto
+from router.backend import Backend, GenerateDelta, RequestError, invalid_argument
+from serving.convert import ordered_logprobs
 from serving.engine_thread import EngineThread
 from serving.metrics import Metrics
 
@@ -40,36 +40,30 @@ def _abort(engine, rid: str) -> None:
     engine.abort(rid)  # no-op once the request finished and was forgotten
 
 
-class ColocatedCore(RouterCore):
-    """A RouterCore whose requests run in an in-process engine instead of on prefill and decode instances."""
+class ColocatedBackend(Backend):
+    """Sub-requests run in an in-process engine instead of on prefill and decode instances."""
 
-    def __init__(self, cfg: RouterConfig, engine):
-        # Not RouterCore.__init__: that opens channels to prefill and decode instances, and there are none here.
-        self.cfg = cfg
-        self.engine = engine  # owned by self.worker's thread once start() ran; read-only constants below
-        self.tokenizer = engine.tokenizer
-        self.served_name = engine.model_name
-        self.max_model_len = engine.max_model_len
-        self.vocab_size = engine.resolved.config.vocab_size
-        self.metrics = Metrics(self.served_name, "router")
+    def __init__(self, engine):
+        super().__init__(engine.tokenizer, engine.model_name, engine.max_model_len,
+                         engine.resolved.config.vocab_size)
+        self.engine = engine  # owned by self.worker's thread once start() ran; read-only constants above
         # The engine's step gauges (running, waiting, KV usage, prefix cache, preemptions) under role "colocated":
         # the router's own num_requests_running counts its in-flight requests, waiting ones included.
         self.engine_metrics = Metrics(self.served_name, "colocated")
-        self._running = 0
         self._streams: dict[str, asyncio.Queue] = {}  # request id -> its StepOutputs (event loop only)
         self.worker: EngineThread | None = None
 
     @classmethod
-    async def from_engine_args(cls, args: EngineArgs) -> "ColocatedCore":
+    async def from_engine_args(cls, args: EngineArgs) -> "ColocatedBackend":
+        """Builds the engine (weights, KV cache) off the event loop; start() starts its thread."""
         from engine import LLMEngine
 
-        engine = await asyncio.to_thread(LLMEngine.from_engine_args, args)
-        core = cls(RouterConfig(prefill_addrs=[], decode_addrs=[], model=args.model,
-                                served_model_name=args.served_model_name, max_model_len=args.max_model_len), engine)
-        core.worker = EngineThread(engine, asyncio.get_running_loop(), core._on_step, _stats,
+        return cls(await asyncio.to_thread(LLMEngine.from_engine_args, args))
+
+    async def start(self) -> None:
+        self.worker = EngineThread(self.engine, asyncio.get_running_loop(), self._on_step, _stats,
                                    name="colocated-engine")
-        core.worker.start()
-        return core
+        self.worker.start()
 
     def ready(self) -> bool:
         return self.worker is not None
@@ -91,23 +85,22 @@ class ColocatedCore(RouterCore):
         if stats is not None:
             self.engine_metrics.observe_step(stats)
 
-    async def _serve_one(self, rid: str, index: int, prompt: list[int], params: SamplingParams,
-                         queue: asyncio.Queue) -> None:
+    async def serve_one(self, rid: str, index: int, prompt: list[int], params: SamplingParams,
+                        queue: asyncio.Queue) -> None:
         stream: asyncio.Queue = asyncio.Queue()
         self._streams[rid] = stream
         try:
             try:
                 await self.worker.call(_add, rid, prompt, params)
             except ValueError as e:  # the engine's own checks; the router's ran first, so this is rare
-                m = _FIELD_IN_MESSAGE.match(str(e))
-                raise RequestError("invalid_argument", m.group(1) if m else None, str(e)) from None
+                raise invalid_argument(str(e)) from None
             while True:
                 out = await stream.get()
                 if out.finish_reason == "abort":
                     raise RequestError("internal", None, f"request {rid}: the engine aborted it (a model step failed)")
                 logprobs = None
-                if out.new_logprobs:  # the order the disaggregated path gives: the sampled token first
-                    logprobs = logprobs_from_proto(logprobs_to_proto(out.new_logprobs, out.new_token_ids))
+                if out.new_logprobs:
+                    logprobs = ordered_logprobs(out.new_logprobs, out.new_token_ids) or None
                 queue.put_nowait(GenerateDelta(index, list(out.new_token_ids), out.new_text, logprobs,
                                                out.finish_reason, len(prompt), out.num_output_tokens))
                 if out.finished:

@@ -1,10 +1,10 @@
 """The public gRPC API (tandem.v1.Generate) over a RouterCore, with grpc.health.v1 and reflection.
 
 A thin servicer: protobuf -> GenerateRequest (SamplingParams validates and names the field), RouterCore.generate,
-GenerateDelta -> protobuf. RequestError and ValueError become status codes in protos.runtime.grpc_method (the one
+GenerateDelta -> protobuf. RequestError and ValueError become status codes in serving.errors.grpc_method (the one
 place): invalid_argument -> INVALID_ARGUMENT, not_found -> NOT_FOUND, resource_exhausted -> RESOURCE_EXHAUSTED,
 unavailable -> UNAVAILABLE, anything else -> INTERNAL. A client's cancel cancels the handler, which closes the core's
-stream and so cancels the request on the prefill and decode services.
+stream and so cancels the request in its backend (on the prefill and decode services, or in the colocated engine).
 """
 from __future__ import annotations
 
@@ -13,12 +13,10 @@ import uuid
 
 import grpc
 
-from serving.convert import finish_to_proto, logprobs_to_proto, sampling_from_proto
-
-from serving.errors import grpc_method
-
 from protos.tandem.v1 import common_pb2, generate_pb2, generate_pb2_grpc
 from router.core import GenerateRequest, RequestError, RouterCore
+from serving.convert import finish_to_proto, logprobs_to_proto, sampling_from_proto
+from serving.errors import grpc_method
 from serving.rpc import add_health_and_reflection, new_server, set_serving
 
 SERVICE_NAME = generate_pb2.DESCRIPTOR.services_by_name["Generate"].full_name
@@ -76,7 +74,7 @@ async def start_grpc_server(core: RouterCore, address: str) -> grpc.aio.Server:
 
 
 async def _follow_readiness(core: RouterCore, hs) -> None:
-    """grpc.health.v1 answers SERVING only while a prefill and a decode instance are healthy (as HTTP /health)."""
+    """grpc.health.v1 answers SERVING only while the core is ready (as HTTP /health)."""
     ready = None
     while True:
         now = core.ready()

@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 
 import grpc
 
+from engine.args import EngineArgs
 from serving import health as health_codec
 from protos.tandem.v1 import common_pb2, decode_pb2, decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc
 from router.prefix_index import PrefixIndex, block_hashes
@@ -32,7 +33,7 @@ from serving.rpc import channel
 log = logging.getLogger("tandem.router.instances")
 
 POLICIES = ("round_robin", "least_loaded", "cache_aware")
-DEFAULT_BLOCK_SIZE = 16  # until an instance's GetLoad says its own
+DEFAULT_BLOCK_SIZE = EngineArgs.block_size  # the engines' default, until an instance's GetLoad says its own
 DEFAULT_INDEX_BLOCKS = 1 << 16  # an instance's prefix index before its GetLoad says how many blocks it has
 _SERVICES = {"prefill": prefill_pb2.DESCRIPTOR.services_by_name["Prefill"].full_name,
              "decode": decode_pb2.DESCRIPTOR.services_by_name["Decode"].full_name}

@@ -3,15 +3,15 @@ single RouterCore.
 
 1. Flags (and TANDEM_PREFILL_ADDRS / TANDEM_DECODE_ADDRS) say where the prefill and decode instances are.
 2. The HTTP port is bound first, so a port in use fails fast with a clear message, before any instance is dialled.
-3. `RouterCore.create` connects to the instances and starts polling their health; `/health` turns 200 once at least
-   one prefill and one decode instance answer.
+3. `RouterCore.create` connects to the instances and starts polling their health (router/disaggregated.py);
+   `/health` turns 200 once at least one prefill and one decode instance answer.
 4. The gRPC server (router/grpc_server.py) and uvicorn (router/http.py's app) run side by side in this loop.
 5. SIGTERM or SIGINT: uvicorn stops accepting and finishes open responses (at most --shutdown-grace seconds), the
    gRPC server drains with the same grace, then the core closes its channels. Exit status 0.
 
-With --colocated there are no instances: the router runs one engine itself for both phases (router/colocated.py),
-taking every engine flag (--dtype, --device, --kv-cache-memory, ...); without it, only the model flags (--model,
---served-model-name, --max-model-len) apply and any other engine flag is refused.
+With --colocated there are no instances: the core runs over one engine of its own for both phases
+(router/colocated.py), taking every engine flag (--dtype, --device, --kv-cache-memory, ...); without it, only the
+model flags (--model, --served-model-name, --max-model-len) apply and any other engine flag is refused.
 """
 from __future__ import annotations
 
@@ -118,9 +118,10 @@ async def serve(ns: argparse.Namespace, prefill: list[str], decode: list[str]) -
     http_sock = _bind(ns.host, ns.http_port)
     try:
         if ns.colocated:
-            from router.colocated import ColocatedCore
+            from router.colocated import ColocatedBackend
 
-            core = await ColocatedCore.from_engine_args(EngineArgs.from_cli_args(ns))
+            core = RouterCore(await ColocatedBackend.from_engine_args(EngineArgs.from_cli_args(ns)))
+            await core.start()
         else:
             core = await RouterCore.create(RouterConfig(
                 prefill_addrs=prefill, decode_addrs=decode, policy=ns.policy, model=ns.model,

@@ -47,18 +47,22 @@ def finish_from_proto(value: int) -> str | None:
     return _FINISH_NAME.get(value)
 
 
-def logprobs_to_proto(logprobs: list[dict[int, float]] | None, token_ids: list[int]) -> list:
-    """One PositionLogprobs per token: the sampled token first, then the other candidates by logprob."""
+def ordered_logprobs(logprobs: list[dict[int, float]] | None, token_ids: list[int]) -> list[dict[int, float]]:
+    """One dict per token, in the order the wire carries it: the sampled token first, then the other candidates by
+    logprob (the router's colocated engine gives its clients this order too)."""
     out = []
     for tok, lp in zip(token_ids, logprobs or []):
-        pos = common_pb2.PositionLogprobs()
-        if tok in lp:
-            pos.candidates.add(token_id=tok, logprob=lp[tok])
-        for t, v in sorted(lp.items(), key=lambda kv: -kv[1]):
-            if t != tok:
-                pos.candidates.add(token_id=t, logprob=v)
+        pos = {tok: lp[tok]} if tok in lp else {}
+        pos.update((t, v) for t, v in sorted(lp.items(), key=lambda kv: -kv[1]) if t != tok)
         out.append(pos)
     return out
+
+
+def logprobs_to_proto(logprobs: list[dict[int, float]] | None, token_ids: list[int]) -> list:
+    """One PositionLogprobs per token, candidates as `ordered_logprobs` orders them."""
+    return [common_pb2.PositionLogprobs(candidates=[common_pb2.TokenLogprob(token_id=t, logprob=v)
+                                                    for t, v in pos.items()])
+            for pos in ordered_logprobs(logprobs, token_ids)]
 
 
 def logprobs_from_proto(positions) -> list[dict[int, float]] | None:

@@ -1,5 +1,6 @@
-"""The router sends the prompt to prefill while the decode instance reserves (router/core.py:_reserve_and_prefill),
-and a decode instance holds a transfer that opens before its reservation (decode_svc/core.py:_reservation).
+"""The router sends the prompt to prefill while the decode instance reserves
+(router/disaggregated.py:_reserve_and_prefill), and a decode instance holds a transfer that opens before its
+reservation (decode_svc/core.py:_reservation).
 
 Real services in this process (random:tiny engines on the CPU, real gRPC on loopback) driven by a real RouterCore.
 Every failure order ends with no block held and no request tracked on any instance; `tandem.hops` (DEBUG) shows
