@@ -10,9 +10,9 @@ the OpenAI HTTP API (streaming /v1/completions) and through the router's gRPC AP
 and KV transfer included).
 
 Every process logs `hop <request id> <event> <CLOCK_MONOTONIC ns>` where a request passes a point (router/core.py,
-router/http.py, prefill_svc/core.py, decode_svc/core.py; serving/engine_thread.py:hop), and this process notes
-when it sent each request and when its first token arrived on the same clock. Printed per API: TTFT p50 and min, the
-named hops (p50 and min of each, in ms), and every event's p50 offset from the client's send, in time order. The
+router/disaggregated.py, router/http.py, prefill_svc/core.py, decode_svc/core.py; serving/hops.py:hop), and this
+process notes when it sent each request and when its first token arrived on the same clock. Printed per API: TTFT
+p50 and min, the named hops (p50 and min of each, in ms), and every event's p50 offset from the client's send, in time order. The
 roles' own Prometheus TTFT means (router: validation to first delta; prefill: arrival to first token) are printed
 beside them. --offline also times the engine alone (LLMEngine in this process, same flags, add_request + step until
 the first token) between the stack's requests. JSON with machine, commit and date goes to --result-file.

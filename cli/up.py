@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import ctypes
 import signal
+import ssl
 import subprocess
 import sys
 import time
@@ -35,8 +36,9 @@ from dataclasses import fields
 import torch
 
 from engine.args import EngineArgs, add_engine_args
-from serving.config import WorkerConfig
 from router.server import add_router_args
+from serving.config import WorkerConfig
+from serving.tls import TlsConfig, add_tls_args, tls_flags
 
 # Ports of the workers, counted up from --worker-port: prefill 0..P-1, then decode 0..D-1.
 DEFAULT_WORKER_PORT = 50060
@@ -67,6 +69,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--stop-timeout", type=float, default=None,
                    help="seconds a child gets to exit before SIGKILL (default: its shutdown grace + "
                         f"{_STOP_MARGIN_S:g} s, so a draining worker is not killed mid-drain)")
+    add_tls_args(p)
     add_engine_args(p)
     device = _action(p, "device")
     device.default, device.help = "cpu", "cpu, cuda or auto (default: cpu, unlike the workers' own auto)"
@@ -95,7 +98,8 @@ def _engine_flags(ns: argparse.Namespace, names: tuple[str, ...] | None = None) 
 
 def _process_flags(ns: argparse.Namespace) -> list[str]:
     """The flags every process gets, router and workers alike (only where given: their defaults are their own)."""
-    return [] if ns.shutdown_grace is None else ["--shutdown-grace", f"{ns.shutdown_grace:g}"]
+    grace = [] if ns.shutdown_grace is None else ["--shutdown-grace", f"{ns.shutdown_grace:g}"]
+    return grace + tls_flags(ns)
 
 
 def stop_timeout(ns: argparse.Namespace) -> float:
@@ -173,9 +177,9 @@ def _die_with_parent() -> None:
         pass
 
 
-def _healthy(url: str) -> bool:
+def _healthy(url: str, context: ssl.SSLContext | None = None) -> bool:
     try:
-        with urllib.request.urlopen(url, timeout=2) as r:
+        with urllib.request.urlopen(url, timeout=2, context=context) as r:
             return r.status == 200
     except (urllib.error.URLError, OSError):
         return False
@@ -238,9 +242,14 @@ def main(argv: list[str] | None = None) -> int:
     num_gpus = torch.cuda.device_count() if _on_cuda(ns) else 0
     if (problem := _check(ns, num_gpus)) is not None:
         parser.error(problem)
+    try:
+        tls = TlsConfig.from_cli_args(ns)
+    except ValueError as e:
+        parser.error(str(e))
     cmds = launch_commands(ns, num_gpus=num_gpus)
     children: dict[str, subprocess.Popen] = {}
-    health_url = f"http://{_local(ns.host)}:{ns.http_port}/health"
+    scheme = "https" if tls else "http"
+    health_url = f"{scheme}://{_local(ns.host)}:{ns.http_port}/health"
     signal.signal(signal.SIGTERM, _raise_stop)
     signal.signal(signal.SIGINT, _raise_stop)
     status = 0
@@ -259,12 +268,12 @@ def main(argv: list[str] | None = None) -> int:
                 status = 1
                 break
             if not ready:
-                if _healthy(health_url):
+                if _healthy(health_url, tls.client_ssl_context() if tls else None):
                     ready = True
                     model = ns.served_model_name or ns.model
                     workers = ("one colocated engine (prefill and decode in the router)" if ns.colocated
                                else f"{_count(ns.prefill)} prefill, {_count(ns.decode)} decode")
-                    print(f"tandem up: ready. OpenAI API: http://{_local(ns.host)}:{ns.http_port}/v1 "
+                    print(f"tandem up: ready. OpenAI API: {scheme}://{_local(ns.host)}:{ns.http_port}/v1 "
                           f"(model {model!r}); gRPC: {_local(ns.host)}:{ns.grpc_port}; "
                           f"{workers}. Ctrl-C stops everything.", flush=True)
                 elif time.monotonic() > deadline:

@@ -55,7 +55,7 @@ from serving.metrics import Metrics
 log = logging.getLogger("tandem.decode")
 
 # A transfer may open before the router's Decode call for its request arrives (the router sends the prompt to prefill
-# while this instance reserves: router/core.py). It waits this long for the call, then for as long as the reservation
+# while this instance reserves: router/disaggregated.py). It waits this long for the call, then for as long as the reservation
 # takes; with no call by then it fails (NOT_FOUND), as it does at once when the reservation was refused.
 RESERVATION_WAIT_S = 2.0
 

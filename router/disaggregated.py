@@ -35,6 +35,7 @@ from router.instances import Instance, InstancePool
 from serving.config import KvTransferConfig
 from serving.convert import finish_from_proto, logprobs_from_proto, sampling_to_proto
 from serving.hops import hop
+from serving.tls import TlsConfig
 
 log = logging.getLogger("tandem.router.disaggregated")
 
@@ -57,6 +58,8 @@ class RouterConfig:
     """Deadline of one KV transfer, from the decode reservation to the commit."""
     poll_interval_s: float = InstancePool.poll_interval_s
     """Seconds between health polls of each instance."""
+    tls: TlsConfig | None = None
+    """This router's identity for mutual TLS to the instances (None: plaintext)."""
 
     def __post_init__(self) -> None:
         if self.kv_transfer_timeout_s <= 0:
@@ -89,8 +92,8 @@ class DisaggregatedBackend(Backend):
     def __init__(self, cfg: RouterConfig, tokenizer, served_name: str, max_model_len: int, vocab_size: int):
         super().__init__(tokenizer, served_name, max_model_len, vocab_size)
         self.cfg = cfg
-        self.prefill = InstancePool("prefill", list(cfg.prefill_addrs), cfg.policy, cfg.poll_interval_s)
-        self.decode = InstancePool("decode", list(cfg.decode_addrs), cfg.policy, cfg.poll_interval_s)
+        self.prefill = InstancePool("prefill", list(cfg.prefill_addrs), cfg.policy, cfg.poll_interval_s, tls=cfg.tls)
+        self.decode = InstancePool("decode", list(cfg.decode_addrs), cfg.policy, cfg.poll_interval_s, tls=cfg.tls)
 
     @classmethod
     async def create(cls, cfg: RouterConfig) -> "DisaggregatedBackend":

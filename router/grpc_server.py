@@ -17,7 +17,8 @@ from protos.tandem.v1 import common_pb2, generate_pb2, generate_pb2_grpc
 from router.core import GenerateRequest, RequestError, RouterCore
 from serving.convert import finish_to_proto, logprobs_to_proto, sampling_from_proto
 from serving.errors import grpc_method
-from serving.rpc import add_health_and_reflection, new_server, set_serving
+from serving.rpc import add_health_and_reflection, add_port, add_service, new_server, set_serving
+from serving.tls import TlsConfig
 
 SERVICE_NAME = generate_pb2.DESCRIPTOR.services_by_name["Generate"].full_name
 
@@ -60,13 +61,13 @@ class GenerateServicer(generate_pb2_grpc.GenerateServicer):
         return generate_pb2.ListModelsResponse(models=self.core.models(), max_model_len=self.core.max_model_len)
 
 
-async def start_grpc_server(core: RouterCore, address: str) -> grpc.aio.Server:
-    """Starts the public API on address ("host:port"); the caller stops it with `await server.stop(grace)`."""
+async def start_grpc_server(core: RouterCore, address: str, tls: TlsConfig | None = None) -> grpc.aio.Server:
+    """Starts the public API on address ("host:port"), TLS with `tls` (no client certificate asked: clients of the
+    public API are not Tandem processes); the caller stops it with `await server.stop(grace)`."""
     server = new_server()
-    generate_pb2_grpc.add_GenerateServicer_to_server(GenerateServicer(core), server)
+    add_service(server, generate_pb2.DESCRIPTOR.services_by_name["Generate"], GenerateServicer(core))
     hs = add_health_and_reflection(server, [SERVICE_NAME])
-    if server.add_insecure_port(address) == 0:
-        raise OSError(f"cannot bind the gRPC API to {address}")
+    add_port(server, address, tls, require_client_auth=False)
     await server.start()
     await set_serving(hs, [SERVICE_NAME], core.ready())
     server._tandem_health_task = asyncio.create_task(_follow_readiness(core, hs))  # ends with the event loop

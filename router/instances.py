@@ -25,10 +25,11 @@ from dataclasses import dataclass, field
 import grpc
 
 from engine.args import EngineArgs
-from serving import health as health_codec
 from protos.tandem.v1 import common_pb2, decode_pb2, decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc
 from router.prefix_index import PrefixIndex, block_hashes
+from serving import health as health_codec
 from serving.rpc import channel
+from serving.tls import TlsConfig
 
 log = logging.getLogger("tandem.router.instances")
 
@@ -77,6 +78,7 @@ class InstancePool:
     policy: str = "round_robin"
     poll_interval_s: float = 1.0
     poll_timeout_s: float = 2.0
+    tls: TlsConfig | None = None  # mutual TLS to the instances (serving/tls.py), or plaintext
     instances: list[Instance] = field(init=False)
 
     def __post_init__(self) -> None:
@@ -88,7 +90,7 @@ class InstancePool:
             raise ValueError(f"{self.role}_addrs: at least one host:port is needed")
         self.instances = []
         for a in self.addresses:
-            ch = channel(a)
+            ch = channel(a, self.tls)
             self.instances.append(Instance(self.role, a, ch, _STUBS[self.role](ch), health_codec.check_callable(ch)))
         self._rr = itertools.count()
         self._task: asyncio.Task | None = None

@@ -31,6 +31,7 @@ import uvloop
 from engine.args import EngineArgs, add_engine_args
 from router.core import RouterConfig
 from router.instances import POLICIES
+from serving.tls import TlsConfig, add_tls_args
 
 log = logging.getLogger("tandem.router")
 
@@ -61,6 +62,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--shutdown-grace", type=float, default=5.0,
                    help="seconds open requests get to finish on SIGTERM (default: 5)")
     p.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
+    add_tls_args(p)
     # --model (for the tokenizer), --served-model-name and --max-model-len (must match the workers') always apply.
     add_engine_args(p)
     return p
@@ -110,7 +112,7 @@ class _Uvicorn(uvicorn.Server):
         yield
 
 
-async def serve(ns: argparse.Namespace, prefill: list[str], decode: list[str]) -> None:
+async def serve(ns: argparse.Namespace, prefill: list[str], decode: list[str], tls: TlsConfig | None = None) -> None:
     from router.core import RouterCore
     from router.grpc_server import start_grpc_server
     from router.http import create_app
@@ -125,14 +127,16 @@ async def serve(ns: argparse.Namespace, prefill: list[str], decode: list[str]) -
         else:
             core = await RouterCore.create(RouterConfig(
                 prefill_addrs=prefill, decode_addrs=decode, policy=ns.policy, model=ns.model,
-                served_model_name=ns.served_model_name, max_model_len=ns.max_model_len))
+                served_model_name=ns.served_model_name, max_model_len=ns.max_model_len, tls=tls))
     except BaseException:
         http_sock.close()
         raise
     try:
-        grpc_server = await start_grpc_server(core, f"{ns.host}:{ns.grpc_port}")
+        grpc_server = await start_grpc_server(core, f"{ns.host}:{ns.grpc_port}", tls)
+        # TLS on the public HTTP API with the process's certificate; clients are not asked for one.
+        ssl = {} if tls is None else {"ssl_certfile": tls.cert, "ssl_keyfile": tls.key}
         http = _Uvicorn(uvicorn.Config(create_app(core), lifespan="off", log_level=ns.log_level,
-                                       timeout_graceful_shutdown=ns.shutdown_grace, access_log=False))
+                                       timeout_graceful_shutdown=ns.shutdown_grace, access_log=False, **ssl))
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
@@ -140,8 +144,8 @@ async def serve(ns: argparse.Namespace, prefill: list[str], decode: list[str]) -
         http_task = asyncio.create_task(http.serve(sockets=[http_sock]))
         where = ("one colocated engine in this process" if ns.colocated else
                  f"prefill {','.join(prefill)}; decode {','.join(decode)}; policy {ns.policy}")
-        log.info("router: OpenAI HTTP on http://%s:%d, gRPC on %s:%d; %s", ns.host, ns.http_port, ns.host,
-                 ns.grpc_port, where)
+        log.info("router: OpenAI HTTP on %s://%s:%d, gRPC on %s:%d (%s); %s", "https" if tls else "http", ns.host,
+                 ns.http_port, ns.host, ns.grpc_port, "TLS" if tls else "plaintext", where)
         stop_task = asyncio.create_task(stop.wait())
         await asyncio.wait({http_task, stop_task}, return_when=asyncio.FIRST_COMPLETED)
         log.info("router: shutting down")
@@ -173,7 +177,11 @@ def main(argv: list[str] | None = None) -> int:
         except ValueError as e:
             parser.error(str(e))
     try:
-        uvloop.run(serve(ns, prefill, decode))
+        tls = TlsConfig.from_cli_args(ns)
+    except ValueError as e:
+        parser.error(str(e))
+    try:
+        uvloop.run(serve(ns, prefill, decode, tls))
     except (OSError, ValueError) as e:  # a port taken, a host not ours, a config the model rejects
         print(f"tandem router: {e}", file=sys.stderr)
         return 1

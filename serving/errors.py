@@ -23,7 +23,7 @@ class ServiceError(Exception):
         self.message = message
 
 
-# RequestError.code (router/core.py, shared with the HTTP front) -> gRPC status.
+# RequestError.code (router/backend.py, shared with the HTTP front) -> gRPC status.
 _CODE_NAMES = {
     "invalid_argument": grpc.StatusCode.INVALID_ARGUMENT,
     "not_found": grpc.StatusCode.NOT_FOUND,

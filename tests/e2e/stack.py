@@ -1,0 +1,71 @@
+"""`tandem up` as a child process for the end-to-end tests: ports, readiness, its children's pids, stopping."""
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+from ports import free_port_block
+
+ROOT = Path(__file__).resolve().parents[2]
+READY_TIMEOUT_S = 240
+
+
+class Stack:
+    """`tandem up` as a child process; its output (and its children's) is kept in `lines`."""
+
+    def __init__(self, *args: str, prefill: int = 1, decode: int = 2, scheme: str = "http"):
+        base = free_port_block(2 + 2 * (prefill + decode))
+        self.http = f"{scheme}://127.0.0.1:{base}"
+        self.grpc = f"127.0.0.1:{base + 1}"
+        self.worker_ports = {f"{role}-{i}": base + 2 + k for k, (role, i) in enumerate(
+            [("prefill", i) for i in range(prefill)] + [("decode", i) for i in range(decode)])}
+        self.metrics_ports = [base + 2 + prefill + decode + k for k in range(prefill + decode)]
+        self.argv = [sys.executable, "-m", "cli", "up", "--http-port", str(base), "--grpc-port",
+                     str(base + 1), "--worker-port", str(base + 2), "--metrics-port", str(self.metrics_ports[0]),
+                     "--prefill", str(prefill), "--decode", str(decode), *args]
+        self.proc = subprocess.Popen(self.argv, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                     env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        self.lines: list[str] = []
+        self.ready = threading.Event()
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self) -> None:
+        for line in self.proc.stdout:
+            self.lines.append(line)
+            if "tandem up: ready." in line:
+                self.ready.set()
+
+    def wait_ready(self, timeout: float = READY_TIMEOUT_S) -> "Stack":
+        deadline = time.monotonic() + timeout
+        while not self.ready.wait(0.5):
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                self.stop()
+                raise RuntimeError("tandem up did not get ready:\n" + "".join(self.lines[-60:]))
+        return self
+
+    def child_pids(self) -> dict[str, int]:
+        return {m.group(1): int(m.group(2)) for line in self.lines
+                if (m := re.match(r"tandem up: started (\S+) \(pid (\d+)\)", line))}
+
+    def stop(self, sig: int = signal.SIGINT, timeout: float = 60) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+        try:
+            return self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            return self.proc.wait()
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
