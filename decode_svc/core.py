@@ -47,10 +47,10 @@ from kv_transfer.receiver import KvReceiver
 from protos.tandem.v1 import common_pb2, decode_pb2, kv_transfer_pb2
 from serving.config import KvTransferConfig
 from serving.convert import delta_to_proto, sampling_from_proto
-from serving.engine_thread import EngineThread
 from serving.errors import ServiceError
 from serving.hops import hop
 from serving.metrics import Metrics
+from serving.worker_core import WorkerCore
 
 log = logging.getLogger("tandem.decode")
 
@@ -78,30 +78,16 @@ class _Dec:
     last_token_time: float | None = None
 
 
-class DecodeCore:
+class DecodeCore(WorkerCore):
+    role = "decode"
+
     def __init__(self, engine, metrics: Metrics, default_kv_timeout_s: float = KvTransferConfig.timeout_s):
-        self.engine = engine
-        self.metrics = metrics
-        self.default_kv_timeout_s = default_kv_timeout_s
-        self.model_name = engine.model_name
-        self.max_model_len = engine.max_model_len
-        self.block_size = engine.config.cache.block_size
+        super().__init__(engine, metrics, default_kv_timeout_s)
         self.receiver = KvReceiver(engine.kv_cache, self, KvPathMetrics(metrics, self.model_name, "decode"))
         self._live: set[str] = set()  # engine thread: reservations that may still be written
         self._broken: set[str] = set()  # engine thread: transfers with a failed block write (never committed)
         self._reqs: dict[str, _Dec] = {}  # event loop only
         self._arrivals: dict[str, asyncio.Future] = {}  # event loop: transfers waiting for their Decode call
-        self.worker: EngineThread | None = None
-
-    async def start(self) -> None:
-        self.worker = EngineThread(self.engine, asyncio.get_running_loop(), self._on_step, self._after_step,
-                                   name="decode-engine")
-        self.worker.start()
-
-    async def close(self) -> None:
-        for rid in list(self._reqs):
-            self.worker.submit(self._end, rid)
-        self.worker.stop()
 
     # ---- engine thread ----------------------------------------------------------------------------------------
     def _reserve(self, engine, rid: str, prompt: list[int], params) -> tuple[list[int] | None, int]:
@@ -141,13 +127,8 @@ class DecodeCore:
         st.num_waiting = len(self._live)  # decode's queue is its reservations awaiting KV
         return st
 
-    def _load(self, engine) -> common_pb2.InstanceLoad:
-        st = engine.stats()
-        return common_pb2.InstanceLoad(
-            role="decode", model=self.model_name, num_requests_running=st.num_running,
-            num_requests_waiting=len(self._live) + st.num_waiting, num_used_blocks=st.num_used_blocks,
-            num_total_blocks=st.num_total_blocks, kv_cache_usage=st.kv_cache_usage, block_size=self.block_size,
-            max_model_len=self.max_model_len)
+    def _waiting(self, stats) -> int:
+        return len(self._live) + stats.num_waiting  # reservations awaiting their KV, and the engine's queue
 
     # ---- event loop -------------------------------------------------------------------------------------------
     def _on_step(self, outs, stats) -> None:
@@ -157,14 +138,6 @@ class DecodeCore:
                 d.out.put_nowait(out)
         if stats is not None:
             self.metrics.observe_step(stats)
-
-    async def load(self) -> common_pb2.InstanceLoad:
-        # Read here, not queued behind the engine thread: a long step must not time out the router's health poll
-        # (which would take a live instance out of rotation). These are counters and C-level copies, atomic
-        # under the GIL, at most one step stale.
-        load = self._load(self.engine)
-        load.num_tracked_requests = len(self._reqs)
-        return load
 
     def _fail(self, rid: str, exc: Exception) -> None:
         d = self._reqs.get(rid)

@@ -41,12 +41,12 @@ from kv_transfer.sender import KvSender, OutgoingTransfer
 from protos.tandem.v1 import common_pb2, decode_pb2_grpc, prefill_pb2
 from serving.config import KvTransferConfig
 from serving.convert import delta_to_proto, sampling_from_proto
-from serving.engine_thread import EngineThread
 from serving.errors import ServiceError
 from serving.hops import hop
 from serving.metrics import Metrics
 from serving.rpc import channel
 from serving.tls import TlsConfig
+from serving.worker_core import WorkerCore
 
 log = logging.getLogger("tandem.prefill")
 
@@ -81,32 +81,21 @@ class _Req:
     sender: asyncio.Task | None = None  # the transfer (OutgoingTransfer.run), once started
 
 
-class PrefillCore:
+class PrefillCore(WorkerCore):
+    role = "prefill"
+
     def __init__(self, engine, metrics: Metrics, default_kv_timeout_s: float = KvTransferConfig.timeout_s,
                  kv_transfer: str = KvTransferConfig.transport, tls: TlsConfig | None = None):
-        self.engine = engine  # owned by the worker thread once start() ran; read-only constants below
-        self.metrics = metrics
-        self.default_kv_timeout_s = default_kv_timeout_s
-        self.model_name = engine.model_name
-        self.max_model_len = engine.max_model_len
-        self.block_size = engine.config.cache.block_size
+        super().__init__(engine, metrics, default_kv_timeout_s)
         self.sender = KvSender(engine.kv_cache, kv_transfer)  # validates kv_transfer
         self.path_metrics = KvPathMetrics(metrics, self.model_name, "prefill")
         self._tx: dict[str, _Tx] = {}  # engine thread only
         self._reqs: dict[str, _Req] = {}  # event loop only
         self._channels: dict[str, grpc.aio.Channel] = {}
         self.tls = tls  # mutual TLS to the decode instances (serving/tls.py), or plaintext
-        self.worker: EngineThread | None = None
-
-    async def start(self) -> None:
-        self.worker = EngineThread(self.engine, asyncio.get_running_loop(), self._on_step, self._after_step,
-                                   name="prefill-engine")
-        self.worker.start()
 
     async def close(self) -> None:
-        for rid in list(self._reqs):
-            self.worker.submit(self._end, rid)
-        self.worker.stop()
+        await super().close()
         for ch in self._channels.values():
             await ch.close()
 
@@ -152,13 +141,8 @@ class PrefillCore:
                 payloads.append((out.request_id, None))  # the last block message: the commit may follow
         return payloads, engine.stats()
 
-    def _load(self, engine) -> common_pb2.InstanceLoad:
-        st = engine.stats()
-        return common_pb2.InstanceLoad(
-            role="prefill", model=self.model_name, num_requests_running=st.num_running,
-            num_requests_waiting=st.num_waiting, num_queued_tokens=st.num_queued_tokens,
-            num_used_blocks=st.num_used_blocks, num_total_blocks=st.num_total_blocks,
-            kv_cache_usage=st.kv_cache_usage, block_size=self.block_size, max_model_len=self.max_model_len)
+    def _queued_tokens(self, stats) -> int:
+        return stats.num_queued_tokens
 
     # ---- event loop -------------------------------------------------------------------------------------------
     def _fail_first(self, rid: str, exc: BaseException) -> None:
@@ -198,14 +182,6 @@ class PrefillCore:
                 r.first.set_result(out)
         if stats is not None:
             self.metrics.observe_step(stats)
-
-    async def load(self) -> common_pb2.InstanceLoad:
-        # Read here, not queued behind the engine thread: a long step must not time out the router's health poll
-        # (which would take a live instance out of rotation). These are counters and C-level copies, atomic
-        # under the GIL, at most one step stale.
-        load = self._load(self.engine)
-        load.num_tracked_requests = len(self._reqs)
-        return load
 
     def _channel(self, address: str) -> grpc.aio.Channel:
         ch = self._channels.get(address)

@@ -14,8 +14,8 @@ import pytest
 from engine import LLM, SamplingParams
 from protos.tandem.v1 import common_pb2, decode_pb2_grpc, generate_pb2, generate_pb2_grpc, prefill_pb2_grpc
 from serving.rpc import channel
-from serving.tls import TlsConfig
 from stack import Stack
+from tls_pki import make_pki
 
 trustme = pytest.importorskip("trustme")
 openai = pytest.importorskip("openai")
@@ -23,27 +23,14 @@ openai = pytest.importorskip("openai")
 PROMPT = "The capital of France is"
 
 
-def _identity(ca, directory, name: str) -> TlsConfig:
-    leaf = ca.issue_cert("127.0.0.1", "localhost")
-    directory.mkdir(parents=True, exist_ok=True)
-    cert, key, ca_path = directory / f"{name}.crt", directory / f"{name}.key", directory / "ca.crt"
-    cert.write_bytes(b"".join(blob.bytes() for blob in leaf.cert_chain_pems))
-    key.write_bytes(leaf.private_key_pem.bytes())
-    ca.cert_pem.write_to_path(str(ca_path))
-    return TlsConfig(str(cert), str(key), str(ca_path))
-
-
 @pytest.fixture(scope="module")
 def pki(tmp_path_factory):
-    root = tmp_path_factory.mktemp("pki")
-    ours, theirs = trustme.CA(), trustme.CA()
-    return {"stack": _identity(ours, root / "ours", "stack"), "client": _identity(ours, root / "ours", "client"),
-            "stranger": _identity(theirs, root / "theirs", "client")}
+    return make_pki(tmp_path_factory.mktemp("pki"))
 
 
 @pytest.fixture(scope="module")
 def stack(pki):
-    tls = pki["stack"]
+    tls = pki["server"]
     s = Stack("--model", "random:tiny", "--tls-cert", tls.cert, "--tls-key", tls.key, "--tls-ca", tls.ca,
               decode=1, scheme="https").wait_ready()
     yield s

@@ -13,29 +13,14 @@ import pytest
 from serving import health
 from serving.rpc import add_health_and_reflection, add_port, channel, new_server, set_serving
 from serving.tls import TlsConfig, add_tls_args, tls_flags
+from tls_pki import make_pki
 
 trustme = pytest.importorskip("trustme")
 
 
-def _write_identity(ca, directory, name: str) -> TlsConfig:
-    """A certificate for 127.0.0.1/localhost signed by `ca`, written as PEM files under directory."""
-    leaf = ca.issue_cert("127.0.0.1", "localhost")
-    directory.mkdir(parents=True, exist_ok=True)
-    cert, key, ca_path = directory / f"{name}.crt", directory / f"{name}.key", directory / "ca.crt"
-    cert.write_bytes(b"".join(blob.bytes() for blob in leaf.cert_chain_pems))
-    key.write_bytes(leaf.private_key_pem.bytes())
-    ca.cert_pem.write_to_path(str(ca_path))
-    return TlsConfig(str(cert), str(key), str(ca_path))
-
-
 @pytest.fixture(scope="module")
 def pki(tmp_path_factory):
-    """Two CAs: ours (server and client identities) and a stranger's (a client identity only)."""
-    root = tmp_path_factory.mktemp("pki")
-    ours, theirs = trustme.CA(), trustme.CA()
-    return {"server": _write_identity(ours, root / "ours", "server"),
-            "client": _write_identity(ours, root / "ours", "client"),
-            "stranger": _write_identity(theirs, root / "theirs", "client")}
+    return make_pki(tmp_path_factory.mktemp("pki"))
 
 
 def _free_port() -> int:
