@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import ctypes
+import os
 import signal
 import ssl
 import subprocess
@@ -37,6 +38,7 @@ import torch
 
 from engine.args import EngineArgs, add_engine_args
 from router.server import add_router_args
+from serving.auth import ENV_API_KEY
 from serving.config import WorkerConfig
 from serving.tls import TlsConfig, add_tls_args, tls_flags
 
@@ -70,6 +72,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="seconds a child gets to exit before SIGKILL (default: its shutdown grace + "
                         f"{_STOP_MARGIN_S:g} s, so a draining worker is not killed mid-drain)")
     add_tls_args(p)
+    p.add_argument("--api-key", default=None,
+                   help=f"the router's API key (passed to it as ${ENV_API_KEY}, never on a command line; default: "
+                        f"${ENV_API_KEY} as set here, else none)")
     add_engine_args(p)
     device = _action(p, "device")
     device.default, device.help = "cpu", "cpu, cuda or auto (default: cpu, unlike the workers' own auto)"
@@ -253,10 +258,11 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, _raise_stop)
     signal.signal(signal.SIGINT, _raise_stop)
     status = 0
+    env = os.environ if ns.api_key is None else {**os.environ, ENV_API_KEY: ns.api_key}
     try:
         for name, cmd in cmds.items():
             # `tandem` may not be on PATH (a venv not activated): run the same entry point with this interpreter.
-            children[name] = subprocess.Popen([sys.executable, "-m", "cli", *cmd[1:]],
+            children[name] = subprocess.Popen([sys.executable, "-m", "cli", *cmd[1:]], env=env,
                                               start_new_session=True, preexec_fn=_die_with_parent)
             print(f"tandem up: started {name} (pid {children[name].pid}): {' '.join(cmd)}", flush=True)
         ready, deadline = False, time.monotonic() + ns.ready_timeout

@@ -15,6 +15,7 @@ import grpc
 
 from protos.tandem.v1 import common_pb2, generate_pb2, generate_pb2_grpc
 from router.core import GenerateRequest, RequestError, RouterCore
+from serving.auth import ApiKey, ApiKeyInterceptor
 from serving.convert import finish_to_proto, logprobs_to_proto, sampling_from_proto
 from serving.errors import grpc_method
 from serving.rpc import add_health_and_reflection, add_port, add_service, new_server, set_serving
@@ -61,10 +62,12 @@ class GenerateServicer(generate_pb2_grpc.GenerateServicer):
         return generate_pb2.ListModelsResponse(models=self.core.models(), max_model_len=self.core.max_model_len)
 
 
-async def start_grpc_server(core: RouterCore, address: str, tls: TlsConfig | None = None) -> grpc.aio.Server:
+async def start_grpc_server(core: RouterCore, address: str, tls: TlsConfig | None = None,
+                            api_key: ApiKey | None = None) -> grpc.aio.Server:
     """Starts the public API on address ("host:port"), TLS with `tls` (no client certificate asked: clients of the
-    public API are not Tandem processes); the caller stops it with `await server.stop(grace)`."""
-    server = new_server()
+    public API are not Tandem processes), calls without `api_key` refused (health and reflection stay open); the
+    caller stops it with `await server.stop(grace)`."""
+    server = new_server([ApiKeyInterceptor(api_key, [SERVICE_NAME])] if api_key else [])
     add_service(server, generate_pb2.DESCRIPTOR.services_by_name["Generate"], GenerateServicer(core))
     hs = add_health_and_reflection(server, [SERVICE_NAME])
     add_port(server, address, tls, require_client_auth=False)

@@ -20,7 +20,7 @@ import importlib.metadata
 import json
 import logging
 import time
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Iterable
 
 import anyio
 from fastapi import FastAPI, Request
@@ -33,6 +33,7 @@ from router.openai_protocol import (ChatCompletionRequest, CompletionRequest, De
                                     ModelCard, ModelList, SimpleGenerateRequest, TokenizeRequest, TokenizeResponse)
 from router.openai_serving import (APIError, ChatCompletions, Completions, Endpoint, SimpleGenerate, Streams,
                                    as_api_error, chat_prompt_ids, check_model, gather, stream)
+from serving.auth import DEFAULT_OPEN_PATHS, ApiKey, ApiKeyMiddleware
 
 log = logging.getLogger("tandem.router.http")
 
@@ -95,10 +96,14 @@ async def _unless_disconnected(request: Request, work: Awaitable):
 
 
 # ---------------------------------------------------------------------------------------------------- the app
-def create_app(core: RouterCore) -> FastAPI:
+def create_app(core: RouterCore, api_key: ApiKey | None = None,
+               open_paths: Iterable[str] = DEFAULT_OPEN_PATHS) -> FastAPI:
+    """The app over `core`; with `api_key`, every path but `open_paths` needs `Authorization: Bearer <key>`."""
     app = FastAPI(title="Tandem router", summary="OpenAI-compatible API over disaggregated prefill and decode",
                   docs_url=None, redoc_url=None)
-    app.add_middleware(_CountRequests)
+    if api_key is not None:
+        app.add_middleware(ApiKeyMiddleware, api_key=api_key, open_paths=open_paths)
+    app.add_middleware(_CountRequests)  # (the outer one: refusals are counted too)
     tokenizer = core.tokenizer
 
     @app.exception_handler(APIError)

@@ -31,6 +31,7 @@ import uvloop
 from engine.args import EngineArgs, add_engine_args
 from router.core import RouterConfig
 from router.instances import POLICIES
+from serving.auth import DEFAULT_OPEN_PATHS, ENV_API_KEY, ApiKey
 from serving.tls import TlsConfig, add_tls_args
 
 log = logging.getLogger("tandem.router")
@@ -63,6 +64,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="seconds open requests get to finish on SIGTERM (default: 5)")
     p.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
     add_tls_args(p)
+    p.add_argument("--api-key", default=None,
+                   help=f"require 'Authorization: Bearer <key>' on the HTTP API and 'authorization' metadata on the "
+                        f"gRPC API (default: ${ENV_API_KEY}, else no key)")
+    p.add_argument("--api-key-open-paths", default=",".join(DEFAULT_OPEN_PATHS),
+                   help="HTTP paths served without the key, comma-separated ('' protects every path; default: "
+                        f"{','.join(DEFAULT_OPEN_PATHS)})")
     # --model (for the tokenizer), --served-model-name and --max-model-len (must match the workers') always apply.
     add_engine_args(p)
     return p
@@ -112,7 +119,8 @@ class _Uvicorn(uvicorn.Server):
         yield
 
 
-async def serve(ns: argparse.Namespace, prefill: list[str], decode: list[str], tls: TlsConfig | None = None) -> None:
+async def serve(ns: argparse.Namespace, prefill: list[str], decode: list[str], tls: TlsConfig | None = None,
+                api_key: ApiKey | None = None) -> None:
     from router.core import RouterCore
     from router.grpc_server import start_grpc_server
     from router.http import create_app
@@ -132,10 +140,11 @@ async def serve(ns: argparse.Namespace, prefill: list[str], decode: list[str], t
         http_sock.close()
         raise
     try:
-        grpc_server = await start_grpc_server(core, f"{ns.host}:{ns.grpc_port}", tls)
+        grpc_server = await start_grpc_server(core, f"{ns.host}:{ns.grpc_port}", tls, api_key)
+        open_paths = [p.strip() for p in ns.api_key_open_paths.split(",") if p.strip()]
         # TLS on the public HTTP API with the process's certificate; clients are not asked for one.
         ssl = {} if tls is None else {"ssl_certfile": tls.cert, "ssl_keyfile": tls.key}
-        http = _Uvicorn(uvicorn.Config(create_app(core), lifespan="off", log_level=ns.log_level,
+        http = _Uvicorn(uvicorn.Config(create_app(core, api_key, open_paths), lifespan="off", log_level=ns.log_level,
                                        timeout_graceful_shutdown=ns.shutdown_grace, access_log=False, **ssl))
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
@@ -144,8 +153,9 @@ async def serve(ns: argparse.Namespace, prefill: list[str], decode: list[str], t
         http_task = asyncio.create_task(http.serve(sockets=[http_sock]))
         where = ("one colocated engine in this process" if ns.colocated else
                  f"prefill {','.join(prefill)}; decode {','.join(decode)}; policy {ns.policy}")
-        log.info("router: OpenAI HTTP on %s://%s:%d, gRPC on %s:%d (%s); %s", "https" if tls else "http", ns.host,
-                 ns.http_port, ns.host, ns.grpc_port, "TLS" if tls else "plaintext", where)
+        log.info("router: OpenAI HTTP on %s://%s:%d, gRPC on %s:%d (%s, %s); %s", "https" if tls else "http",
+                 ns.host, ns.http_port, ns.host, ns.grpc_port, "TLS" if tls else "plaintext",
+                 "API key required" if api_key else "no API key", where)
         stop_task = asyncio.create_task(stop.wait())
         await asyncio.wait({http_task, stop_task}, return_when=asyncio.FIRST_COMPLETED)
         log.info("router: shutting down")
@@ -178,10 +188,11 @@ def main(argv: list[str] | None = None) -> int:
             parser.error(str(e))
     try:
         tls = TlsConfig.from_cli_args(ns)
+        api_key = ApiKey.from_flag(ns.api_key)
     except ValueError as e:
         parser.error(str(e))
     try:
-        uvloop.run(serve(ns, prefill, decode, tls))
+        uvloop.run(serve(ns, prefill, decode, tls, api_key))
     except (OSError, ValueError) as e:  # a port taken, a host not ours, a config the model rejects
         print(f"tandem router: {e}", file=sys.stderr)
         return 1

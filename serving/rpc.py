@@ -52,8 +52,8 @@ SERVER_OPTIONS = [
 ]
 
 
-def new_server() -> grpc.aio.Server:
-    return grpc.aio.server(options=SERVER_OPTIONS)
+def new_server(interceptors: Iterable[grpc.aio.ServerInterceptor] = ()) -> grpc.aio.Server:
+    return grpc.aio.server(options=SERVER_OPTIONS, interceptors=list(interceptors))
 
 
 def add_port(server: grpc.aio.Server, address: str, tls: TlsConfig | None = None,

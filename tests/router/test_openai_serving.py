@@ -1,42 +1,13 @@
 """router/openai_serving.py and router/core.py over a scripted Backend (router/backend.py): the one streaming path
 and the one gathering path of the OpenAI endpoints, and the core's fan-out. (Real services: tests/e2e.)"""
-import asyncio
 import json
 
 import httpx
 import pytest
 
-from engine.loader import load_tokenizer, resolve_model
-from router.backend import Backend, GenerateDelta, RequestError
 from router.core import RouterCore
 from router.http import create_app
-
-
-class Scripted(Backend):
-    """Choice i of a prompt writes "a", "b", "c" (token ids 97, 98, 99 plus i); a prompt starting "fail" fails after
-    its first token."""
-
-    def __init__(self):
-        super().__init__(load_tokenizer(resolve_model("random:tiny")), "tiny", 64, 512)
-        self.served: list[tuple[str, int, int | None]] = []  # (sub-request id, index, seed)
-
-    async def start(self) -> None:
-        pass
-
-    async def close(self) -> None:
-        pass
-
-    def ready(self) -> bool:
-        return True
-
-    async def serve_one(self, rid, index, prompt, params, queue) -> None:
-        self.served.append((rid, index, params.seed))
-        for k, text in enumerate("abc"):
-            if k == 1 and self.tokenizer.decode(prompt).startswith("fail"):
-                raise RequestError("unavailable", None, "decode x: gone")
-            queue.put_nowait(GenerateDelta(index, [97 + k + index], text, None, "length" if k == 2 else None,
-                                           len(prompt), k + 1))
-            await asyncio.sleep(0)
+from scripted_backend import Scripted
 
 
 @pytest.fixture

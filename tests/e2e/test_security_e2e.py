@@ -1,7 +1,9 @@
-"""TLS end to end: `tandem up --tls-cert --tls-key --tls-ca` with a throwaway CA (trustme). The official OpenAI SDK
-talks HTTPS to the router and gets the same greedy tokens as the offline engine; the public gRPC API serves TLS;
-every internal hop is mutual TLS: each worker refuses a plaintext client and a client whose certificate another CA
-signed, and answers one with our certificate (the router's and the prefill's hops work, or nothing would be served)."""
+"""TLS and the API key end to end: `tandem up --tls-cert --tls-key --tls-ca --api-key` with a throwaway CA (trustme).
+The official OpenAI SDK talks HTTPS to the router with the key and gets the same greedy tokens as the offline engine,
+and is refused (401) with another key; the public gRPC API serves TLS and wants the key; every internal hop is mutual
+TLS: each worker refuses a plaintext client and a client whose certificate another CA signed, and answers one with
+our certificate (the router's and the prefill's hops work, or nothing would be served). The key is on no command
+line `tandem up` prints."""
 from __future__ import annotations
 
 import asyncio
@@ -21,6 +23,8 @@ trustme = pytest.importorskip("trustme")
 openai = pytest.importorskip("openai")
 
 PROMPT = "The capital of France is"
+KEY = "e2e-api-key"
+AUTH = (("authorization", f"Bearer {KEY}"),)
 
 
 @pytest.fixture(scope="module")
@@ -32,7 +36,7 @@ def pki(tmp_path_factory):
 def stack(pki):
     tls = pki["server"]
     s = Stack("--model", "random:tiny", "--tls-cert", tls.cert, "--tls-key", tls.key, "--tls-ca", tls.ca,
-              decode=1, scheme="https").wait_ready()
+              "--api-key", KEY, decode=1, scheme="https").wait_ready()
     yield s
     s.stop()
 
@@ -40,9 +44,14 @@ def stack(pki):
 def test_the_openai_sdk_over_https_equals_the_offline_engine(stack, pki):
     expected = LLM(model="random:tiny", device="cpu").generate([PROMPT], SamplingParams(temperature=0, max_tokens=8))
     with httpx.Client(verify=ssl.create_default_context(cafile=pki["client"].ca), timeout=120) as http:
-        client = openai.OpenAI(base_url=f"{stack.http}/v1", api_key="unused", http_client=http)
+        client = openai.OpenAI(base_url=f"{stack.http}/v1", api_key=KEY, http_client=http)
         got = client.completions.create(model="random:tiny", prompt=PROMPT, max_tokens=8, temperature=0, logprobs=0,
                                         extra_body={"return_tokens_as_token_ids": True})
+        stranger = openai.OpenAI(base_url=f"{stack.http}/v1", api_key="not-the-key", http_client=http)
+        with pytest.raises(openai.AuthenticationError) as refused:
+            stranger.completions.create(model="random:tiny", prompt=PROMPT, max_tokens=8)
+    assert refused.value.status_code == 401 and refused.value.code == "invalid_api_key"
+    assert not any(KEY in line for line in stack.lines if line.startswith("tandem up: started"))
     ids = [int(t.removeprefix("token_id:")) for t in got.choices[0].logprobs.tokens]
     assert ids == expected[0].outputs[0].token_ids
     assert got.usage.completion_tokens == 8
@@ -54,11 +63,11 @@ def test_plain_http_to_the_https_port_is_refused(stack):
 
 
 def test_the_public_grpc_api_serves_tls_and_refuses_plaintext(stack, pki):
-    async def generate(ch):
+    async def generate(ch, metadata=AUTH):
         req = generate_pb2.GenerateRequest(prompt=PROMPT, params=common_pb2.SamplingParams(temperature=0, max_tokens=4))
         try:
-            return sum([len(r.delta.token_ids) async for r in generate_pb2_grpc.GenerateStub(ch).Generate(req,
-                                                                                                           timeout=60)])
+            stub = generate_pb2_grpc.GenerateStub(ch)
+            return sum([len(r.delta.token_ids) async for r in stub.Generate(req, timeout=60, metadata=metadata)])
         except grpc.aio.AioRpcError as e:
             return e.code()
 
@@ -66,11 +75,12 @@ def test_the_public_grpc_api_serves_tls_and_refuses_plaintext(stack, pki):
         ca = open(pki["client"].ca, "rb").read()
         async with grpc.aio.secure_channel(stack.grpc, grpc.ssl_channel_credentials(root_certificates=ca)) as ch:
             tls = await generate(ch)
+            no_key = await generate(ch, metadata=None)
         async with channel(stack.grpc) as ch:
             plain = await generate(ch)
-        return tls, plain
+        return tls, no_key, plain
 
-    assert asyncio.run(main()) == (4, grpc.StatusCode.UNAVAILABLE)
+    assert asyncio.run(main()) == (4, grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.UNAVAILABLE)
 
 
 @pytest.mark.parametrize("worker", ["prefill-0", "decode-0"])
