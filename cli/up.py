@@ -168,6 +168,10 @@ def launch_commands(ns: argparse.Namespace, address=None, num_gpus: int = 0) -> 
         return ",".join(f"{address(name)}:{cmd[cmd.index('--port') + 1]}"
                         for name, cmd in cmds.items() if name.startswith(role + "-"))
 
+    for name, cmd in cmds.items():  # a prefill sends KV only to the decode instances the router names
+        if name.startswith("prefill-"):
+            at = cmd.index("--metrics-port") + 2
+            cmd[at:at] = ["--decode-allowlist", addrs("decode")]
     cmds["router"] = ["tandem", "router", "--host", ns.host, "--grpc-port", str(ns.grpc_port),
                       "--http-port", str(ns.http_port), "--prefill", addrs("prefill"), "--decode", addrs("decode"),
                       "--policy", ns.policy, *every, *_engine_flags(ns, ("model", "served_model_name", "max_model_len"))]

@@ -81,8 +81,9 @@ class _Dec:
 class DecodeCore(WorkerCore):
     role = "decode"
 
-    def __init__(self, engine, metrics: Metrics, default_kv_timeout_s: float = KvTransferConfig.timeout_s):
-        super().__init__(engine, metrics, default_kv_timeout_s)
+    def __init__(self, engine, metrics: Metrics, default_kv_timeout_s: float = KvTransferConfig.timeout_s,
+                 max_kv_timeout_s: float = KvTransferConfig.max_timeout_s):
+        super().__init__(engine, metrics, default_kv_timeout_s, max_kv_timeout_s)
         self.receiver = KvReceiver(engine.kv_cache, self, KvPathMetrics(metrics, self.model_name, "decode"))
         self._live: set[str] = set()  # engine thread: reservations that may still be written
         self._broken: set[str] = set()  # engine thread: transfers with a failed block write (never committed)
@@ -159,13 +160,13 @@ class DecodeCore(WorkerCore):
     async def decode(self, request_id: str, prompt: list[int], params_msg: common_pb2.SamplingParams,
                      kv_timeout_s: float | None):
         """Yields DecodeResponse messages: Reserved, then the deltas after the first token."""
-        if not request_id:
-            raise ValueError("request_id: must not be empty")
+        self.check_request_id(request_id)
+        kv_timeout_s = self.kv_timeout(kv_timeout_s)
         if request_id in self._reqs:
             raise ServiceError(grpc.StatusCode.ALREADY_EXISTS, f"request_id={request_id!r}: already in flight")
         hop(request_id, "decode.in")
         params = sampling_from_proto(params_msg, n=1)
-        d = _Dec(request_id, len(prompt), kv_timeout_s or self.default_kv_timeout_s, time.monotonic(),
+        d = _Dec(request_id, len(prompt), kv_timeout_s, time.monotonic(),
                  asyncio.get_running_loop().create_future())
         self._reqs[request_id] = d
         arrival = self._arrivals.pop(request_id, None)
@@ -238,6 +239,10 @@ class DecodeCore(WorkerCore):
         return self.worker.queue(self._write, rid, fn)
 
     def commit(self, rid: str, first_token_id: int, before: Callable[[], None]) -> asyncio.Future:
+        try:  # a token the model cannot embed would fail the next step of every request in the batch
+            self.check_token("commit.first_token_id", first_token_id)
+        except ValueError as e:
+            raise ServiceError(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from None
         return self.worker.queue(self._commit, rid, first_token_id, before)  # runs after every write
 
     def on_engine(self, fn):

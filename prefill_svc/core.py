@@ -46,7 +46,7 @@ from serving.hops import hop
 from serving.metrics import Metrics
 from serving.rpc import channel
 from serving.tls import TlsConfig
-from serving.worker_core import WorkerCore
+from serving.worker_core import MAX_ID_CHARS, WorkerCore
 
 log = logging.getLogger("tandem.prefill")
 
@@ -85,8 +85,12 @@ class PrefillCore(WorkerCore):
     role = "prefill"
 
     def __init__(self, engine, metrics: Metrics, default_kv_timeout_s: float = KvTransferConfig.timeout_s,
-                 kv_transfer: str = KvTransferConfig.transport, tls: TlsConfig | None = None):
-        super().__init__(engine, metrics, default_kv_timeout_s)
+                 kv_transfer: str = KvTransferConfig.transport, tls: TlsConfig | None = None,
+                 decode_allowlist: list[str] | None = None, max_kv_timeout_s: float = KvTransferConfig.max_timeout_s):
+        super().__init__(engine, metrics, default_kv_timeout_s, max_kv_timeout_s)
+        # The decode instances this prefill may send KV to (None: any the caller names). A caller that names another
+        # address is refused before anything dials it.
+        self.decode_allowlist = None if decode_allowlist is None else frozenset(decode_allowlist)
         self.sender = KvSender(engine.kv_cache, kv_transfer)  # validates kv_transfer
         self.path_metrics = KvPathMetrics(metrics, self.model_name, "prefill")
         self._tx: dict[str, _Tx] = {}  # engine thread only
@@ -189,11 +193,20 @@ class PrefillCore(WorkerCore):
             ch = self._channels[address] = channel(address, self.tls)
         return ch
 
+    def check_decode_address(self, address: str) -> None:
+        if len(address) > MAX_ID_CHARS:
+            raise ValueError(f"decode_address: {len(address)} characters, must be at most {MAX_ID_CHARS}")
+        if self.decode_allowlist is not None and address not in self.decode_allowlist:
+            raise ValueError(f"decode_address={address!r}: not a decode instance this prefill may send KV to "
+                             f"(--decode-allowlist: {', '.join(sorted(self.decode_allowlist))})")
+
     async def prefill(self, request_id: str, prompt: list[int], params_msg: common_pb2.SamplingParams,
                       decode_address: str, kv_timeout_s: float | None):
         """Yields PrefillResponse messages: FirstToken, then TransferDone when a decode target took the KV."""
-        if not request_id:
-            raise ValueError("request_id: must not be empty")
+        self.check_request_id(request_id)
+        if decode_address:
+            self.check_decode_address(decode_address)
+        kv_timeout_s = self.kv_timeout(kv_timeout_s)
         if request_id in self._reqs:
             raise ServiceError(grpc.StatusCode.ALREADY_EXISTS, f"request_id={request_id!r}: already in flight")
         params = sampling_from_proto(params_msg, n=1)  # validates the request's own parameters
@@ -206,8 +219,8 @@ class PrefillCore(WorkerCore):
             if decode_address:
                 r.tx = asyncio.Queue()
                 r.blocks_queued = loop.create_future()
-                r.transfer = OutgoingTransfer(self.sender, request_id, len(prompt), decode_address,
-                                              kv_timeout_s or self.default_kv_timeout_s, self.path_metrics)
+                r.transfer = OutgoingTransfer(self.sender, request_id, len(prompt), decode_address, kv_timeout_s,
+                                              self.path_metrics)
                 await r.transfer.negotiate(decode_pb2_grpc.DecodeStub(self._channel(decode_address)))
             # Nothing else runs on this loop for the request until its first token (or its first chunk's blocks):
             # the engine thread's step does not share the GIL with loop work (submit, not call; the transfer opens

@@ -23,6 +23,14 @@ def add_args(p: argparse.ArgumentParser) -> None:
                         "cache on both sides), grpc = block bytes over the TransferKv stream (any host), auto = ipc "
                         f"where the handshake with a decode instance allows it, else grpc (default: "
                         f"{KvTransferConfig.transport})")
+    p.add_argument("--decode-allowlist", default=None, metavar="HOST:PORT[,...]",
+                   help="the decode instances this prefill may send KV to (the router's --decode list; tandem up "
+                        "passes it); a request naming another is refused before anything dials it (default: any)")
+
+
+def _core_kwargs(ns: argparse.Namespace) -> dict:
+    allow = None if ns.decode_allowlist is None else [a.strip() for a in ns.decode_allowlist.split(",") if a.strip()]
+    return {"kv_transfer": ns.kv_transfer, "tls": TlsConfig.from_cli_args(ns), "decode_allowlist": allow}
 
 
 ROLE = worker.WorkerRole(
@@ -34,7 +42,7 @@ ROLE = worker.WorkerRole(
     add_servicer=lambda core, server: add_service(server, prefill_pb2.DESCRIPTOR.services_by_name["Prefill"],
                                                   PrefillServicer(core)),
     add_args=add_args,
-    core_kwargs=lambda ns: {"kv_transfer": ns.kv_transfer, "tls": TlsConfig.from_cli_args(ns)},
+    core_kwargs=_core_kwargs,
     decodes=False,
 )
 

@@ -10,6 +10,9 @@ class KvTransferConfig:
     timeout_s: float = 30.0
     """Deadline of one KV transfer, from the decode reservation to the commit, in seconds. The router sends its
     own with every request; a worker uses its flag's when a request names none."""
+    max_timeout_s: float = 300.0
+    """The longest deadline a worker accepts from a caller: a reservation holds KV blocks until its deadline, so an
+    unbounded one would let any caller hold the cache."""
     transport: str = "auto"
     """How a prefill instance's KV blocks reach decode instances: auto, grpc or ipc (prefill's --kv-transfer, whose
     help says what each means; kv_transfer/registry.py lists the transports)."""

@@ -41,6 +41,9 @@ def build_parser(role: WorkerRole, prog: str | None = None) -> argparse.Argument
     p.add_argument("--metrics-port", type=int, default=0, help="Prometheus /metrics HTTP port (0: off)")
     p.add_argument("--kv-transfer-timeout", type=float, default=KvTransferConfig.timeout_s,
                    help=f"{role.kv_timeout_help} (default: {KvTransferConfig.timeout_s:g})")
+    p.add_argument("--max-kv-transfer-timeout", type=float, default=KvTransferConfig.max_timeout_s,
+                   help="the longest KV transfer deadline a caller may ask for, seconds: a reservation holds its "
+                        f"blocks until then (default: {KvTransferConfig.max_timeout_s:g})")
     p.add_argument("--shutdown-grace", type=float, default=WorkerConfig.shutdown_grace_s,
                    help=f"on SIGTERM/SIGINT: seconds the requests in flight get to finish, with health NOT_SERVING "
                         f"so routers send no new ones (default: {WorkerConfig.shutdown_grace_s:g})")
@@ -105,8 +108,11 @@ def main(role: WorkerRole, argv: list[str] | None = None) -> int:
         raise SystemExit(f"tandem {role.name}: tensor_parallel_size={ns.tensor_parallel_size}: a {role.name} worker "
                          "moves the KV blocks of one cache (rank 0's); run it with --tensor-parallel-size 1 (tensor "
                          "parallelism runs in the colocated router, `tandem up --colocated`, and the offline LLM)")
-    if role.core_kwargs is not None:
-        role = replace(role, make_core=partial(role.make_core, **role.core_kwargs(ns)))
+    if not 0 < ns.kv_transfer_timeout <= ns.max_kv_transfer_timeout:
+        parser.error(f"--kv-transfer-timeout={ns.kv_transfer_timeout:g}: must be > 0 and at most "
+                     f"--max-kv-transfer-timeout={ns.max_kv_transfer_timeout:g}")
+    kwargs = {"max_kv_timeout_s": ns.max_kv_transfer_timeout, **(role.core_kwargs(ns) if role.core_kwargs else {})}
+    role = replace(role, make_core=partial(role.make_core, **kwargs))
     logging.basicConfig(level=ns.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     from engine import LLMEngine
 

@@ -9,17 +9,26 @@ from __future__ import annotations
 import asyncio
 
 from protos.tandem.v1 import common_pb2
+from serving.config import KvTransferConfig
 from serving.engine_thread import EngineThread
 from serving.metrics import Metrics
+
+MAX_ID_CHARS = 256  # request ids and addresses from callers: logged, so bounded first
 
 
 class WorkerCore:
     role = ""  # "prefill" | "decode"
 
-    def __init__(self, engine, metrics: Metrics, default_kv_timeout_s: float):
+    def __init__(self, engine, metrics: Metrics, default_kv_timeout_s: float,
+                 max_kv_timeout_s: float = KvTransferConfig.max_timeout_s):
+        if not 0 < default_kv_timeout_s <= max_kv_timeout_s:
+            raise ValueError(f"kv_transfer_timeout={default_kv_timeout_s}: must be > 0 and <= the maximum, "
+                             f"{max_kv_timeout_s:g} s")
         self.engine = engine  # owned by the engine thread once start() ran; read-only constants below
         self.metrics = metrics
         self.default_kv_timeout_s = default_kv_timeout_s
+        self.max_kv_timeout_s = max_kv_timeout_s
+        self.vocab_size = engine.resolved.config.vocab_size
         self.model_name = engine.model_name
         self.max_model_len = engine.max_model_len
         self.block_size = engine.config.cache.block_size
@@ -47,6 +56,26 @@ class WorkerCore:
             num_used_blocks=st.num_used_blocks, num_total_blocks=st.num_total_blocks,
             kv_cache_usage=st.kv_cache_usage, block_size=self.block_size, max_model_len=self.max_model_len,
             num_tracked_requests=len(self._reqs))
+
+    # ---- checks of what a caller sends (another Tandem process is checked like a client) ---------------------
+    def check_request_id(self, request_id: str) -> None:
+        if not request_id:
+            raise ValueError("request_id: must not be empty")
+        if len(request_id) > MAX_ID_CHARS:
+            raise ValueError(f"request_id: {len(request_id)} characters, must be at most {MAX_ID_CHARS}")
+
+    def kv_timeout(self, requested_s: float | None) -> float:
+        """A request's KV transfer deadline in seconds: its own (at most max_kv_timeout_s), else the default."""
+        if not requested_s:
+            return self.default_kv_timeout_s
+        if requested_s > self.max_kv_timeout_s:
+            raise ValueError(f"kv_transfer_timeout_ms={requested_s * 1000:.0f}: must be at most "
+                             f"{self.max_kv_timeout_s * 1000:.0f} (this worker's --max-kv-transfer-timeout)")
+        return requested_s
+
+    def check_token(self, field: str, token_id: int) -> None:
+        if not 0 <= token_id < self.vocab_size:
+            raise ValueError(f"{field}={token_id}: outside the vocabulary [0, {self.vocab_size})")
 
     # ---- what a role fills in ---------------------------------------------------------------------------------
     def _waiting(self, stats) -> int:

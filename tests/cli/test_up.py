@@ -22,7 +22,7 @@ def commands(*argv: str) -> dict[str, list[str]]:
 def test_defaults_are_smollm2_on_cpu_one_prefill_one_decode():
     assert commands() == {
         "prefill-0": ["tandem", "prefill", "--host", "127.0.0.1", "--port", "50060", "--metrics-port", "9100",
-                      "--model", "smollm2", "--device", "cpu"],
+                      "--decode-allowlist", "127.0.0.1:50061", "--model", "smollm2", "--device", "cpu"],
         "decode-0": ["tandem", "decode", "--host", "127.0.0.1", "--port", "50061", "--metrics-port", "9101",
                      "--model", "smollm2", "--device", "cpu"],
         "router": ["tandem", "router", "--host", "127.0.0.1", "--grpc-port", "50051", "--http-port", "8000",
@@ -39,10 +39,12 @@ def test_counts_ports_and_engine_flags_carry_over():
     assert list(cmds) == ["prefill-0", "prefill-1", "decode-0", "decode-1", "decode-2", "router"]
     engine = ["--model", "random:tiny", "--served-model-name", "tiny", "--max-model-len", "512", "--block-size",
               "32", "--kv-cache-dtype", "fp8", "--no-enable-prefix-caching", "--device", "cuda"]
+    decode_addrs = "127.0.0.1:7102,127.0.0.1:7103,127.0.0.1:7104"
     for k, name in enumerate(list(cmds)[:-1]):
         assert cmds[name][:2] == ["tandem", name.split("-")[0]]
         assert cmds[name][2:8] == ["--host", "127.0.0.1", "--port", str(7100 + k), "--metrics-port", str(7200 + k)]
-        assert cmds[name][8:] == engine
+        allow = ["--decode-allowlist", decode_addrs] if name.startswith("prefill") else []
+        assert cmds[name][8:] == allow + engine
     assert cmds["router"] == ["tandem", "router", "--host", "127.0.0.1", "--grpc-port", "7000", "--http-port", "7001",
                               "--prefill", "127.0.0.1:7100,127.0.0.1:7101",
                               "--decode", "127.0.0.1:7102,127.0.0.1:7103,127.0.0.1:7104", "--policy", "least_loaded",

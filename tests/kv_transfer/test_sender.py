@@ -41,7 +41,9 @@ def path_bytes(role: str, path: str) -> float:
 def test_the_flag_and_its_validation(engines):
     assert build_parser().parse_args([]).kv_transfer == "auto"
     ns = build_parser().parse_args(["--kv-transfer", "grpc"])
-    assert ROLE.core_kwargs(ns) == {"kv_transfer": "grpc", "tls": None}
+    assert ROLE.core_kwargs(ns) == {"kv_transfer": "grpc", "tls": None, "decode_allowlist": None}
+    ns = build_parser().parse_args(["--decode-allowlist", "a:1, b:2"])
+    assert ROLE.core_kwargs(ns)["decode_allowlist"] == ["a:1", "b:2"]
     with pytest.raises(SystemExit):
         build_parser().parse_args(["--kv-transfer", "nvlink"])
     with pytest.raises(ValueError, match=r"^kv_transfer='ipc': CUDA IPC needs the KV cache on a CUDA device, this "
