@@ -29,12 +29,55 @@ from router.disaggregated import DisaggregatedBackend, RouterConfig
 from serving.hops import hop
 from serving.metrics import Metrics
 
-__all__ = ["GenerateDelta", "GenerateRequest", "NOT_READY", "RequestError", "RouterConfig", "RouterCore"]
+__all__ = ["GenerateDelta", "GenerateRequest", "NOT_READY", "RequestError", "RouterConfig", "RouterCore",
+           "RouterLimits"]
 
 log = logging.getLogger("tandem.router.core")
 
 NOT_READY = "no healthy prefill or decode instance"
 """Why a backend that is not ready refuses requests (HTTP /health gives the same reason)."""
+
+
+@dataclass(frozen=True)
+class RouterLimits:
+    """What one request may ask of the router, checked before any work (tokenizing included)."""
+    max_sub_requests: int = 256
+    """Completions one request may fan out into: its prompts times n."""
+    max_prompt_bytes: int = 4 << 20
+    """UTF-8 bytes of one text prompt (or chat) before it is tokenized."""
+
+    def __post_init__(self) -> None:
+        for name in ("max_sub_requests", "max_prompt_bytes"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name}={getattr(self, name)}: must be >= 1")
+
+
+# Text prompts longer than this are tokenized in a worker thread: the event loop serves /health and the other
+# requests meanwhile (a megabyte of text takes the tokenizer seconds). Shorter ones go inline: a thread hop costs
+# more than they take.
+_INLINE_TOKENIZE_CHARS = 16 << 10
+
+
+def check_text(field: str, text: str, max_bytes: int) -> None:
+    """RequestError unless text is valid Unicode (no lone UTF-16 surrogate) of at most max_bytes UTF-8 bytes."""
+    if len(text) > max_bytes:  # (a character is at least one byte)
+        raise RequestError("invalid_argument", field, f"{field}: {len(text)} characters, more than the "
+                                                      f"{max_bytes} bytes a prompt may have (--max-prompt-bytes)")
+    try:
+        size = len(text.encode("utf-8"))
+    except UnicodeEncodeError as e:
+        raise RequestError("invalid_argument", field, f"{field}: not valid text: a lone UTF-16 surrogate "
+                                                      f"({text[e.start]!r}) at character {e.start}") from None
+    if size > max_bytes:
+        raise RequestError("invalid_argument", field, f"{field}: {size} bytes, more than the {max_bytes} a "
+                                                      "prompt may have (--max-prompt-bytes)")
+
+
+async def tokenize_off_loop(tokenizer, text: str, **kwargs) -> list[int]:
+    """tokenizer(text).input_ids, in a worker thread when the text is long."""
+    if len(text) <= _INLINE_TOKENIZE_CHARS:
+        return list(tokenizer(text, **kwargs)["input_ids"])
+    return list((await asyncio.to_thread(tokenizer, text, **kwargs))["input_ids"])
 
 
 @dataclass
@@ -47,8 +90,9 @@ class GenerateRequest:
 
 
 class RouterCore:
-    def __init__(self, backend: Backend):
+    def __init__(self, backend: Backend, limits: RouterLimits = RouterLimits()):
         self.backend = backend
+        self.limits = limits
         self.tokenizer = backend.tokenizer
         self.served_name = backend.served_name
         self.max_model_len = backend.max_model_len
@@ -57,9 +101,9 @@ class RouterCore:
         self._running = 0
 
     @classmethod
-    async def create(cls, cfg: RouterConfig) -> "RouterCore":
+    async def create(cls, cfg: RouterConfig, limits: RouterLimits = RouterLimits()) -> "RouterCore":
         """A core over the prefill and decode instances of `cfg`, once their first health poll is back."""
-        core = cls(await DisaggregatedBackend.create(cfg))
+        core = cls(await DisaggregatedBackend.create(cfg), limits)
         await core.start()
         return core
 
@@ -75,11 +119,20 @@ class RouterCore:
     async def close(self) -> None:
         await self.backend.close()
 
-    async def tokenize(self, text: str) -> list[int]:
-        return list(self.tokenizer(text).input_ids)
+    async def tokenize(self, text: str, field: str = "text", **kwargs) -> list[int]:
+        check_text(field, text, self.limits.max_prompt_bytes)
+        return await tokenize_off_loop(self.tokenizer, text, **kwargs)
 
     # ---- validation -------------------------------------------------------------------------------------------
-    def _prompt_ids(self, req: GenerateRequest) -> list[int]:
+    def check_fan_out(self, num_prompts: int, n: int) -> None:
+        """RequestError when num_prompts x n completions exceed limits.max_sub_requests."""
+        total, limit = num_prompts * n, self.limits.max_sub_requests
+        if total > limit:
+            what = f"{num_prompts} prompts x n={n} = {total}" if num_prompts > 1 else f"n={n}"
+            raise RequestError("invalid_argument", "n", f"n: {what} completions, more than the {limit} one request "
+                                                        "may ask for (--max-sub-requests)")
+
+    async def _prompt_ids(self, req: GenerateRequest) -> list[int]:
         if req.model not in self.models():
             raise RequestError("not_found", "model",
                                f"model={req.model!r}: not served here; served: {', '.join(self.models())}")
@@ -88,7 +141,7 @@ class RouterCore:
         if req.prompt is not None:
             if not req.prompt:
                 raise RequestError("invalid_argument", "prompt", "prompt: must not be empty")
-            ids = list(self.tokenizer(req.prompt).input_ids)
+            ids = await self.tokenize(req.prompt, "prompt")
             field = "prompt"
         else:
             ids = list(req.prompt_token_ids)
@@ -112,7 +165,8 @@ class RouterCore:
     # ---- generation -------------------------------------------------------------------------------------------
     async def generate(self, req: GenerateRequest) -> AsyncIterator[GenerateDelta]:
         hop(req.request_id, "router.in")
-        prompt = self._prompt_ids(req)
+        self.check_fan_out(1, req.params.n)
+        prompt = await self._prompt_ids(req)
         hop(req.request_id, "router.tokenized")
         n = req.params.n
         if not self.ready():

@@ -25,6 +25,7 @@ from collections.abc import Awaitable, Iterable
 import anyio
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.requests import ClientDisconnect
 from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, Counter, generate_latest
 from pydantic import BaseModel, ValidationError
 
@@ -46,13 +47,39 @@ HTTP_REQUESTS = Counter("tandem:http_requests", "HTTP requests answered by the r
                         ["path", "status"])
 
 
+DEFAULT_MAX_REQUEST_BYTES = 16 << 20
+
+
+async def _read_body(request: Request, limit: int) -> bytes:
+    """The body, read only up to `limit` bytes: a larger one is 413 (a stated Content-Length before any is read);
+    a client that goes away meanwhile is ClientGone."""
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise APIError(413, f"the request body is {declared} bytes, more than the {limit} this server takes "
+                            "(--max-request-bytes)", None, "request_too_large")
+    chunks, size = [], 0
+    try:
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                raise APIError(413, f"the request body is more than the {limit} bytes this server takes "
+                                    "(--max-request-bytes)", None, "request_too_large")
+            chunks.append(chunk)
+    except ClientDisconnect:
+        raise ClientGone from None
+    return b"".join(chunks)
+
+
 async def _parse(request: Request, model: type[BaseModel]):
-    """The body as `model`; 400 for malformed JSON, a wrong type or an OpenAI feature this server lacks."""
-    raw = await request.body()
+    """The body as `model`; 400 for malformed JSON, a wrong type or an OpenAI feature this server lacks, 413 for a
+    body over the limit."""
+    raw = await _read_body(request, request.app.state.max_request_bytes)
     try:
         data = json.loads(raw)
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise APIError(400, f"malformed JSON in the request body: {e}", None, "invalid_json") from None
+    except RecursionError:
+        raise APIError(400, "malformed JSON in the request body: nested too deeply", None, "invalid_json") from None
     if not isinstance(data, dict):
         raise APIError(400, "the request body must be a JSON object", None, "invalid_json")
     try:
@@ -96,11 +123,13 @@ async def _unless_disconnected(request: Request, work: Awaitable):
 
 
 # ---------------------------------------------------------------------------------------------------- the app
-def create_app(core: RouterCore, api_key: ApiKey | None = None,
-               open_paths: Iterable[str] = DEFAULT_OPEN_PATHS) -> FastAPI:
-    """The app over `core`; with `api_key`, every path but `open_paths` needs `Authorization: Bearer <key>`."""
+def create_app(core: RouterCore, api_key: ApiKey | None = None, open_paths: Iterable[str] = DEFAULT_OPEN_PATHS,
+               max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES) -> FastAPI:
+    """The app over `core`; with `api_key`, every path but `open_paths` needs `Authorization: Bearer <key>`; bodies
+    over max_request_bytes are refused (413) before they are parsed."""
     app = FastAPI(title="Tandem router", summary="OpenAI-compatible API over disaggregated prefill and decode",
                   docs_url=None, redoc_url=None)
+    app.state.max_request_bytes = max_request_bytes
     if api_key is not None:
         app.add_middleware(ApiKeyMiddleware, api_key=api_key, open_paths=open_paths)
     app.add_middleware(_CountRequests)  # (the outer one: refusals are counted too)
@@ -122,6 +151,7 @@ def create_app(core: RouterCore, api_key: ApiKey | None = None,
         return JSONResponse(as_api_error(e).body(), status_code=500)
 
     async def serve(request: Request, endpoint: Endpoint) -> Response:
+        core.check_fan_out(len(endpoint.requests), endpoint.requests[0].params.n if endpoint.requests else 1)
         streams = await _unless_disconnected(request, Streams.open(core, endpoint.requests))
         if endpoint.stream:
             return StreamingResponse(stream(streams, endpoint), media_type=endpoint.media_type)
@@ -157,9 +187,9 @@ def create_app(core: RouterCore, api_key: ApiKey | None = None,
         if body.messages is not None:
             if not body.messages:
                 raise APIError(400, "messages: must not be empty", "messages", "invalid_value")
-            ids = chat_prompt_ids(tokenizer, body)
+            ids = await chat_prompt_ids(core, body)
         else:
-            ids = tokenizer(body.prompt, add_special_tokens=body.add_special_tokens)["input_ids"]
+            ids = await core.tokenize(body.prompt, "prompt", add_special_tokens=body.add_special_tokens)
         return TokenizeResponse(count=len(ids), max_model_len=core.max_model_len, tokens=list(ids))
 
     @app.post("/detokenize")
@@ -181,7 +211,8 @@ def create_app(core: RouterCore, api_key: ApiKey | None = None,
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
         t_in = time.monotonic_ns()
-        return await serve(request, ChatCompletions(core, await _parse(request, ChatCompletionRequest), t_in))
+        return await serve(request, await ChatCompletions.create(core, await _parse(request, ChatCompletionRequest),
+                                                                 t_in))
 
     @app.post("/generate")
     async def generate(request: Request) -> Response:

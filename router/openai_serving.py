@@ -88,15 +88,17 @@ def check_model(core: RouterCore, name: str | None) -> str:
     return name
 
 
-def chat_prompt_ids(tokenizer, body) -> list[int]:
-    """A chat's messages (ChatCompletionRequest, TokenizeRequest) as the prompt token ids the model runs."""
+async def chat_prompt_ids(core: RouterCore, body) -> list[int]:
+    """A chat's messages (ChatCompletionRequest, TokenizeRequest) as the prompt token ids the model runs (checked
+    and tokenized by the core: off the event loop when long)."""
+    tokenizer = core.tokenizer
     messages = [{"role": m.role, "content": m.text()} for m in body.messages]
     if getattr(tokenizer, "chat_template", None):
         text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=body.add_generation_prompt)
     else:  # a model without a template (random test models): a plain transcript
         text = "".join(f"{m['role']}: {m['content']}\n" for m in messages)
         text += "assistant:" if body.add_generation_prompt else ""
-    return tokenizer(text, add_special_tokens=False)["input_ids"]
+    return await core.tokenize(text, "messages", add_special_tokens=False)
 
 
 def _sampling_params(body: SamplingRequest, *, max_tokens: int | None, logprobs: int | None):
@@ -359,12 +361,17 @@ class Completions(_SSEEndpoint):
 class ChatCompletions(_SSEEndpoint):
     """`POST /v1/chat/completions`: one prompt (the rendered messages), n choices."""
 
-    def __init__(self, core: RouterCore, body: ChatCompletionRequest, t_in: int):
+    @classmethod
+    async def create(cls, core: RouterCore, body: ChatCompletionRequest, t_in: int) -> "ChatCompletions":
+        check_model(core, body.model)
+        return cls(core, body, t_in, await chat_prompt_ids(core, body))
+
+    def __init__(self, core: RouterCore, body: ChatCompletionRequest, t_in: int, prompt_ids: list[int]):
+        """prompt_ids: `await chat_prompt_ids(core, body)` (see `create`)."""
         self.body, self.tokenizer = body, core.tokenizer
         self.model = check_model(core, body.model)
         if body.top_logprobs is not None and not body.logprobs:
             raise APIError(400, "top_logprobs: needs logprobs=true", "top_logprobs", "invalid_value")
-        prompt_ids = chat_prompt_ids(self.tokenizer, body)
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         if max_tokens is None:  # as vLLM: the rest of the context (the core rejects a prompt that fills it)
             max_tokens = max(1, core.max_model_len - len(prompt_ids))

@@ -29,7 +29,8 @@ import uvicorn
 import uvloop
 
 from engine.args import EngineArgs, add_engine_args
-from router.core import RouterConfig
+from router.core import RouterConfig, RouterLimits
+from router.http import DEFAULT_MAX_REQUEST_BYTES
 from router.instances import POLICIES
 from serving.auth import DEFAULT_OPEN_PATHS, ENV_API_KEY, ApiKey
 from serving.tls import TlsConfig, add_tls_args
@@ -63,6 +64,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--shutdown-grace", type=float, default=5.0,
                    help="seconds open requests get to finish on SIGTERM (default: 5)")
     p.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
+    p.add_argument("--max-request-bytes", type=int, default=DEFAULT_MAX_REQUEST_BYTES,
+                   help=f"HTTP request bodies larger than this are refused, 413 (default: {DEFAULT_MAX_REQUEST_BYTES})")
+    p.add_argument("--max-prompt-bytes", type=int, default=RouterLimits.max_prompt_bytes,
+                   help="text prompts (or chats) longer than this, in UTF-8 bytes, are refused before they are "
+                        f"tokenized (default: {RouterLimits.max_prompt_bytes})")
+    p.add_argument("--max-sub-requests", type=int, default=RouterLimits.max_sub_requests,
+                   help="completions one request may ask for, its prompts times n "
+                        f"(default: {RouterLimits.max_sub_requests})")
     add_tls_args(p)
     p.add_argument("--api-key", default=None,
                    help=f"require 'Authorization: Bearer <key>' on the HTTP API and 'authorization' metadata on the "
@@ -125,17 +134,18 @@ async def serve(ns: argparse.Namespace, prefill: list[str], decode: list[str], t
     from router.grpc_server import start_grpc_server
     from router.http import create_app
 
+    limits = RouterLimits(max_sub_requests=ns.max_sub_requests, max_prompt_bytes=ns.max_prompt_bytes)
     http_sock = _bind(ns.host, ns.http_port)
     try:
         if ns.colocated:
             from router.colocated import ColocatedBackend
 
-            core = RouterCore(await ColocatedBackend.from_engine_args(EngineArgs.from_cli_args(ns)))
+            core = RouterCore(await ColocatedBackend.from_engine_args(EngineArgs.from_cli_args(ns)), limits)
             await core.start()
         else:
             core = await RouterCore.create(RouterConfig(
                 prefill_addrs=prefill, decode_addrs=decode, policy=ns.policy, model=ns.model,
-                served_model_name=ns.served_model_name, max_model_len=ns.max_model_len, tls=tls))
+                served_model_name=ns.served_model_name, max_model_len=ns.max_model_len, tls=tls), limits)
     except BaseException:
         http_sock.close()
         raise
@@ -144,7 +154,7 @@ async def serve(ns: argparse.Namespace, prefill: list[str], decode: list[str], t
         open_paths = [p.strip() for p in ns.api_key_open_paths.split(",") if p.strip()]
         # TLS on the public HTTP API with the process's certificate; clients are not asked for one.
         ssl = {} if tls is None else {"ssl_certfile": tls.cert, "ssl_keyfile": tls.key}
-        http = _Uvicorn(uvicorn.Config(create_app(core, api_key, open_paths), lifespan="off", log_level=ns.log_level,
+        http = _Uvicorn(uvicorn.Config(create_app(core, api_key, open_paths, ns.max_request_bytes), lifespan="off", log_level=ns.log_level,
                                        timeout_graceful_shutdown=ns.shutdown_grace, access_log=False, **ssl))
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
