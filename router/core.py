@@ -36,6 +36,7 @@ log = logging.getLogger("tandem.router.core")
 
 NOT_READY = "no healthy prefill or decode instance"
 """Why a backend that is not ready refuses requests (HTTP /health gives the same reason)."""
+SHUTTING_DOWN = "the router is shutting down; send the request to another router"
 
 
 @dataclass(frozen=True)
@@ -99,6 +100,8 @@ class RouterCore:
         self.vocab_size = backend.vocab_size
         self.metrics = Metrics(self.served_name, "router")
         self._running = 0
+        self._queues: set[asyncio.Queue] = set()  # one per request in flight: drain() ends them through it
+        self.draining = False
 
     @classmethod
     async def create(cls, cfg: RouterConfig, limits: RouterLimits = RouterLimits()) -> "RouterCore":
@@ -114,10 +117,26 @@ class RouterCore:
         return [self.served_name]
 
     def ready(self) -> bool:
-        return self.backend.ready()
+        return not self.draining and self.backend.ready()
 
     async def close(self) -> None:
         await self.backend.close()
+
+    async def drain(self, grace_s: float, poll_s: float = 0.05) -> None:
+        """Stops taking requests (they are refused "unavailable", health says not ready), lets the ones in flight
+        finish for up to grace_s, then ends each with an "unavailable" error: an HTTP stream then closes with an
+        error event and [DONE], a gRPC call with UNAVAILABLE, never a cut-off body."""
+        self.draining = True
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + grace_s
+        if self._running:
+            log.info("draining: %d request(s) in flight, up to %.0f s", self._running, grace_s)
+        while self._running and loop.time() < deadline:
+            await asyncio.sleep(poll_s)
+        if self._running:
+            log.warning("drain: %d request(s) still in flight after %.0f s: ending them", self._running, grace_s)
+            for queue in list(self._queues):
+                queue.put_nowait(RequestError("unavailable", None, SHUTTING_DOWN))
 
     async def tokenize(self, text: str, field: str = "text", **kwargs) -> list[int]:
         check_text(field, text, self.limits.max_prompt_bytes)
@@ -169,6 +188,8 @@ class RouterCore:
         prompt = await self._prompt_ids(req)
         hop(req.request_id, "router.tokenized")
         n = req.params.n
+        if self.draining:
+            raise RequestError("unavailable", None, SHUTTING_DOWN)
         if not self.ready():
             raise RequestError("unavailable", None, NOT_READY)
         t0 = time.monotonic()
@@ -180,6 +201,7 @@ class RouterCore:
             sub_id = req.request_id if n == 1 else f"{req.request_id}-{i}"
             subs.append(asyncio.create_task(self._run_one(sub_id, i, prompt, params, queue)))
         self._running += 1
+        self._queues.add(queue)
         self.metrics.num_requests_running.set(self._running)
         self.metrics.prompt_tokens.inc(len(prompt))
         first = True
@@ -210,6 +232,7 @@ class RouterCore:
             for t in subs:
                 t.cancel()
             await asyncio.gather(*subs, return_exceptions=True)
+            self._queues.discard(queue)
             self._running -= 1
             self.metrics.num_requests_running.set(self._running)
 

@@ -29,7 +29,7 @@ from starlette.requests import ClientDisconnect
 from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, Counter, generate_latest
 from pydantic import BaseModel, ValidationError
 
-from router.core import NOT_READY, RequestError, RouterCore
+from router.core import NOT_READY, SHUTTING_DOWN, RequestError, RouterCore
 from router.openai_protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, DetokenizeResponse,
                                     ModelCard, ModelList, SimpleGenerateRequest, TokenizeRequest, TokenizeResponse)
 from router.openai_serving import (APIError, ChatCompletions, Completions, Endpoint, SimpleGenerate, Streams,
@@ -163,7 +163,7 @@ def create_app(core: RouterCore, api_key: ApiKey | None = None, open_paths: Iter
     async def health() -> Response:
         if core.ready():
             return JSONResponse({"status": "ok"})
-        return JSONResponse({"status": "unavailable", "reason": NOT_READY},
+        return JSONResponse({"status": "unavailable", "reason": SHUTTING_DOWN if core.draining else NOT_READY},
                             status_code=503)
 
     @app.get("/metrics")

@@ -6,8 +6,11 @@ single RouterCore.
 3. `RouterCore.create` connects to the instances and starts polling their health (router/disaggregated.py);
    `/health` turns 200 once at least one prefill and one decode instance answer.
 4. The gRPC server (router/grpc_server.py) and uvicorn (router/http.py's app) run side by side in this loop.
-5. SIGTERM or SIGINT: uvicorn stops accepting and finishes open responses (at most --shutdown-grace seconds), the
-   gRPC server drains with the same grace, then the core closes its channels. Exit status 0.
+5. SIGTERM or SIGINT: the core drains (`RouterCore.drain`): health turns 503 and new requests are refused at once,
+   the ones in flight get --shutdown-grace seconds to finish, then each ends with an error event and [DONE] (HTTP) or
+   UNAVAILABLE (gRPC), never a cut-off body. The gRPC server stops accepting at once; HTTP keeps answering (503 with
+   the reason) until the drain is over, then uvicorn waits for those last events; the core closes its channels.
+   Exit status 0.
 
 With --colocated there are no instances: the core runs over one engine of its own for both phases
 (router/colocated.py), taking every engine flag (--dtype, --device, --kv-cache-memory, ...); without it, only the
@@ -33,9 +36,13 @@ from router.core import RouterConfig, RouterLimits
 from router.http import DEFAULT_MAX_REQUEST_BYTES
 from router.instances import POLICIES
 from serving.auth import DEFAULT_OPEN_PATHS, ENV_API_KEY, ApiKey
+from serving.config import WorkerConfig
 from serving.tls import TlsConfig, add_tls_args
 
 log = logging.getLogger("tandem.router")
+
+# What uvicorn and the gRPC server wait beyond the drain, for the ended requests' last events to go out.
+_CLOSE_MARGIN_S = 2.0
 
 ENV_PREFILL = "TANDEM_PREFILL_ADDRS"
 ENV_DECODE = "TANDEM_DECODE_ADDRS"
@@ -61,8 +68,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--colocated", action="store_true",
                    help="no instances: run one engine in this process for prefill and decode alike (the "
                         "non-disaggregated baseline); every engine flag below then applies")
-    p.add_argument("--shutdown-grace", type=float, default=5.0,
-                   help="seconds open requests get to finish on SIGTERM (default: 5)")
+    p.add_argument("--shutdown-grace", type=float, default=WorkerConfig.shutdown_grace_s,
+                   help="on SIGTERM/SIGINT: seconds open requests get to finish (new ones are refused and health "
+                        "turns 503 at once); then each ends with an error event or status (default: "
+                        f"{WorkerConfig.shutdown_grace_s:g}, as the workers')")
     p.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
     p.add_argument("--max-request-bytes", type=int, default=DEFAULT_MAX_REQUEST_BYTES,
                    help=f"HTTP request bodies larger than this are refused, 413 (default: {DEFAULT_MAX_REQUEST_BYTES})")
@@ -154,8 +163,11 @@ async def serve(ns: argparse.Namespace, prefill: list[str], decode: list[str], t
         open_paths = [p.strip() for p in ns.api_key_open_paths.split(",") if p.strip()]
         # TLS on the public HTTP API with the process's certificate; clients are not asked for one.
         ssl = {} if tls is None else {"ssl_certfile": tls.cert, "ssl_keyfile": tls.key}
-        http = _Uvicorn(uvicorn.Config(create_app(core, api_key, open_paths, ns.max_request_bytes), lifespan="off", log_level=ns.log_level,
-                                       timeout_graceful_shutdown=ns.shutdown_grace, access_log=False, **ssl))
+        # uvicorn and the gRPC server wait a little longer than the core's drain: it ends what is left itself, with
+        # an error event or status, before they would cut a response off.
+        app = create_app(core, api_key, open_paths, ns.max_request_bytes)
+        http = _Uvicorn(uvicorn.Config(app, lifespan="off", log_level=ns.log_level, access_log=False,
+                                       timeout_graceful_shutdown=ns.shutdown_grace + _CLOSE_MARGIN_S, **ssl))
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
@@ -169,8 +181,12 @@ async def serve(ns: argparse.Namespace, prefill: list[str], decode: list[str], t
         stop_task = asyncio.create_task(stop.wait())
         await asyncio.wait({http_task, stop_task}, return_when=asyncio.FIRST_COMPLETED)
         log.info("router: shutting down")
+        grpc_stopped = asyncio.create_task(grpc_server.stop(ns.shutdown_grace + _CLOSE_MARGIN_S))
+        # HTTP keeps accepting while the core drains: probes and late clients get a 503 that says why, not a
+        # refused connection; then uvicorn closes and waits for the ended streams' last events.
+        await core.drain(ns.shutdown_grace)
         http.should_exit = True
-        await asyncio.gather(http_task, grpc_server.stop(ns.shutdown_grace), return_exceptions=True)
+        await asyncio.gather(http_task, grpc_stopped, return_exceptions=True)
         stop_task.cancel()
     finally:
         await core.close()
