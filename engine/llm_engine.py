@@ -25,6 +25,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.args import EngineArgs
+from engine.collectives import WorkerError
 from engine.config import EngineConfig
 from engine.kv_cache_manager import KVCacheManager
 from engine.loader import load_tokenizer, resolve_model
@@ -33,7 +34,7 @@ from engine.quant import Fp8Linear
 from engine.request import FINISH_REASONS, FINISHED, Request, RequestStatus
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
-from engine.tp_worker import WorkerError
+from engine.tp_executor import TPDriver
 
 log = logging.getLogger(__name__)
 
@@ -155,11 +156,15 @@ class LLMEngine:
         self.max_model_len = max_model_len
         eos = self._eos_token_ids()
         self.eos_token_ids = eos
-        self.runner = ModelRunner(config, resolved, eos)
+        # With tensor parallelism the driver spawns the workers first: they build their shards while the runner
+        # builds rank 0's, and the runner sends each step through it.
+        self.driver = TPDriver(config, resolved, eos) if config.parallel.tensor_parallel_size > 1 else None
+        self.runner = None  # (until built: a failed build leaves no graphs to release)
         try:
+            self.runner = ModelRunner(config, resolved, eos, link=self.driver)
             self._start(config, decode_graphs)
         except BaseException:
-            self.runner.shutdown(graceful=False)
+            self._shutdown(graceful=False)
             raise
 
     def _start(self, config: EngineConfig, decode_graphs: bool) -> None:
@@ -198,7 +203,15 @@ class LLMEngine:
 
     def close(self) -> None:
         """Stops the tensor-parallel workers, if any (also done at interpreter exit); no step runs afterwards."""
-        self.runner.shutdown()
+        self._shutdown()
+
+    def _shutdown(self, graceful: bool = True) -> None:
+        """graceful=False: the workers are killed (they may be inside a collective rank 0 will never join)."""
+        if self.driver is None:
+            return
+        if self.runner is not None:  # NCCL will not destroy a communicator that a live CUDA graph captured
+            self.runner.release_cuda_graphs()
+        self.driver.shutdown(graceful)
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs, decode_graphs: bool = True) -> "LLMEngine":

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from engine.collectives import min_over_ranks, share_tokens
 from engine.config import EngineConfig, parse_dtype
 from engine.loader import ResolvedModel, build_model
 from engine.model import AttentionMetadata, LayerKV
@@ -47,7 +48,7 @@ EAGER, DECODE_GRAPH, PREFILL_GRAPH = 0, 1, 2
 @dataclass
 class StepInputs:
     """One step's inputs on the host, packed into two buffers: what every tensor-parallel rank needs to run the same
-    forward (engine/tp_worker.py sends it to the workers as it is)."""
+    forward (engine/tp_executor.py sends it to the workers as it is)."""
     i64: np.ndarray  # input_ids, positions, slots [num_tokens] each, logits rows [num_sampled], fill dst/src [num_fill]
     i32: np.ndarray  # seq_lens [num_seqs], query_start_loc [num_seqs + 1], block tables [num_seqs * max_blocks]
     num_tokens: int
@@ -80,33 +81,18 @@ def _offsets(lengths, dtype) -> tuple[list[int], int]:
 class ModelRunner:
     def __init__(self, config: EngineConfig, resolved: ResolvedModel, eos_token_id: int | None, rank: int = 0,
                  link=None):
-        """rank > 0: a tensor-parallel worker's runner (engine/tp_worker.py), `link` its line to rank 0. On rank 0
-        with tensor_parallel_size > 1 the runner spawns the workers first (they build their shards meanwhile) and
-        keeps them in self.driver."""
+        """With tensor_parallel_size > 1 every rank's runner gets a `link`, which join_group()s the process group
+        once this rank has built its shard: on rank 0 the engine's TPDriver (engine/tp_executor.py), spawned before
+        this runner builds so that the workers build their shards meanwhile, and kept in self.driver to send each
+        step; on rank r > 0 the worker's line to rank 0 (engine/tp_worker.py)."""
         self.config = config
         self.rank, self.tp_size = rank, config.parallel.tensor_parallel_size
-        base = self.device = config.device.torch_device  # rank r runs on the base device's index + r
-        if self.device.type == "cuda":
-            if self.device.index is None:
-                base = torch.device("cuda", torch.cuda.current_device())
-            self.device = torch.device("cuda", base.index + rank)
-            use_device(self.device)
-        hf_config = resolved.config
-        self.driver = None
+        assert (link is not None) == (self.tp_size > 1), (self.tp_size, link)
+        self.device = rank_device(config, rank)
+        use_device(self.device)
+        self.driver = link if rank == 0 else None
         self.share_sampled_tokens = False  # the engine's async scheduling: workers then receive each step's tokens
-        if self.tp_size > 1:
-            from engine.tp import check_tensor_parallel
-
-            check_tensor_parallel(hf_config, self.tp_size, base)
-            if rank == 0:
-                from engine.tp_worker import TPDriver
-
-                self.driver = link = TPDriver(config, resolved, eos_token_id, self.device)
-        try:
-            self._build(config, resolved, eos_token_id, link)
-        except BaseException:
-            self.shutdown(graceful=False)
-            raise
+        self._build(config, resolved, eos_token_id, link)
 
     def _build(self, config: EngineConfig, resolved: ResolvedModel, eos_token_id: int | None, link) -> None:
         hf_config = resolved.config
@@ -131,8 +117,6 @@ class ModelRunner:
             link.join_group(self.device)
         self.num_blocks = self._num_blocks()
         if self.tp_size > 1:  # block ids mean the same on every rank
-            from engine.tp_worker import min_over_ranks
-
             self.num_blocks = min_over_ranks(self.num_blocks, self.device)
         # [num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim]: one block's bytes for all layers together.
         # Unwritten slots are never read as valid: attention masks (and on the CPU clears) everything past seq_lens.
@@ -147,13 +131,6 @@ class ModelRunner:
         self.prefill_graphs = None
         self.kv_layers = [LayerKV(self.kv_cache[:, l, 0], self.kv_cache[:, l, 1], self.k_scales[l], self.v_scales[l])
                           for l in range(self.num_layers)]
-
-    def shutdown(self, graceful: bool = True) -> None:
-        """Stops the tensor-parallel workers (a no-op without them); the runner runs no step afterwards.
-        graceful=False: kill them (they may be inside a collective rank 0 will never join)."""
-        if self.driver is not None:
-            self.release_cuda_graphs()
-            self.driver.shutdown(graceful)
 
     def release_cuda_graphs(self) -> None:
         """Destroys the captured CUDA graphs. Before a tensor-parallel group is torn down: NCCL (>= 2.26) will not
@@ -344,7 +321,7 @@ class ModelRunner:
                 prev: "StepHandle | None" = None) -> "StepHandle":
         """Launches the step and returns without waiting for the device: the handle reads the sampled tokens.
         With tensor parallelism the step goes to the workers first; a failure after that breaks the group
-        (engine/tp_worker.WorkerError)."""
+        (engine/collectives.WorkerError)."""
         step = self.step_inputs(sched, block_tables, prev)
         path = self.step_path(step)
         if self.driver is None:
@@ -380,8 +357,6 @@ class ModelRunner:
             return StepHandle([], None, done)
         sample = self.sampler.sample(logits.float(), sampled)
         if share:  # the workers' next inputs may be these tokens (engine/tp_worker.py)
-            from engine.tp_worker import share_tokens
-
             share_tokens(sample.token_ids)
         return StepHandle(sampled, sample)
 
@@ -433,6 +408,16 @@ class ModelRunner:
                    for a in layer] for layer in amax]
         log.info("fp8 KV scales (K, V) per layer: %s", [(round(k, 4), round(v, 4)) for k, v in scales])
         return [k for k, _ in scales], [v for _, v in scales]
+
+
+def rank_device(config: EngineConfig, rank: int) -> torch.device:
+    """Tensor-parallel rank `rank`'s device: cuda:(base + rank), base being the configured index or else the
+    current device; the CPU for every rank otherwise."""
+    device = config.device.torch_device
+    if device.type != "cuda":
+        return device
+    base = device.index if device.index is not None else torch.cuda.current_device()
+    return torch.device("cuda", base + rank)
 
 
 def use_device(device: torch.device) -> None:
