@@ -67,12 +67,15 @@ class TPDriver:
             self.conns.append(ours)
             self.procs.append(p)
 
-    def _describe_dead(self, timeout: float) -> str:
-        """The workers that exited (waiting up to `timeout` for one to), reaped, with the error each sent."""
-        wait([p.sentinel for p in self.procs], timeout)
+    def _reap_dead(self, timeout: float) -> str:
+        """The workers that died (waiting up to `timeout` for one to), reaped, with their exit codes and the error
+        each sent. A worker is dead once its sentinel is ready (its end of the pipe closes as the process exits),
+        and is then joined, not polled: a process whose files are closed (rank 0 may have seen its sockets close)
+        can still be tearing down, and is_alive() says True until waitpid has its exit code."""
+        ready = wait([p.sentinel for p in self.procs], timeout)
         dead = []
         for rank, (p, conn) in enumerate(zip(self.procs, self.conns), 1):
-            if p.is_alive():
+            if p.sentinel not in ready:
                 continue
             p.join()
             why = ""
@@ -124,9 +127,11 @@ class TPDriver:
         self._send(encode_call(name, args))
 
     def fail(self, what: str) -> WorkerError:
-        """Marks the group broken, kills and reaps the workers; returns the error to raise."""
+        """Marks the group broken, kills and reaps the workers; returns the error to raise. A worker that died
+        is named with its exit code however rank 0 noticed it first (a closed socket, an error inside a collective,
+        a failed build)."""
         if self.broken is None:
-            dead = self._describe_dead(timeout=2.0)
+            dead = self._reap_dead(timeout=2.0)
             self.broken = f"tensor-parallel group broken: {what}" + (f"; worker {dead}" if dead else "")
             log.error("%s", self.broken)
             self.shutdown(graceful=False)

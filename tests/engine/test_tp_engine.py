@@ -6,7 +6,6 @@ from __future__ import annotations
 import argparse
 import os
 import signal
-import time
 from pathlib import Path
 
 import pytest
@@ -88,11 +87,11 @@ def test_close_ends_the_workers_and_a_killed_worker_raises(tiny_llama_dir):
     for _ in range(3):
         eng.step()
     os.kill(proc.pid, signal.SIGKILL)
-    t0 = time.monotonic()
-    with pytest.raises(WorkerError, match=r"rank 1 \(pid \d+\) exited with code -9"):
-        while time.monotonic() - t0 < 60:
-            eng.step()
-    assert time.monotonic() - t0 < 30
+    # The next step needs rank 1 in its all-reduces, so it fails; however rank 0 notices first (its message to a
+    # closed socket, or gloo's read error inside the forward), the error names the dead rank and its exit code.
+    dead = r"^tensor-parallel group broken: .+; worker rank 1 \(pid \d+\) exited with code -9$"
+    with pytest.raises(WorkerError, match=dead):
+        eng.step()
     assert proc.exitcode == -9 and not _zombie(proc.pid)
     with pytest.raises(WorkerError, match="tensor-parallel group broken"):
         eng.step()
