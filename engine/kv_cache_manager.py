@@ -14,12 +14,13 @@ from collections.abc import Sequence
 import numpy as np
 
 from engine.block_pool import BlockHash, BlockPool, hash_block_tokens
+from engine.config import CacheConfig
 from engine.request import Request
 from engine.utils import cdiv
 
 
 class KVCacheManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True):
+    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = CacheConfig.enable_prefix_caching):
         self.block_size = block_size
         self.enable_caching = enable_caching
         self.pool = BlockPool(num_blocks, enable_caching)
