@@ -23,6 +23,7 @@ import time
 import torch
 
 from engine.model import AttentionMetadata
+from engine.utils import cdiv
 
 log = logging.getLogger(__name__)
 
@@ -66,7 +67,7 @@ class DecodeGraphs:
         self.max_model_len = max_model_len
         dev = runner.device
         B = self.max_batch
-        max_blocks = -(-max_model_len // runner.block_size)
+        max_blocks = cdiv(max_model_len, runner.block_size)
         self.input_ids = torch.zeros(B, dtype=torch.int64, device=dev)
         self.positions = torch.zeros(B, dtype=torch.int64, device=dev)
         self.slot_mapping = torch.full((B,), -1, dtype=torch.int64, device=dev)
@@ -114,7 +115,7 @@ class PrefillGraphs:
                  capture: bool = True):
         self.runner = runner
         bs = runner.block_size
-        max_blocks = -(-max_model_len // bs)
+        max_blocks = cdiv(max_model_len, bs)
         # The padding sequence holds up to T tokens: its blocks must fit a block-table row.
         limit = min(max_tokens, max_blocks * bs)
         self.token_sizes = [t for t in PREFILL_TOKEN_SIZES if t < limit] + [limit] if limit >= 1 else []

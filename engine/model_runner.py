@@ -21,6 +21,7 @@ from engine.model import AttentionMetadata, LayerKV
 from engine.request import Request
 from engine.sampler import DeviceSample, Sampler, SamplerOutput, to_device_nowait
 from engine.scheduler import SchedulerOutput
+from engine.utils import cdiv
 
 log = logging.getLogger(__name__)
 
@@ -74,7 +75,7 @@ def _offsets(lengths, dtype) -> tuple[list[int], int]:
     offsets, total = [], 0
     for n in lengths:
         offsets.append(total)
-        total += -(-n // align) * align
+        total += cdiv(n, align) * align
     return offsets, max(total, 1)
 
 
@@ -391,7 +392,7 @@ class ModelRunner:
         n, bs, dev = len(token_ids), self.block_size, self.device
         if n < 1:
             raise ValueError("token_ids: empty, the calibration needs at least one token")
-        nb = -(-n // bs)
+        nb = cdiv(n, bs)
         cache = torch.zeros(nb, self.num_layers, 2, bs, self.num_kv_heads, self.head_dim, dtype=self.dtype,
                             device=dev)
         layers = [LayerKV(cache[:, l, 0], cache[:, l, 1]) for l in range(self.num_layers)]

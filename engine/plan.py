@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from transformers import PretrainedConfig
 
 from engine.config import FUSED_LINEARS, CacheConfig, ModelConfig
+from engine.utils import cdiv
 
 _DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
 _DTYPE_ALIASES = {"fp32": "float32", "float": "float32", "half": "float16", "fp16": "float16", "bf16": "bfloat16"}
@@ -223,7 +224,7 @@ def plan(
         head_dim=hd, kv_bytes_per_token=kv_per_token, memory_bytes=memory_bytes,
         gpu_memory_utilization=gpu_memory_utilization, kv_memory_bytes=kv_memory, block_size=block_size,
         num_blocks=num_blocks, max_kv_tokens=num_blocks * block_size, max_model_len=max_model_len,
-        max_num_seqs_at_max_len=num_blocks // math.ceil(max_model_len / block_size), quantization=quantization,
+        max_num_seqs_at_max_len=num_blocks // cdiv(max_model_len, block_size), quantization=quantization,
     )
 
 

@@ -39,7 +39,7 @@ def gather_kv_ref(
     """Reads each sequence's first max_seq_len cached tokens through its block table (dequantized)."""
     num_seqs = block_tables.shape[0]
     block_size = cache.shape[1]
-    num_blocks_needed = (max_seq_len + block_size - 1) // block_size
+    num_blocks_needed = triton.cdiv(max_seq_len, block_size)
     ids = block_tables[:, :num_blocks_needed].long()
     out = cache[ids]  # [num_seqs, nb, block_size, Hkv, D]
     out = out.reshape(num_seqs, num_blocks_needed * block_size, *cache.shape[2:])[:, :max_seq_len]
