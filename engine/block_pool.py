@@ -95,6 +95,3 @@ class BlockPool:
                 del self.cached[h]
             self.block_hash[block_id] = None
 
-    def reset_prefix_cache(self) -> None:
-        for b in list(self.free_queue):
-            self._evict(b)

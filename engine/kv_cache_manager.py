@@ -160,6 +160,3 @@ class KVCacheManager:
         # Keep the hashes of a preempted request: its tokens did not change.
         if request.is_finished:
             self.req_to_hashes.pop(rid, None)
-
-    def reset_stats(self) -> None:
-        self.prefix_queries = self.prefix_hits = 0

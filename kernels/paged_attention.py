@@ -145,24 +145,6 @@ def paged_attention_torch(
     return out.transpose(1, 2)[seq_idx, pos_in_q]  # [T, H, D]
 
 
-def paged_decode_attention_ref(
-    q: torch.Tensor,  # [num_seqs, num_heads, head_dim], one query per sequence
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    block_tables: torch.Tensor,
-    seq_lens: torch.Tensor,
-    max_seq_len: int,
-    scale: float,
-    k_scale: float = 1.0,
-    v_scale: float = 1.0,
-) -> torch.Tensor:  # [num_seqs, num_heads, head_dim]
-    """The decode case: each sequence's single query attends to all of its seq_lens[i] cached tokens."""
-    num_seqs = q.shape[0]
-    qsl = torch.arange(num_seqs + 1, device=q.device, dtype=torch.int32)
-    return paged_attention_ref(q, k_cache, v_cache, block_tables, seq_lens, qsl, 1, max_seq_len, scale,
-                               k_scale, v_scale)
-
-
 # ----------------------------------------------------------------------------------------------------------------
 # Triton
 

@@ -14,7 +14,7 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from engine import loader
-from engine.loader import ResolvedModel, load_tokenizer, load_weights, resolve_model, supported_architectures
+from engine.loader import ResolvedModel, load_tokenizer, load_weights, resolve_model
 
 PROMPT_IDS = torch.tensor([[1, 7, 300, 42, 256, 99, 511, 3, 8, 200, 17, 64]])
 
@@ -44,10 +44,6 @@ def _copy_dir_with(tmp_path: Path, src: Path, tensors: dict[str, torch.Tensor]) 
 
 
 # --- resolve_model -----------------------------------------------------------------------------------------------
-
-
-def test_supported_architectures():
-    assert supported_architectures() == ["LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM"]
 
 
 def test_resolve_random_preset():
