@@ -10,8 +10,8 @@ per (padded token count, sequence rows). The attention kernel maps its programs 
 query_start_loc), so a graph captured for T tokens and S rows runs any step of at most T tokens and S - 1
 sequences: the step's tokens fill the first rows, the rest of the T tokens form one padding sequence (no KV
 written, output dropped), and the remaining rows are empty sequences (no queries: their programs return at once).
-A 512-token prefill of a 7B model is ~11 ms of kernels on the H200 but ~20 ms of eager launches; the graph takes
-the host's part out of TTFT.
+A short prefill of a large model takes the host longer to launch eagerly than the GPU takes to run its kernels
+(measured: bench/RESULTS.md); the graph takes the host's part out of TTFT.
 
 All graphs share one memory pool (one graph replays at a time) and write their logits into one buffer per kind.
 """

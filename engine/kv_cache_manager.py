@@ -5,7 +5,8 @@ when the pool is full), the engine reads block tables from it, and `free` return
 
 Besides each request's list of block ids, the manager keeps them as rows of one int32 array, zero past each row's
 length, written as blocks are added: a step's padded block tables are one fancy index of it (`block_tables`), not a
-numpy copy of every request's list (0.8 ms a step at batch 512 on the CPU bench, bench/host_overhead.py).
+numpy copy of every request's list, a cost that grows with the batch (measured: bench/host_overhead.py,
+bench/RESULTS.md).
 """
 from __future__ import annotations
 

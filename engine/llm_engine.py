@@ -62,9 +62,10 @@ def stop_holdback(params: SamplingParams) -> int:
 
 def fast_decoder(tokenizer) -> Callable[[list[int], bool], str]:
     """`decode(ids, skip_special_tokens)` equal to `tokenizer.decode(ids, skip_special_tokens=...)`, without
-    transformers' per-call Python (to_py_obj, kwargs, isinstance checks: about 3 us of a 4 us call) where that is
-    exact: a fast tokenizer whose decode and _decode are transformers' own and which does not clean up spaces, whose
-    text is its Rust backend's decode as it is. Other tokenizers keep their own decode."""
+    transformers' per-call Python (to_py_obj, kwargs, isinstance checks: most of a short call's time; measured:
+    bench/RESULTS.md) where that is exact: a fast tokenizer whose decode and _decode are transformers' own and which
+    does not clean up spaces, whose text is its Rust backend's decode as it is. Other tokenizers keep their own
+    decode."""
     from transformers import PreTrainedTokenizerFast
 
     cls = type(tokenizer)
@@ -79,12 +80,12 @@ def fast_decoder(tokenizer) -> Callable[[list[int], bool], str]:
 
 @contextlib.contextmanager
 def gc_frozen(collect: bool = False) -> Iterator[None]:
-    """Leaves the objects alive on entry (the model, the tokenizer, torch's and transformers' module state: about
-    350k objects) out of the garbage collector's full collections until exit (gc.freeze, as vLLM's engine core does
-    after start-up). A full collection walking them stalled a step for 140-170 ms at batch 512 (about one per 600
-    steps, bench/host_overhead.py); frozen, the same collections took under 1 ms. collect=True collects first, so
-    that no garbage of the start-up stays frozen. Garbage made inside is collected as usual; on exit the frozen
-    objects go back to the oldest generation. Does nothing when something else already froze the heap."""
+    """Leaves the objects alive on entry (the model, the tokenizer, torch's and transformers' module state: hundreds of
+    thousands of objects) out of the garbage collector's full collections until exit (gc.freeze, as vLLM's engine core
+    does after start-up). A full collection walking them stalls the step it falls in for many steps' worth of time;
+    frozen, the same collections are cheap (measured: bench/host_overhead.py, bench/RESULTS.md). collect=True collects
+    first, so that no garbage of the start-up stays frozen. Garbage made inside is collected as usual; on exit the
+    frozen objects go back to the oldest generation. Does nothing when something else already froze the heap."""
     if gc.get_freeze_count():
         yield
         return
@@ -508,7 +509,8 @@ class LLMEngine:
         new_text = text[sent:text_end] if text_end > sent else ""
         if text_end > sent:
             req.sent_text_len = text_end
-        # Positional, in StepOutput's field order: 12 keywords cost 2 us more a call (1 ms a step at batch 512).
+        # Positional, in StepOutput's field order: keywords cost more a call, once per request every step (measured:
+        # bench/RESULTS.md).
         return StepOutput(
             req.parent_id, req.index, new_tokens, new_text,
             [logprobs] if (logprobs is not None and req.logprobs is not None) else None,

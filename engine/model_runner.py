@@ -70,7 +70,7 @@ class StepInputs:
 def _offsets(lengths, dtype) -> tuple[list[int], int]:
     """Where each segment starts in its packed buffer, and the buffer's length: each segment starts 16-byte aligned.
     Triton specializes kernels on pointer alignment, and a view whose alignment changed from step to step would
-    compile a second variant mid-run (a 1 s stall on the H200)."""
+    compile a second variant mid-run, stalling that step for the compile."""
     align = 16 // np.dtype(dtype).itemsize
     offsets, total = [], 0
     for n in lengths:
@@ -464,7 +464,7 @@ class StepHandle:
 
 def warm_up_attention(runner: ModelRunner) -> None:
     """Compiles every row-tile variant the prefill attention may pick, so that no step of a running server stalls
-    on Triton's compiler (one variant costs about a second)."""
+    on Triton's compiler (each variant is a compile; measured: bench/RESULTS.md)."""
     from kernels.paged_attention import paged_attention_triton, prefill_configs
 
     kv = runner.kv_layers[0]

@@ -44,7 +44,7 @@ class TPDriver:
         self._threads = torch.get_num_threads()  # restored at shutdown
         if device.type != "cuda":
             # The ranks share the host's cores: each takes its part (with every rank's OpenMP threads on all cores,
-            # their spinning starved the others' collectives: a tp=2 step of random:tiny took 94 ms instead of 12).
+            # their spinning starved the others' collectives: a step ran several times slower; bench/RESULTS.md).
             torch.set_num_threads(max(1, self._threads // world))
         self.closed = False
         self.joined = False  # the process group exists

@@ -12,14 +12,13 @@ profile (a forward), the all-reduce MIN of the KV blocks each rank's budget hold
 every rank), the fp8 KV calibration (a forward; each rank calibrates its own heads), then, when rank 0 captures its
 CUDA graphs, the same captures (it sends the call first).
 
-A step. Rank 0 schedules and packs the step's inputs into two host buffers (ModelRunner.step_inputs), picks the
-path (a prefill graph's key, the decode graphs, or eager) and sends header + buffers to every worker as one
-message over its socket (on a shared 2-core CPU, tp=2, decode batch 8: packing 7 us, sending 36 us median, 47 us
-p90; the whole step 7.8 ms against 1.8 ms at tp=1, the rest being gloo's collectives). Every rank copies
-the same buffers to its device and runs the same forward; the row-parallel linears all-reduce. Only rank 0
-computes logits and samples. With async scheduling an input may be the previous step's sampled token, still on
-rank 0's device: rank 0 broadcasts each step's sampled tokens over the group and the workers keep them for the
-next step's inputs.
+A step. Rank 0 schedules and packs the step's inputs into two host buffers (ModelRunner.step_inputs), picks the path (a
+prefill graph's key, the decode graphs, or eager) and sends header + buffers to every worker as one message over its
+socket (packing and sending are a small part of a step: on the CPU a tp=2 step's extra time is gloo's collectives;
+measured: bench/RESULTS.md). Every rank copies the same buffers to its device and runs the same forward; the
+row-parallel linears all-reduce. Only rank 0 computes logits and samples. With async scheduling an input may be the
+previous step's sampled token, still on rank 0's device: rank 0 broadcasts each step's sampled tokens over the group and
+the workers keep them for the next step's inputs.
 
 Failures. A worker that dies breaks the group: rank 0 sees it when it sends the next step (the socket is closed),
 or as an error inside a collective (gloo), and raises WorkerError (the engine does not swallow it as a bad batch);
