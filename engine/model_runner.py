@@ -15,7 +15,7 @@ import numpy as np
 import torch
 
 from engine.collectives import min_over_ranks, share_tokens
-from engine.config import EngineConfig, parse_dtype
+from engine.config import EngineConfig, resolve_dtype
 from engine.loader import ResolvedModel, build_model
 from engine.model import AttentionMetadata, LayerKV
 from engine.request import Request
@@ -97,7 +97,7 @@ class ModelRunner:
 
     def _build(self, config: EngineConfig, resolved: ResolvedModel, eos_token_id: int | None, link) -> None:
         hf_config = resolved.config
-        self.dtype = self._resolve_dtype(config.model.dtype, hf_config, self.device)
+        self.dtype = resolve_dtype(config.model.dtype, hf_config, self.device)
         # Built on the meta device, each part allocated in its dtype as it loads (fp8 linears as fp8): the peak is
         # about the final model, not a float32 copy of it (engine/loader.build_model). With tensor parallelism each
         # layer is split for this rank as it loads.
@@ -146,17 +146,6 @@ class ModelRunner:
                     g.reset()
                 graphs.graphs.clear()
         self.graphs = self.prefill_graphs = None
-
-    @staticmethod
-    def _resolve_dtype(name: str, hf_config, device: torch.device) -> torch.dtype:
-        if name != "auto":
-            return parse_dtype(name)
-        if device.type != "cuda":  # (not "no GPU here": --device cpu on a GPU host is float32 too)
-            return torch.float32
-        d = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None)
-        if isinstance(d, str):
-            d = parse_dtype(d)
-        return d if d in (torch.float16, torch.bfloat16) else torch.bfloat16
 
     @property
     def kv_bytes_per_block(self) -> int:

@@ -22,13 +22,13 @@ import re
 import sys
 from dataclasses import dataclass
 
+import torch
 from transformers import PretrainedConfig
 
-from engine.config import FUSED_LINEARS, CacheConfig, ModelConfig
+from engine.config import DTYPE_ALIASES, FUSED_LINEARS, CacheConfig, ModelConfig, resolve_dtype
 from engine.utils import cdiv
 
 _DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
-_DTYPE_ALIASES = {"fp32": "float32", "float": "float32", "half": "float16", "fp16": "float16", "bf16": "bfloat16"}
 _KV_DTYPE_BYTES = {"fp8": 1, "fp8_e4m3": 1}
 _UNITS = {
     "": 1, "b": 1,
@@ -154,24 +154,12 @@ def weight_bytes_of(config: PretrainedConfig, dtype: str, quantization: str | No
     return total
 
 
-def _resolve_dtype(dtype: str, config: PretrainedConfig) -> str:
-    if dtype == "auto":
-        cfg = getattr(config, "dtype", None)
-        name = str(cfg).removeprefix("torch.") if cfg is not None else "bfloat16"
-        # A float32 checkpoint is served in 16 bits on a GPU, as vLLM does.
-        return name if name in ("float16", "bfloat16") else "bfloat16"
-    name = _DTYPE_ALIASES.get(dtype, dtype)
-    if name not in _DTYPE_BYTES:
-        raise ValueError(f"dtype={dtype!r}: must be one of auto, {', '.join(_DTYPE_BYTES)}")
-    return name
-
-
 def _resolve_kv_dtype(kv_cache_dtype: str, dtype: str) -> str:
     if kv_cache_dtype == "auto":
         return dtype
     if kv_cache_dtype in _KV_DTYPE_BYTES:
         return "fp8_e4m3"
-    name = _DTYPE_ALIASES.get(kv_cache_dtype, kv_cache_dtype)
+    name = DTYPE_ALIASES.get(kv_cache_dtype, kv_cache_dtype)
     if name not in _DTYPE_BYTES:
         raise ValueError(
             f"kv_cache_dtype={kv_cache_dtype!r}: must be one of auto, fp8, fp8_e4m3, {', '.join(_DTYPE_BYTES)}"
@@ -206,7 +194,7 @@ def plan(
             f"max_model_len={max_model_len}: must be <= {config.max_position_embeddings} "
             f"(max_position_embeddings of {model_spec})"
         )
-    wdtype = _resolve_dtype(dtype, config)
+    wdtype = str(resolve_dtype(dtype, config, torch.device("cuda"))).removeprefix("torch.")  # sized for a GPU
     kvdtype = _resolve_kv_dtype(kv_cache_dtype, wdtype)
     if quantization is None and getattr(config, "quantization_config", None) is not None:
         quantization = "fp8"  # resolve_model accepts no other quantization_config than an fp8 checkpoint's
