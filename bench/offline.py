@@ -24,7 +24,7 @@ import torch
 from bench.common import format_table, write_json
 from engine import LLM, SamplingParams
 from engine.loader import load_tokenizer, resolve_model
-from engine.model_runner import ModelRunner
+from engine.config import resolve_dtype
 
 WARMUP_PROMPTS, WARMUP_OUTPUT_LEN = 2, 4
 
@@ -142,8 +142,7 @@ def main(argv: list[str] | None = None) -> dict:
         if resolved.weights_dir is None:
             raise SystemExit(f"--model={args.model}: --backend hf needs a checkpoint directory; random models "
                              "have none (use --backend tandem)")
-        dtype = ModelRunner._resolve_dtype(args.dtype, resolved.config,
-                                            torch.device("cuda" if torch.cuda.is_available() else "cpu"))
+        dtype = resolve_dtype(args.dtype, resolved.config, torch.device("cuda" if torch.cuda.is_available() else "cpu"))
         pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
         results["hf"], tokens["hf"] = run_hf(args, prompts, warmup, resolved.weights_dir, dtype, pad_id)
 

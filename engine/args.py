@@ -4,7 +4,7 @@ from __future__ import annotations
 import argparse
 import ast
 import inspect
-from dataclasses import MISSING, dataclass, fields
+from dataclasses import dataclass, fields
 
 from engine.config import CacheConfig, DeviceConfig, EngineConfig, ModelConfig, ParallelConfig, SchedulerConfig
 
@@ -13,25 +13,26 @@ _COMPONENTS = (ModelConfig, CacheConfig, SchedulerConfig, DeviceConfig, Parallel
 
 @dataclass
 class EngineArgs:
-    model: str = "smollm2"
-    served_model_name: str | None = None
-    dtype: str = "auto"
-    max_model_len: int | None = None
-    seed: int = 0
-    enforce_eager: bool = False
-    max_prefill_cudagraph_tokens: int = 1024
-    quantization: str | None = None
-    block_size: int = 16
-    kv_cache_memory: float | None = None
-    gpu_memory_utilization: float = 0.9
-    kv_cache_dtype: str = "auto"
-    enable_prefix_caching: bool = True
-    num_gpu_blocks_override: int | None = None
-    max_num_seqs: int = 256
-    max_num_batched_tokens: int = 2048
-    async_scheduling: bool | None = None
-    device: str = "auto"
-    tensor_parallel_size: int = 1
+    """Every component's fields, flat, each default taken from its component dataclass (vLLM's EngineArgs)."""
+    model: str = "smollm2"  # (ModelConfig.model has none: a command line without --model runs the bundled SmolLM2)
+    served_model_name: str | None = ModelConfig.served_model_name
+    dtype: str = ModelConfig.dtype
+    max_model_len: int | None = ModelConfig.max_model_len
+    seed: int = ModelConfig.seed
+    enforce_eager: bool = ModelConfig.enforce_eager
+    max_prefill_cudagraph_tokens: int = ModelConfig.max_prefill_cudagraph_tokens
+    quantization: str | None = ModelConfig.quantization
+    block_size: int = CacheConfig.block_size
+    kv_cache_memory: float | None = CacheConfig.kv_cache_memory
+    gpu_memory_utilization: float = CacheConfig.gpu_memory_utilization
+    kv_cache_dtype: str = CacheConfig.kv_cache_dtype
+    enable_prefix_caching: bool = CacheConfig.enable_prefix_caching
+    num_gpu_blocks_override: int | None = CacheConfig.num_gpu_blocks_override
+    max_num_seqs: int = SchedulerConfig.max_num_seqs
+    max_num_batched_tokens: int = SchedulerConfig.max_num_batched_tokens
+    async_scheduling: bool | None = SchedulerConfig.async_scheduling
+    device: str = DeviceConfig.device
+    tensor_parallel_size: int = ParallelConfig.tensor_parallel_size
 
     def create_engine_config(self) -> EngineConfig:
         def build(cls):
@@ -56,14 +57,14 @@ def _field_docs(cls) -> dict[str, str]:
     return docs
 
 
-def add_engine_args(parser: argparse.ArgumentParser, *, model_default: str = "smollm2") -> argparse.ArgumentParser:
+def add_engine_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     group = parser.add_argument_group("engine")
     defaults = EngineArgs()
     for cls in _COMPONENTS:
         docs = _field_docs(cls)
         for f in fields(cls):
             flag = "--" + f.name.replace("_", "-")
-            default = model_default if f.name == "model" else getattr(defaults, f.name)
+            default = getattr(defaults, f.name)
             help_text = docs.get(f.name, "")
             if f.type in ("bool", bool, "bool | None"):
                 group.add_argument(flag, action=argparse.BooleanOptionalAction, default=default, help=help_text)

@@ -13,6 +13,8 @@ from collections.abc import Iterable, Sequence
 
 from array import array
 
+from engine.config import CacheConfig
+
 BlockHash = bytes
 
 
@@ -24,7 +26,7 @@ def hash_block_tokens(parent_hash: BlockHash | None, token_ids: Sequence[int]) -
 
 
 class BlockPool:
-    def __init__(self, num_blocks: int, enable_caching: bool = True):
+    def __init__(self, num_blocks: int, enable_caching: bool = CacheConfig.enable_prefix_caching):
         assert num_blocks >= 1
         self.num_blocks = num_blocks
         self.enable_caching = enable_caching
@@ -93,6 +95,3 @@ class BlockPool:
                 del self.cached[h]
             self.block_hash[block_id] = None
 
-    def reset_prefix_cache(self) -> None:
-        for b in list(self.free_queue):
-            self._evict(b)

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 import torch
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+DTYPE_ALIASES = {"fp32": "float32", "float": "float32", "half": "float16", "fp16": "float16", "bf16": "bfloat16"}
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
 QUANTIZATION_METHODS = ("fp8",)
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")  # engine/model.py runs these
@@ -15,11 +16,24 @@ FUSED_LINEARS = {"self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", 
 
 
 def parse_dtype(name: str) -> torch.dtype:
-    aliases = {"fp32": "float32", "float": "float32", "half": "float16", "fp16": "float16", "bf16": "bfloat16"}
-    name = aliases.get(name, name)
+    name = DTYPE_ALIASES.get(name, name)
     if name not in _DTYPES:
         raise ValueError(f"dtype={name!r}: must be one of auto, {', '.join(_DTYPES)}")
     return _DTYPES[name]
+
+
+def resolve_dtype(name: str, hf_config, device: torch.device) -> torch.dtype:
+    """The weights' dtype for --dtype `name`, a model of `hf_config` on `device`: as named; 'auto' is float32 off
+    CUDA (--device cpu on a GPU host too) and on CUDA the checkpoint's 16-bit type, bfloat16 where the checkpoint is
+    float32 or names none (vLLM's rule)."""
+    if name != "auto":
+        return parse_dtype(name)
+    if device.type != "cuda":
+        return torch.float32
+    d = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None)
+    if isinstance(d, str):
+        d = _DTYPES.get(DTYPE_ALIASES.get(d, d))
+    return d if d in (torch.float16, torch.bfloat16) else torch.bfloat16
 
 
 @dataclass

@@ -10,8 +10,8 @@ per (padded token count, sequence rows). The attention kernel maps its programs 
 query_start_loc), so a graph captured for T tokens and S rows runs any step of at most T tokens and S - 1
 sequences: the step's tokens fill the first rows, the rest of the T tokens form one padding sequence (no KV
 written, output dropped), and the remaining rows are empty sequences (no queries: their programs return at once).
-A 512-token prefill of a 7B model is ~11 ms of kernels on the H200 but ~20 ms of eager launches; the graph takes
-the host's part out of TTFT.
+A short prefill of a large model takes the host longer to launch eagerly than the GPU takes to run its kernels
+(measured: bench/RESULTS.md); the graph takes the host's part out of TTFT.
 
 All graphs share one memory pool (one graph replays at a time) and write their logits into one buffer per kind.
 """
@@ -23,6 +23,7 @@ import time
 import torch
 
 from engine.model import AttentionMetadata
+from engine.utils import cdiv
 
 log = logging.getLogger(__name__)
 
@@ -66,7 +67,7 @@ class DecodeGraphs:
         self.max_model_len = max_model_len
         dev = runner.device
         B = self.max_batch
-        max_blocks = -(-max_model_len // runner.block_size)
+        max_blocks = cdiv(max_model_len, runner.block_size)
         self.input_ids = torch.zeros(B, dtype=torch.int64, device=dev)
         self.positions = torch.zeros(B, dtype=torch.int64, device=dev)
         self.slot_mapping = torch.full((B,), -1, dtype=torch.int64, device=dev)
@@ -114,7 +115,7 @@ class PrefillGraphs:
                  capture: bool = True):
         self.runner = runner
         bs = runner.block_size
-        max_blocks = -(-max_model_len // bs)
+        max_blocks = cdiv(max_model_len, bs)
         # The padding sequence holds up to T tokens: its blocks must fit a block-table row.
         limit = min(max_tokens, max_blocks * bs)
         self.token_sizes = [t for t in PREFILL_TOKEN_SIZES if t < limit] + [limit] if limit >= 1 else []

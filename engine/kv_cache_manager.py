@@ -5,7 +5,8 @@ when the pool is full), the engine reads block tables from it, and `free` return
 
 Besides each request's list of block ids, the manager keeps them as rows of one int32 array, zero past each row's
 length, written as blocks are added: a step's padded block tables are one fancy index of it (`block_tables`), not a
-numpy copy of every request's list (0.8 ms a step at batch 512 on the CPU bench, bench/host_overhead.py).
+numpy copy of every request's list, a cost that grows with the batch (measured: bench/host_overhead.py,
+bench/RESULTS.md).
 """
 from __future__ import annotations
 
@@ -14,12 +15,13 @@ from collections.abc import Sequence
 import numpy as np
 
 from engine.block_pool import BlockHash, BlockPool, hash_block_tokens
+from engine.config import CacheConfig
 from engine.request import Request
 from engine.utils import cdiv
 
 
 class KVCacheManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True):
+    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = CacheConfig.enable_prefix_caching):
         self.block_size = block_size
         self.enable_caching = enable_caching
         self.pool = BlockPool(num_blocks, enable_caching)
@@ -104,6 +106,8 @@ class KVCacheManager:
         new_computed_blocks). False, with nothing changed, when the pool lacks free blocks."""
         blocks = self.req_to_blocks.setdefault(request.request_id, [])
         if not new_computed_blocks:  # the common case (every running request, every step): room already there?
+            # (cdiv written out: this runs for every running request every step, where a call shows; measured:
+            # bench/RESULTS.md)
             num_new_blocks = -(-(request.num_computed_tokens + num_new_tokens) // self.block_size) - len(blocks)
             if num_new_blocks <= 0:
                 return True
@@ -157,6 +161,3 @@ class KVCacheManager:
         # Keep the hashes of a preempted request: its tokens did not change.
         if request.is_finished:
             self.req_to_hashes.pop(rid, None)
-
-    def reset_stats(self) -> None:
-        self.prefix_queries = self.prefix_hits = 0

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.args import EngineArgs
+from engine.collectives import WorkerError
 from engine.config import EngineConfig
 from engine.kv_cache_manager import KVCacheManager
 from engine.loader import load_tokenizer, resolve_model
@@ -33,7 +34,7 @@ from engine.quant import Fp8Linear
 from engine.request import FINISH_REASONS, FINISHED, Request, RequestStatus
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
-from engine.tp_worker import WorkerError
+from engine.tp_executor import TPDriver
 
 log = logging.getLogger(__name__)
 
@@ -61,9 +62,10 @@ def stop_holdback(params: SamplingParams) -> int:
 
 def fast_decoder(tokenizer) -> Callable[[list[int], bool], str]:
     """`decode(ids, skip_special_tokens)` equal to `tokenizer.decode(ids, skip_special_tokens=...)`, without
-    transformers' per-call Python (to_py_obj, kwargs, isinstance checks: about 3 us of a 4 us call) where that is
-    exact: a fast tokenizer whose decode and _decode are transformers' own and which does not clean up spaces, whose
-    text is its Rust backend's decode as it is. Other tokenizers keep their own decode."""
+    transformers' per-call Python (to_py_obj, kwargs, isinstance checks: most of a short call's time; measured:
+    bench/RESULTS.md) where that is exact: a fast tokenizer whose decode and _decode are transformers' own and which
+    does not clean up spaces, whose text is its Rust backend's decode as it is. Other tokenizers keep their own
+    decode."""
     from transformers import PreTrainedTokenizerFast
 
     cls = type(tokenizer)
@@ -78,12 +80,12 @@ def fast_decoder(tokenizer) -> Callable[[list[int], bool], str]:
 
 @contextlib.contextmanager
 def gc_frozen(collect: bool = False) -> Iterator[None]:
-    """Leaves the objects alive on entry (the model, the tokenizer, torch's and transformers' module state: about
-    350k objects) out of the garbage collector's full collections until exit (gc.freeze, as vLLM's engine core does
-    after start-up). A full collection walking them stalled a step for 140-170 ms at batch 512 (about one per 600
-    steps, bench/host_overhead.py); frozen, the same collections took under 1 ms. collect=True collects first, so
-    that no garbage of the start-up stays frozen. Garbage made inside is collected as usual; on exit the frozen
-    objects go back to the oldest generation. Does nothing when something else already froze the heap."""
+    """Leaves the objects alive on entry (the model, the tokenizer, torch's and transformers' module state: hundreds of
+    thousands of objects) out of the garbage collector's full collections until exit (gc.freeze, as vLLM's engine core
+    does after start-up). A full collection walking them stalls the step it falls in for many steps' worth of time;
+    frozen, the same collections are cheap (measured: bench/host_overhead.py, bench/RESULTS.md). collect=True collects
+    first, so that no garbage of the start-up stays frozen. Garbage made inside is collected as usual; on exit the
+    frozen objects go back to the oldest generation. Does nothing when something else already froze the heap."""
     if gc.get_freeze_count():
         yield
         return
@@ -155,11 +157,15 @@ class LLMEngine:
         self.max_model_len = max_model_len
         eos = self._eos_token_ids()
         self.eos_token_ids = eos
-        self.runner = ModelRunner(config, resolved, eos)
+        # With tensor parallelism the driver spawns the workers first: they build their shards while the runner
+        # builds rank 0's, and the runner sends each step through it.
+        self.driver = TPDriver(config, resolved, eos) if config.parallel.tensor_parallel_size > 1 else None
+        self.runner = None  # (until built: a failed build leaves no graphs to release)
         try:
+            self.runner = ModelRunner(config, resolved, eos, link=self.driver)
             self._start(config, decode_graphs)
         except BaseException:
-            self.runner.shutdown(graceful=False)
+            self._shutdown(graceful=False)
             raise
 
     def _start(self, config: EngineConfig, decode_graphs: bool) -> None:
@@ -198,7 +204,15 @@ class LLMEngine:
 
     def close(self) -> None:
         """Stops the tensor-parallel workers, if any (also done at interpreter exit); no step runs afterwards."""
-        self.runner.shutdown()
+        self._shutdown()
+
+    def _shutdown(self, graceful: bool = True) -> None:
+        """graceful=False: the workers are killed (they may be inside a collective rank 0 will never join)."""
+        if self.driver is None:
+            return
+        if self.runner is not None:  # NCCL will not destroy a communicator that a live CUDA graph captured
+            self.runner.release_cuda_graphs()
+        self.driver.shutdown(graceful)
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs, decode_graphs: bool = True) -> "LLMEngine":
@@ -495,7 +509,8 @@ class LLMEngine:
         new_text = text[sent:text_end] if text_end > sent else ""
         if text_end > sent:
             req.sent_text_len = text_end
-        # Positional, in StepOutput's field order: 12 keywords cost 2 us more a call (1 ms a step at batch 512).
+        # Positional, in StepOutput's field order: keywords cost more a call, once per request every step (measured:
+        # bench/RESULTS.md).
         return StepOutput(
             req.parent_id, req.index, new_tokens, new_text,
             [logprobs] if (logprobs is not None and req.logprobs is not None) else None,

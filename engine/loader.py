@@ -81,10 +81,6 @@ class ResolvedModel:
     """Seed of the random weights; None unless the spec is random:."""
 
 
-def supported_architectures() -> list[str]:
-    return list(SUPPORTED_ARCHITECTURES)
-
-
 def resolve_model(spec: str) -> ResolvedModel:
     """Find what `spec` names and read its config (never the weights). Unknown specs raise ValueError."""
     if not isinstance(spec, str) or not spec:

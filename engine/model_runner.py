@@ -14,12 +14,14 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from engine.config import EngineConfig, parse_dtype
+from engine.collectives import min_over_ranks, share_tokens
+from engine.config import EngineConfig, resolve_dtype
 from engine.loader import ResolvedModel, build_model
 from engine.model import AttentionMetadata, LayerKV
 from engine.request import Request
 from engine.sampler import DeviceSample, Sampler, SamplerOutput, to_device_nowait
 from engine.scheduler import SchedulerOutput
+from engine.utils import cdiv
 
 log = logging.getLogger(__name__)
 
@@ -47,7 +49,7 @@ EAGER, DECODE_GRAPH, PREFILL_GRAPH = 0, 1, 2
 @dataclass
 class StepInputs:
     """One step's inputs on the host, packed into two buffers: what every tensor-parallel rank needs to run the same
-    forward (engine/tp_worker.py sends it to the workers as it is)."""
+    forward (engine/tp_executor.py sends it to the workers as it is)."""
     i64: np.ndarray  # input_ids, positions, slots [num_tokens] each, logits rows [num_sampled], fill dst/src [num_fill]
     i32: np.ndarray  # seq_lens [num_seqs], query_start_loc [num_seqs + 1], block tables [num_seqs * max_blocks]
     num_tokens: int
@@ -68,49 +70,34 @@ class StepInputs:
 def _offsets(lengths, dtype) -> tuple[list[int], int]:
     """Where each segment starts in its packed buffer, and the buffer's length: each segment starts 16-byte aligned.
     Triton specializes kernels on pointer alignment, and a view whose alignment changed from step to step would
-    compile a second variant mid-run (a 1 s stall on the H200)."""
+    compile a second variant mid-run, stalling that step for the compile."""
     align = 16 // np.dtype(dtype).itemsize
     offsets, total = [], 0
     for n in lengths:
         offsets.append(total)
-        total += -(-n // align) * align
+        total += cdiv(n, align) * align
     return offsets, max(total, 1)
 
 
 class ModelRunner:
     def __init__(self, config: EngineConfig, resolved: ResolvedModel, eos_token_id: int | None, rank: int = 0,
                  link=None):
-        """rank > 0: a tensor-parallel worker's runner (engine/tp_worker.py), `link` its line to rank 0. On rank 0
-        with tensor_parallel_size > 1 the runner spawns the workers first (they build their shards meanwhile) and
-        keeps them in self.driver."""
+        """With tensor_parallel_size > 1 every rank's runner gets a `link`, which join_group()s the process group
+        once this rank has built its shard: on rank 0 the engine's TPDriver (engine/tp_executor.py), spawned before
+        this runner builds so that the workers build their shards meanwhile, and kept in self.driver to send each
+        step; on rank r > 0 the worker's line to rank 0 (engine/tp_worker.py)."""
         self.config = config
         self.rank, self.tp_size = rank, config.parallel.tensor_parallel_size
-        base = self.device = config.device.torch_device  # rank r runs on the base device's index + r
-        if self.device.type == "cuda":
-            if self.device.index is None:
-                base = torch.device("cuda", torch.cuda.current_device())
-            self.device = torch.device("cuda", base.index + rank)
-            use_device(self.device)
-        hf_config = resolved.config
-        self.driver = None
+        assert (link is not None) == (self.tp_size > 1), (self.tp_size, link)
+        self.device = rank_device(config, rank)
+        use_device(self.device)
+        self.driver = link if rank == 0 else None
         self.share_sampled_tokens = False  # the engine's async scheduling: workers then receive each step's tokens
-        if self.tp_size > 1:
-            from engine.tp import check_tensor_parallel
-
-            check_tensor_parallel(hf_config, self.tp_size, base)
-            if rank == 0:
-                from engine.tp_worker import TPDriver
-
-                self.driver = link = TPDriver(config, resolved, eos_token_id, self.device)
-        try:
-            self._build(config, resolved, eos_token_id, link)
-        except BaseException:
-            self.shutdown(graceful=False)
-            raise
+        self._build(config, resolved, eos_token_id, link)
 
     def _build(self, config: EngineConfig, resolved: ResolvedModel, eos_token_id: int | None, link) -> None:
         hf_config = resolved.config
-        self.dtype = self._resolve_dtype(config.model.dtype, hf_config, self.device)
+        self.dtype = resolve_dtype(config.model.dtype, hf_config, self.device)
         # Built on the meta device, each part allocated in its dtype as it loads (fp8 linears as fp8): the peak is
         # about the final model, not a float32 copy of it (engine/loader.build_model). With tensor parallelism each
         # layer is split for this rank as it loads.
@@ -131,8 +118,6 @@ class ModelRunner:
             link.join_group(self.device)
         self.num_blocks = self._num_blocks()
         if self.tp_size > 1:  # block ids mean the same on every rank
-            from engine.tp_worker import min_over_ranks
-
             self.num_blocks = min_over_ranks(self.num_blocks, self.device)
         # [num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim]: one block's bytes for all layers together.
         # Unwritten slots are never read as valid: attention masks (and on the CPU clears) everything past seq_lens.
@@ -148,13 +133,6 @@ class ModelRunner:
         self.kv_layers = [LayerKV(self.kv_cache[:, l, 0], self.kv_cache[:, l, 1], self.k_scales[l], self.v_scales[l])
                           for l in range(self.num_layers)]
 
-    def shutdown(self, graceful: bool = True) -> None:
-        """Stops the tensor-parallel workers (a no-op without them); the runner runs no step afterwards.
-        graceful=False: kill them (they may be inside a collective rank 0 will never join)."""
-        if self.driver is not None:
-            self.release_cuda_graphs()
-            self.driver.shutdown(graceful)
-
     def release_cuda_graphs(self) -> None:
         """Destroys the captured CUDA graphs. Before a tensor-parallel group is torn down: NCCL (>= 2.26) will not
         destroy a communicator while a graph that captured one of its collectives exists (commDestroySync polls
@@ -168,17 +146,6 @@ class ModelRunner:
                     g.reset()
                 graphs.graphs.clear()
         self.graphs = self.prefill_graphs = None
-
-    @staticmethod
-    def _resolve_dtype(name: str, hf_config, device: torch.device) -> torch.dtype:
-        if name != "auto":
-            return parse_dtype(name)
-        if device.type != "cuda":  # (not "no GPU here": --device cpu on a GPU host is float32 too)
-            return torch.float32
-        d = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None)
-        if isinstance(d, str):
-            d = parse_dtype(d)
-        return d if d in (torch.float16, torch.bfloat16) else torch.bfloat16
 
     @property
     def kv_bytes_per_block(self) -> int:
@@ -344,7 +311,7 @@ class ModelRunner:
                 prev: "StepHandle | None" = None) -> "StepHandle":
         """Launches the step and returns without waiting for the device: the handle reads the sampled tokens.
         With tensor parallelism the step goes to the workers first; a failure after that breaks the group
-        (engine/tp_worker.WorkerError)."""
+        (engine/collectives.WorkerError)."""
         step = self.step_inputs(sched, block_tables, prev)
         path = self.step_path(step)
         if self.driver is None:
@@ -380,8 +347,6 @@ class ModelRunner:
             return StepHandle([], None, done)
         sample = self.sampler.sample(logits.float(), sampled)
         if share:  # the workers' next inputs may be these tokens (engine/tp_worker.py)
-            from engine.tp_worker import share_tokens
-
             share_tokens(sample.token_ids)
         return StepHandle(sampled, sample)
 
@@ -416,7 +381,7 @@ class ModelRunner:
         n, bs, dev = len(token_ids), self.block_size, self.device
         if n < 1:
             raise ValueError("token_ids: empty, the calibration needs at least one token")
-        nb = -(-n // bs)
+        nb = cdiv(n, bs)
         cache = torch.zeros(nb, self.num_layers, 2, bs, self.num_kv_heads, self.head_dim, dtype=self.dtype,
                             device=dev)
         layers = [LayerKV(cache[:, l, 0], cache[:, l, 1]) for l in range(self.num_layers)]
@@ -433,6 +398,16 @@ class ModelRunner:
                    for a in layer] for layer in amax]
         log.info("fp8 KV scales (K, V) per layer: %s", [(round(k, 4), round(v, 4)) for k, v in scales])
         return [k for k, _ in scales], [v for _, v in scales]
+
+
+def rank_device(config: EngineConfig, rank: int) -> torch.device:
+    """Tensor-parallel rank `rank`'s device: cuda:(base + rank), base being the configured index or else the
+    current device; the CPU for every rank otherwise."""
+    device = config.device.torch_device
+    if device.type != "cuda":
+        return device
+    base = device.index if device.index is not None else torch.cuda.current_device()
+    return torch.device("cuda", base + rank)
 
 
 def use_device(device: torch.device) -> None:
@@ -478,7 +453,7 @@ class StepHandle:
 
 def warm_up_attention(runner: ModelRunner) -> None:
     """Compiles every row-tile variant the prefill attention may pick, so that no step of a running server stalls
-    on Triton's compiler (one variant costs about a second)."""
+    on Triton's compiler (each variant is a compile; measured: bench/RESULTS.md)."""
     from kernels.paged_attention import paged_attention_triton, prefill_configs
 
     kv = runner.kv_layers[0]

@@ -22,10 +22,13 @@ import re
 import sys
 from dataclasses import dataclass
 
+import torch
 from transformers import PretrainedConfig
 
+from engine.config import DTYPE_ALIASES, FUSED_LINEARS, CacheConfig, ModelConfig, resolve_dtype
+from engine.utils import cdiv
+
 _DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
-_DTYPE_ALIASES = {"fp32": "float32", "float": "float32", "half": "float16", "fp16": "float16", "bf16": "bfloat16"}
 _KV_DTYPE_BYTES = {"fp8": 1, "fp8_e4m3": 1}
 _UNITS = {
     "": 1, "b": 1,
@@ -133,7 +136,6 @@ def weight_bytes_of(config: PretrainedConfig, dtype: str, quantization: str | No
     (config.quantization_config) is sized as the engine loads it, with or without quantization='fp8': its fp8
     linears as above plus a float32 input scale per fused linear where its scales are static, the linears it
     ignores in `dtype`."""
-    from engine.config import FUSED_LINEARS
     from engine.quant import Fp8Scheme, fp8_checkpoint
 
     total = count_params(config) * _DTYPE_BYTES[dtype]
@@ -152,24 +154,12 @@ def weight_bytes_of(config: PretrainedConfig, dtype: str, quantization: str | No
     return total
 
 
-def _resolve_dtype(dtype: str, config: PretrainedConfig) -> str:
-    if dtype == "auto":
-        cfg = getattr(config, "dtype", None)
-        name = str(cfg).removeprefix("torch.") if cfg is not None else "bfloat16"
-        # A float32 checkpoint is served in 16 bits on a GPU, as vLLM does.
-        return name if name in ("float16", "bfloat16") else "bfloat16"
-    name = _DTYPE_ALIASES.get(dtype, dtype)
-    if name not in _DTYPE_BYTES:
-        raise ValueError(f"dtype={dtype!r}: must be one of auto, {', '.join(_DTYPE_BYTES)}")
-    return name
-
-
 def _resolve_kv_dtype(kv_cache_dtype: str, dtype: str) -> str:
     if kv_cache_dtype == "auto":
         return dtype
     if kv_cache_dtype in _KV_DTYPE_BYTES:
         return "fp8_e4m3"
-    name = _DTYPE_ALIASES.get(kv_cache_dtype, kv_cache_dtype)
+    name = DTYPE_ALIASES.get(kv_cache_dtype, kv_cache_dtype)
     if name not in _DTYPE_BYTES:
         raise ValueError(
             f"kv_cache_dtype={kv_cache_dtype!r}: must be one of auto, fp8, fp8_e4m3, {', '.join(_DTYPE_BYTES)}"
@@ -181,11 +171,11 @@ def plan(
     model_spec: str,
     memory_bytes: int,
     max_model_len: int,
-    dtype: str = "auto",
-    kv_cache_dtype: str = "auto",
-    gpu_memory_utilization: float = 0.9,
-    block_size: int = 16,
-    quantization: str | None = None,
+    dtype: str = ModelConfig.dtype,
+    kv_cache_dtype: str = CacheConfig.kv_cache_dtype,
+    gpu_memory_utilization: float = CacheConfig.gpu_memory_utilization,
+    block_size: int = CacheConfig.block_size,
+    quantization: str | None = ModelConfig.quantization,
 ) -> Plan:
     """Size the KV cache of `model_spec` in `memory_bytes` of device memory. Reads only the config."""
     if not isinstance(memory_bytes, int) or memory_bytes <= 0:
@@ -204,7 +194,7 @@ def plan(
             f"max_model_len={max_model_len}: must be <= {config.max_position_embeddings} "
             f"(max_position_embeddings of {model_spec})"
         )
-    wdtype = _resolve_dtype(dtype, config)
+    wdtype = str(resolve_dtype(dtype, config, torch.device("cuda"))).removeprefix("torch.")  # sized for a GPU
     kvdtype = _resolve_kv_dtype(kv_cache_dtype, wdtype)
     if quantization is None and getattr(config, "quantization_config", None) is not None:
         quantization = "fp8"  # resolve_model accepts no other quantization_config than an fp8 checkpoint's
@@ -222,7 +212,7 @@ def plan(
         head_dim=hd, kv_bytes_per_token=kv_per_token, memory_bytes=memory_bytes,
         gpu_memory_utilization=gpu_memory_utilization, kv_memory_bytes=kv_memory, block_size=block_size,
         num_blocks=num_blocks, max_kv_tokens=num_blocks * block_size, max_model_len=max_model_len,
-        max_num_seqs_at_max_len=num_blocks // math.ceil(max_model_len / block_size), quantization=quantization,
+        max_num_seqs_at_max_len=num_blocks // cdiv(max_model_len, block_size), quantization=quantization,
     )
 
 
@@ -264,11 +254,14 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--model", required=True, help="smollm2, random:<preset>, a HuggingFace dir or a .gguf file")
     parser.add_argument("--memory", required=True, help="device memory, e.g. 80GiB, 80GB, 512MiB")
     parser.add_argument("--max-model-len", required=True, help="context length of one sequence (tokens)")
-    parser.add_argument("--dtype", default="auto", help="weight dtype: auto, bfloat16, float16, float32")
-    parser.add_argument("--kv-cache-dtype", default="auto", help="auto (the weight dtype), fp8, or a float dtype")
-    parser.add_argument("--gpu-memory-utilization", default="0.9", help="fraction of the memory to use, in (0, 1]")
-    parser.add_argument("--block-size", default="16", help="tokens per KV block")
-    parser.add_argument("--quantization", default=None,
+    parser.add_argument("--dtype", default=ModelConfig.dtype, help="weight dtype: auto, bfloat16, float16, float32")
+    parser.add_argument("--kv-cache-dtype", default=CacheConfig.kv_cache_dtype,
+                        help="auto (the weight dtype), fp8, or a float dtype")
+    # (strings, as typed: main() parses and checks them, naming the flag)
+    parser.add_argument("--gpu-memory-utilization", default=str(CacheConfig.gpu_memory_utilization),
+                        help="fraction of the memory to use, in (0, 1]")
+    parser.add_argument("--block-size", default=str(CacheConfig.block_size), help="tokens per KV block")
+    parser.add_argument("--quantization", default=ModelConfig.quantization,
                         help="fp8: the layers' linear weights in fp8 (as the engine's flag; a checkpoint stored in fp8 "
                              "is sized as fp8 without it)")
     return parser

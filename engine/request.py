@@ -70,7 +70,6 @@ class Request:
         self.prefix_offset = 0  # output tokens [prefix_offset, read_offset) were decoded as context last time
         self.read_offset = 0
         self.sent_text_len = 0
-        self.sent_tokens = 0
         self.logprobs: list[dict[int, float]] | None = [] if sampling_params.logprobs is not None else None
         self.cumulative_logprob = 0.0
 
@@ -85,10 +84,6 @@ class Request:
     @property
     def num_output_tokens(self) -> int:
         return len(self.output_token_ids)
-
-    @property
-    def all_token_ids(self) -> list[int]:
-        return self.prompt_token_ids + self.output_token_ids
 
     def token_slice(self, start: int, end: int) -> list[int]:
         n = len(self.prompt_token_ids)

@@ -13,12 +13,12 @@ from that slice's amax, so tp > 1 differs from tp = 1 by that rounding (tests/en
 (`--quantization fp8`) quantizes before the split, load -> quantize_model -> shard_model -> fuse_projections, so the
 ranks hold exactly the fp8 weights and scales one process would; an fp8 checkpoint is loaded in fp8 already.
 
-Status: the engine drives it (`--tensor-parallel-size N`, `LLM(..., tensor_parallel_size=N)`): engine/tp_worker.py
-spawns ranks 1..N-1, engine/loader.build_model splits each layer as it loads (shard_layer), and every step runs on
-every rank. Tested: 2 gloo ranks equal one process at the model level (tests/engine/test_tp.py, 16-bit and fp8) and
-through the engine, token for token (tests/engine/test_tp_engine.py, on the CPU and, with NCCL, CUDA graphs and async
-scheduling, on two H200s in float32 and bf16). The disaggregated prefill/decode services refuse tp > 1 (their KV
-transfer moves one cache).
+Status: the engine drives it (`--tensor-parallel-size N`, `LLM(..., tensor_parallel_size=N)`): engine/tp_executor.py
+spawns ranks 1..N-1 (engine/tp_worker.py), engine/loader.build_model splits each layer as it loads (shard_layer), and
+every step runs on every rank. Tested: 2 gloo ranks equal one process at the model level (tests/engine/test_tp.py,
+16-bit and fp8) and through the engine, token for token (tests/engine/test_tp_engine.py, on the CPU and, with NCCL, CUDA
+graphs and async scheduling, on two GPUs in float32 and bf16; where it last ran: bench/RESULTS.md). The disaggregated
+prefill/decode services refuse tp > 1 (their KV transfer moves one cache).
 """
 from __future__ import annotations
 

@@ -1,7 +1,12 @@
-"""Hot-path ops. Each dispatches to its Triton kernel on CUDA tensors and to the plain-torch reference elsewhere.
+"""Hot-path ops for the engine's model. Each dispatches to its Triton kernel on CUDA tensors and to the plain-torch
+reference elsewhere.
 
 The `*_ref` functions are the contract (same signatures); the `*_triton` launchers are importable from the
-op's module for tests and benchmarks.
+op's module for tests and benchmarks. Each op's module holds its kernel, its launcher and its reference, and
+tests/kernels/test_<op>.py compares the two.
+
+What it may import: the standard library, torch and triton, and its own modules; nothing of the engine or above
+(a kernel knows tensors, not requests).
 """
 from __future__ import annotations
 

@@ -1,10 +1,9 @@
 """Small-M matmul (GEMV): y[M, N] = x[M, K] @ W[N, K]^T (+ bias), for decode's projections at batch 1..16.
 
-At batch 1 a decode step reads every weight once and does 2 FLOPs per weight: the GEMVs are bound by HBM bandwidth,
-and cuBLAS leaves bandwidth on the table where N is small (qkv 3584->4608 and o_proj 3584->3584 ran at 2.8-3.0
-TB/s of the H200's 4.26-4.8). Each program streams a [BLOCK_N, BLOCK_K] slab of W per step (16-byte vector loads
-along K, evict-first: each weight is read once per token), for BLOCK_N rows of W over its share of K. Three ways to
-do the multiply-adds (`mode`):
+At batch 1 a decode step reads every weight once and does 2 FLOPs per weight: the GEMVs are bound by HBM bandwidth, and
+cuBLAS leaves bandwidth on the table where N is small (qkv and o_proj at 7B widths; measured: bench/RESULTS.md). Each
+program streams a [BLOCK_N, BLOCK_K] slab of W per step (16-byte vector loads along K, evict-first: each weight is read
+once per token), for BLOCK_N rows of W over its share of K. Three ways to do the multiply-adds (`mode`):
   fma       acc[BLOCK_N, m] += sum_k w * x[m], reduced along K every step, for each row m of x (few registers)
   fma_late  acc_m[BLOCK_N, BLOCK_K] += w * x[m], reduced once after the loop (one accumulator per row: M <= 4)
   dot       acc[BLOCK_N, 16] += W @ x^T on the tensor cores, x padded to 16 rows with zeros (W streamed through
@@ -105,9 +104,8 @@ class GemvConfig:
 # (N, K) -> ((max_m, config or None), ...) ascending in max_m: M rows use the first entry with M <= max_m; None
 # there means cuBLAS was faster (linear() calls F.linear). Filled from the H200 sweep: `python3 bench/gemv.py`
 # prints this table for Qwen2.5-7B's projections. Shapes and M past the table: linear() calls F.linear,
-# gemv_triton() without a config uses default_config.
-# H200, commit 8cb1b5a + this file (bench/gemv.py, 2026-11-30): a whole token's GEMVs (28 layers + lm_head) at
-# M=1 3.934 ms with cuBLAS, 3.458 ms through linear() with this table; M=2/4/8 3.96 -> 3.77/3.76/3.74 ms.
+# gemv_triton() without a config uses default_config. A token's GEMVs through linear() with this table against
+# cuBLAS: bench/RESULTS.md.
 CONFIGS: dict[tuple[int, int], tuple[tuple[int, GemvConfig | None], ...]] = {
     (4608, 3584): ((1, GemvConfig(8, 512, 1, 4, 1, 'fma_late')), (2, None), (4, None), (8, None),),
     (3584, 3584): ((1, GemvConfig(8, 512, 1, 4, 2, 'fma_late')), (2, GemvConfig(8, 512, 1, 4, 1, 'fma_late')), (4, GemvConfig(128, 128, 4, 8, 4, 'dot')), (8, GemvConfig(64, 128, 4, 4, 3, 'dot')),),
@@ -119,8 +117,7 @@ CONFIGS: dict[tuple[int, int], tuple[tuple[int, GemvConfig | None], ...]] = {
 # The same for float8_e4m3fn weights (Fp8Linear), against per-token quantization + torch._scaled_mm: None there means
 # _scaled_mm was faster; shapes and M past the table take _scaled_mm. BLOCK_K counts elements (1 byte each here).
 # Filled from the H200 sweep: `python3 bench/fp8_gemm.py --sweep` prints this table for Qwen2.5-7B's layer linears.
-# H200, commit e84ee02 (2026-11-30): a token's linears at M=1 in one graph (28 layers + bf16 lm_head): bf16 cuBLAS
-# 3.844 ms, bf16 linear() 3.428, fp8 quantizer + _scaled_mm 4.182, fp8 through this table 2.245 ms.
+# A token's linears through this table against bf16 and _scaled_mm: bench/RESULTS.md.
 CONFIGS_FP8: dict[tuple[int, int], tuple[tuple[int, GemvConfig | None], ...]] = {
     (4608, 3584): ((1, GemvConfig(8, 1024, 1, 4, 1, 'fma')), (2, GemvConfig(8, 512, 1, 4, 2, 'fma')), (4, GemvConfig(64, 256, 4, 4, 3, 'dot')), (8, GemvConfig(64, 256, 4, 4, 3, 'dot')), (16, GemvConfig(64, 128, 4, 4, 3, 'dot')),),
     (3584, 3584): ((1, GemvConfig(8, 1024, 1, 4, 1, 'fma_late')), (2, GemvConfig(8, 512, 1, 4, 2, 'fma_late')), (4, GemvConfig(64, 128, 4, 4, 3, 'dot')), (8, GemvConfig(64, 128, 4, 4, 3, 'dot')), (16, GemvConfig(64, 128, 4, 4, 3, 'dot')),),

@@ -39,7 +39,7 @@ def gather_kv_ref(
     """Reads each sequence's first max_seq_len cached tokens through its block table (dequantized)."""
     num_seqs = block_tables.shape[0]
     block_size = cache.shape[1]
-    num_blocks_needed = (max_seq_len + block_size - 1) // block_size
+    num_blocks_needed = triton.cdiv(max_seq_len, block_size)
     ids = block_tables[:, :num_blocks_needed].long()
     out = cache[ids]  # [num_seqs, nb, block_size, Hkv, D]
     out = out.reshape(num_seqs, num_blocks_needed * block_size, *cache.shape[2:])[:, :max_seq_len]
@@ -145,24 +145,6 @@ def paged_attention_torch(
     return out.transpose(1, 2)[seq_idx, pos_in_q]  # [T, H, D]
 
 
-def paged_decode_attention_ref(
-    q: torch.Tensor,  # [num_seqs, num_heads, head_dim], one query per sequence
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    block_tables: torch.Tensor,
-    seq_lens: torch.Tensor,
-    max_seq_len: int,
-    scale: float,
-    k_scale: float = 1.0,
-    v_scale: float = 1.0,
-) -> torch.Tensor:  # [num_seqs, num_heads, head_dim]
-    """The decode case: each sequence's single query attends to all of its seq_lens[i] cached tokens."""
-    num_seqs = q.shape[0]
-    qsl = torch.arange(num_seqs + 1, device=q.device, dtype=torch.int32)
-    return paged_attention_ref(q, k_cache, v_cache, block_tables, seq_lens, qsl, 1, max_seq_len, scale,
-                               k_scale, v_scale)
-
-
 # ----------------------------------------------------------------------------------------------------------------
 # Triton
 
@@ -204,8 +186,8 @@ def _attend_tiles(
     DOT_FP32: tl.constexpr, PRECISION: tl.constexpr,
 ):
     """Keys past kv_end are never loaded (K and V read as 0; the stale tail of a cache block may hold NaN). With a
-    causal mask a valid row sees only keys < kv_end anyway, so the score mask needs no kv_end test (it cost 20-40
-    registers per thread in the H200 compile); padded rows may see junk, and are never stored."""
+    causal mask a valid row sees only keys < kv_end anyway, so the score mask needs no kv_end test (it cost
+    registers per thread: bench/RESULTS.md); padded rows may see junk, and are never stored."""
     MASKED: tl.constexpr = MASK != 0
     d = tl.arange(0, HEAD_DIM_PAD)
     n = tl.arange(0, TILE_N)
@@ -301,10 +283,10 @@ def _attend_tiles_fp8x4(
     HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr, MASK: tl.constexpr,
     PRECISION: tl.constexpr, ASM: tl.constexpr,
 ):
-    """_attend_tiles over an fp8 cache read four values per load: one 32-bit address per four keys' (or values')
-    bytes instead of one per byte, which is what bounded the byte-wise fp8 walk (fp8 decode at ~60% of its bytes'
-    roofline, docs/kernels.md). Each word's byte j is column 4i + j, so q . k is the sum of four dots over the
-    columns j mod 4, and P @ V fills the four column sets of the output."""
+    """_attend_tiles over an fp8 cache read four values per load: one 32-bit address per four keys' (or values') bytes
+    instead of one per byte, which is what bounded the byte-wise fp8 walk (docs/kernels.md). Each word's byte j is
+    column 4i + j, so q . k is the sum of four dots over the columns j mod 4, and P @ V fills the four column sets of
+    the output."""
     d4 = tl.arange(0, HEAD_DIM // 4)
     n = tl.arange(0, TILE_N)
     for t in range(tile_lo, tile_hi):
@@ -375,7 +357,7 @@ def _opaque_zero(OPAQUE: tl.constexpr):
 
 
 # Per-step integers are not specialized: Triton would otherwise compile a new variant whenever num_seqs or the
-# block-table width changes between 1, multiples of 16 and the rest (a 1-1.5 s stall in the middle of serving).
+# block-table width changes between 1, multiples of 16 and the rest (a compile stall in the middle of serving).
 @triton.jit(do_not_specialize=["num_seqs", "stride_bt"])
 def _paged_attention_kernel(
     out_ptr,  # [num_tokens, num_heads, head_dim]            (NUM_SEGMENTS == 1)
@@ -495,8 +477,8 @@ def _paged_attention_kernel(
         # The cached prefix [0, context_len) from the cache: every row sees all of it (only its last, partial tile
         # masks, against context_len). Then this step's keys, row q_start + j holding position context_len + j,
         # from k/v (one segment only): tiles below new_full are seen by every row, the rest mask causally.
-        # (Positions inside the chunk, not absolute ones, in that mask: comparing against context_len + j cost 35
-        # registers per thread in the H200 compile.)
+        # (Positions inside the chunk, not absolute ones, in that mask: comparing against context_len + j cost
+        # registers per thread: bench/RESULTS.md.)
         ctx_full = context_len // TILE_N
         acc, l_i, m_i = _attend_tiles(
             acc, l_i, m_i, q, q_pos, bt_row_ptr, kc_ptr, vc_ptr, stride_kc_b, stride_kc_s, stride_vc_b, stride_vc_s,
@@ -525,7 +507,7 @@ def _paged_attention_kernel(
             HEAD_DIM, HEAD_DIM_PAD, BLOCK_SIZE, TILE_N, NEW_KV, 1, DOT_FP32, PRECISION)
 
     # The rows' addresses again, from a zero the compiler cannot see through: computed before the loops, they were
-    # kept live through them (26 registers at 128 rows x 8 warps; spills at 256 rows x 16 warps).
+    # kept live through them (registers, and spills in the largest tiles: bench/RESULTS.md).
     rows = tl.arange(0, BLOCK_M) + _opaque_zero(OPAQUE_ZERO)
     q_local = q_first + rows // QUERIES_PER_KV
     row_ok = (rows < BLOCK_Q * QUERIES_PER_KV) & (q_local < q_len)
@@ -602,12 +584,11 @@ LAST_LAUNCH: dict = {}  # the last compiled attention kernel (bench/kernels.py r
 
 
 # 256-row prefill tiles (16 warps) pass the CUDA tests but lost to 128-row tiles at two programs per SM in the
-# H200 sweep (docs/kernels.md: 54.5% vs 55.2% of 781 TFLOP/s on a fresh 4k chunk, 52.8% vs 58.2% after a 4k prefix).
+# H200 sweep (docs/kernels.md; bench/RESULTS.md).
 PREFILL_MAX_BLOCK_M = 128
 # Prefill launches read this step's keys from k/v (when the caller passes them): 0 no, 1 by pointers, 2 by TMA.
-# H200: TMA is +1-2% in the kernel (55.2% vs 54.1% of 781 TFLOP/s on a fresh 4k chunk, 58.2% vs 57.0% after a 4k
-# prefix) but costs the host ~1.8 ms per 512-token prefill of a 28-layer model (descriptors per launch; TTFT 21.7 vs
-# 19.9 ms eager, bench/ttft_profile.py), where the host, not the GPU, bounds the step: off by default.
+# TMA is a little faster in the kernel but costs the host more per launch (descriptors), and a short prefill's step is
+# bound by the host, not the GPU: off by default (measured: bench/ttft_profile.py, bench/RESULTS.md).
 PREFILL_NEW_KV = 0
 
 
@@ -624,16 +605,15 @@ def default_config(
         # Split the context only when there are fewer (sequence, KV head) programs than SMs: at batch 64 x 4 KV
         # heads the split costs more (reduction pass) than it gains. Split batches use 64-key tiles and may go
         # down to one tile per segment: at batch 1 and a short context a program's serial walk over its keys
-        # (latency, not bandwidth) is what a step waits for (10.7 us per layer at ~600 tokens in 2 segments of
-        # 128-key tiles on the H200, bench/profile_decode.py --batch 1).
+        # (latency, not bandwidth) is what a step waits for (measured: bench/profile_decode.py --batch 1,
+        # bench/RESULTS.md).
         if num_seqs * num_kv_heads < num_sms:
             tile_n = 64
         while (num_seqs * num_kv_heads * num_segments < num_sms and num_segments < 128
                and max_seq_len >= 2 * num_segments * tile_n):
             num_segments *= 2
         # An fp8 cache: read in 32-bit words (converted by PTX) once there are >= 4 programs per SM; at ~2 per SM
-        # byte loads were as fast or faster (H200, docs/kernels.md: batch 64 x 4k bytes 0.103 ms, words 0.104-0.119;
-        # batch 256 x 4k bytes 0.377, words 0.318); two stages beat three either way.
+        # byte loads were as fast or faster; two stages beat three either way (docs/kernels.md, bench/RESULTS.md).
         fp8x4 = 2 if kv_fp8 and num_seqs * num_kv_heads * num_segments >= 4 * num_sms else 0
         return dict(block_m=min_m, tile_n=tile_n, num_segments=num_segments, num_warps=4,
                     num_stages=2 if kv_fp8 else 3, fp8_via_fp16=1, new_kv=0, maxnreg=0, fp8x4=fp8x4)
@@ -656,8 +636,8 @@ def _prefill_block_ms(queries_per_kv: int, head_dim: int, max_query_len: int, q_
 
 def _prefill_config(block_m: int, head_dim: int, q_bytes: int = 2, kv_fp8: bool = False) -> dict[str, int]:
     # 128-row tiles of 16-bit queries and cache capped at 128 registers: two programs per SM (8 warps, 96 KiB of
-    # shared memory each) overlap one's softmax with the other's matmuls; 1.55x on the H200 (0.437 -> 0.279 ms for a
-    # fresh 4k chunk), a few spilled registers. Not measured with an fp8 cache (160 B of spills when compiled).
+    # shared memory each) overlap one's softmax with the other's matmuls, for a few spilled registers (measured:
+    # bench/RESULTS.md). Not measured with an fp8 cache (its compile spills too: bench/RESULTS.md).
     capped = block_m == 128 and q_bytes == 2 and not kv_fp8 and head_dim <= 128
     return dict(block_m=block_m, tile_n=64 if head_dim <= 128 else 32, num_segments=1,
                 num_warps={256: 16, 128: 8}.get(block_m, 4), num_stages=2 if block_m >= 64 else 3, fp8_via_fp16=1,

@@ -14,7 +14,7 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from engine import loader
-from engine.loader import ResolvedModel, load_tokenizer, load_weights, resolve_model, supported_architectures
+from engine.loader import ResolvedModel, load_tokenizer, load_weights, resolve_model
 
 PROMPT_IDS = torch.tensor([[1, 7, 300, 42, 256, 99, 511, 3, 8, 200, 17, 64]])
 
@@ -44,10 +44,6 @@ def _copy_dir_with(tmp_path: Path, src: Path, tensors: dict[str, torch.Tensor]) 
 
 
 # --- resolve_model -----------------------------------------------------------------------------------------------
-
-
-def test_supported_architectures():
-    assert supported_architectures() == ["LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM"]
 
 
 def test_resolve_random_preset():
@@ -245,12 +241,12 @@ def test_random_init_bf16_is_fast():
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(r.config, dtype=torch.bfloat16)
     model = model.to_empty(device="cpu")
-    t0 = time.perf_counter()
+    t0 = time.process_time()  # this process's CPU time: other processes' load does not count
     load_weights(model, r)
-    elapsed = time.perf_counter() - t0
+    elapsed = time.process_time() - t0
     p = model.get_parameter("model.layers.29.self_attn.q_proj.weight")
     assert p.dtype == torch.bfloat16 and p.std().item() > 0.015
-    assert elapsed < 10.0, f"random init of 135M params took {elapsed:.1f} s"
+    assert elapsed < 10.0, f"random init of 135M params took {elapsed:.1f} s of CPU"
 
 
 # --- tokenizers ---------------------------------------------------------------------------------------------------
@@ -430,10 +426,10 @@ def test_synthetic_tokenizer_too_small_vocab(vocab_size):
 def test_synthetic_tokenizer_of_a_7b_vocab_builds_quickly():
     from engine.tokenizer import synthetic_tokenizer
 
-    t0 = time.perf_counter()
+    t0 = time.process_time()  # this process's CPU time: other processes' load does not count
     tok = synthetic_tokenizer(152064)
     assert len(tok) == 152064 and tok.decode([152063]) == "<f152063>"
-    assert time.perf_counter() - t0 < 5.0
+    assert time.process_time() - t0 < 5.0
 
 
 def test_resolve_a_gguf_path_uses_the_converted_dir(fake_gguf, monkeypatch, tiny_llama_dir):

@@ -8,7 +8,6 @@ from __future__ import annotations
 import os
 import sys
 
-import pytest
 import torch
 
 ON_CUDA = torch.cuda.is_available()

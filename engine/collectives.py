@@ -1,0 +1,49 @@
+"""The collectives every tensor-parallel rank runs, in the same order (engine/tp_worker.py tells the life of a step).
+
+One process group per engine: NCCL on CUDA (rank r on cuda:base+r), gloo on the CPU, joined through a file
+rendezvous. Rank 0 (engine/tp_executor.py) and the workers (engine/tp_worker.py) call these; the model runner calls
+min_over_ranks and share_tokens without knowing which side of the group it is on.
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+
+class WorkerError(RuntimeError):
+    """A tensor-parallel worker died or the group broke: this engine cannot run another step."""
+
+
+def init_group(rank: int, world: int, device: torch.device, init_method: str) -> None:
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", init_method=init_method, rank=rank,
+                            world_size=world)
+
+
+def barrier(device: torch.device) -> None:
+    """An all-reduce every rank waits for (dist.barrier on NCCL guesses the device)."""
+    t = torch.zeros(1, device=device)
+    dist.all_reduce(t)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def min_over_ranks(n: int, device: torch.device) -> int:
+    """The smallest of every rank's n (the KV blocks each rank's budget holds: block ids mean the same on all)."""
+    t = torch.tensor([n], dtype=torch.int64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MIN)
+    return int(t.item())
+
+
+def share_tokens(token_ids: torch.Tensor) -> None:
+    """Rank 0: sends a step's sampled tokens [num_sampled] int64 to the workers (receive_tokens on each)."""
+    assert token_ids.dtype == torch.int64 and token_ids.is_contiguous(), (token_ids.dtype, token_ids.stride())
+    dist.broadcast(token_ids, 0)
+
+
+def receive_tokens(num_sampled: int, device: torch.device) -> torch.Tensor:
+    """A worker: rank 0's sampled tokens of this step, [num_sampled] int64 on `device`."""
+    tokens = torch.empty(num_sampled, dtype=torch.int64, device=device)
+    dist.broadcast(tokens, 0)
+    return tokens
