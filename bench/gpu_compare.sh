@@ -25,7 +25,7 @@ for round in $(seq "${ROUNDS:-2}"); do
     echo "== $tag round $round: $((SECONDS - t0)) s"
   done
 done
-python3 - "$OUT" <<'EOF'
+python3 - "$OUT" "${BEFORE_COMMIT:-}" "${AFTER_COMMIT:-}" <<'EOF'
 import json, statistics, sys
 from pathlib import Path
 out = Path(sys.argv[1])
@@ -34,7 +34,9 @@ for tag in ("before", "after"):
     lat = [json.loads(p.read_text()) for p in sorted(out.glob(f"latency-{tag}-*.json"))]
     tp = [json.loads(p.read_text()) for p in sorted(out.glob(f"throughput-{tag}-*/*.json"))]
     rows[tag] = ([r.get("decode_tokens_per_s") for r in lat], [r.get("ttft_ms") for r in lat],
-                 [r.get("output_tokens_per_s") for r in tp], lat[0].get("commit") if lat else "?")
+                 [r.get("output_tokens_per_s") for r in tp],
+                 # (the device machine's git metadata may be another commit's: the caller's word comes first)
+                 sys.argv[2 if tag == "before" else 3] or (lat[0].get("commit") if lat else "?"))
 print(f"{'tree':7s} {'commit':>10s} {'batch-1 tok/s':>28s} {'TTFT ms':>22s} {'offline out tok/s':>30s}")
 for tag, (dec, ttft, tput, commit) in rows.items():
     f = lambda xs: " / ".join(f"{x:.1f}" for x in xs if x is not None) or "-"
