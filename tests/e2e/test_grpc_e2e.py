@@ -68,7 +68,11 @@ class GrpcStack:
                         await load(addr, "decode" if addr in self.decode_addrs else "prefill")
                     r = await generate_pb2_grpc.GenerateStub(ch).ListModels(generate_pb2.ListModelsRequest(),
                                                                             timeout=2)
-                    return bool(r.models)
+                    # The router's own health says SERVING once its polls see a prefill and a decode instance
+                    # (how soon depends on its channels' reconnect backoff, not on a fixed wait).
+                    status = await health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service=""),
+                                                                       timeout=2)
+                    return bool(r.models) and status.status == health_pb2.HealthCheckResponse.SERVING
                 except grpc.aio.AioRpcError:
                     return False
 
@@ -79,7 +83,6 @@ class GrpcStack:
                 self.stop()
                 raise RuntimeError(f"{dead} exited:\n" + self.tail())
             if asyncio.run(probe()):
-                time.sleep(1.5)  # one router health poll after the instances answered
                 return self
             time.sleep(1)
         self.stop()
