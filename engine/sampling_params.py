@@ -12,6 +12,7 @@ from dataclasses import dataclass
 _SAMPLING_EPS = 1e-5
 MAX_N = 128
 MAX_LOGPROBS = 20
+_INT32_MAX = 2**31 - 1
 
 
 @dataclass
@@ -99,6 +100,17 @@ class SamplingParams:
         for t in self.stop_token_ids:
             if not isinstance(t, int) or t < 0:
                 raise ValueError(f"stop_token_ids={self.stop_token_ids!r}: must be ints >= 0")
+        # What the services' wire carries (tandem.v1.SamplingParams): int32 counts and ids, an int64 seed (the
+        # router gives completion i of n the seed + i).
+        for name in ("top_k", "max_tokens", "min_tokens"):
+            value = getattr(self, name)
+            if value is not None and value > _INT32_MAX:
+                raise ValueError(f"{name}={value}: must be at most {_INT32_MAX}")
+        if any(t > _INT32_MAX for t in self.stop_token_ids):
+            raise ValueError(f"stop_token_ids={self.stop_token_ids!r}: must be ints <= {_INT32_MAX}")
+        if self.seed is not None and not -2**63 <= self.seed <= 2**63 - self.n:
+            raise ValueError(f"seed={self.seed}: must be in [-2**63, 2**63 - n] (a 64-bit seed for each of the n "
+                             "completions)")
 
     @property
     def greedy(self) -> bool:

@@ -75,3 +75,20 @@ def test_invalid_values_name_the_field_value_and_range(field, value, message):
 ])
 def test_boundary_values_are_accepted(kwargs):
     SamplingParams(**kwargs)
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(top_k=2**31), r"^top_k=2147483648: must be at most 2147483647$"),
+    (dict(max_tokens=2**31), r"^max_tokens=2147483648: must be at most 2147483647$"),
+    (dict(min_tokens=2**31, max_tokens=None), r"^min_tokens=2147483648: must be at most 2147483647$"),
+    (dict(stop_token_ids=[1, 2**31]), r"^stop_token_ids=\[1, 2147483648\]: must be ints <= 2147483647$"),
+    (dict(seed=2**63), r"^seed=9223372036854775808: must be in \[-2\*\*63, 2\*\*63 - n\]"),
+    (dict(seed=2**63 - 2, n=4), r"^seed=9223372036854775806: must be in"),
+    (dict(seed=-2**63 - 1), r"^seed=-9223372036854775809: must be in"),
+])
+def test_values_the_wire_cannot_carry_are_refused_naming_the_field(kwargs, message):
+    """The services carry int32 counts and an int64 seed (seed + i for completion i): a larger value is the
+    caller's error here, not a protobuf range error (HTTP 500) in the router later."""
+    with pytest.raises(ValueError, match=message):
+        SamplingParams(**kwargs)
+    SamplingParams(top_k=2**31 - 1, seed=2**63 - 4, n=4)  # the largest that fit

@@ -100,3 +100,11 @@ async def test_long_prompts_are_tokenized_off_the_event_loop(anyio_backend):
             await c.post("/tokenize", json={"prompt": prompt})
     (short, t_short), (long, t_long) = threads
     assert t_short is threading.main_thread() and t_long is not threading.main_thread(), threads
+
+
+@pytest.mark.anyio
+async def test_values_the_wire_cannot_carry_are_400_naming_the_field(anyio_backend):
+    async with client() as c:
+        top_k = await c.post("/v1/completions", json={"prompt": "hi", "top_k": 2**31})
+        seed = await c.post("/v1/completions", json={"prompt": "hi", "seed": 2**63})
+    assert error(top_k)[:2] == (400, "top_k") and error(seed)[:2] == (400, "seed"), (top_k.text, seed.text)
