@@ -38,7 +38,7 @@ import torch
 
 from engine.args import EngineArgs, add_engine_args
 from router.server import add_router_args
-from serving.auth import ENV_API_KEY
+from serving.auth import ENV_API_KEY, add_api_key_args
 from serving.config import WorkerConfig
 from serving.tls import TlsConfig, add_tls_args, tls_flags
 
@@ -72,9 +72,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="seconds a child gets to exit before SIGKILL (default: its shutdown grace + "
                         f"{_STOP_MARGIN_S:g} s, so a draining worker is not killed mid-drain)")
     add_tls_args(p)
-    p.add_argument("--api-key", default=None,
-                   help=f"the router's API key (passed to it as ${ENV_API_KEY}, never on a command line; default: "
-                        f"${ENV_API_KEY} as set here, else none)")
+    add_api_key_args(p, open_paths=False)
     add_engine_args(p)
     device = _action(p, "device")
     device.default, device.help = "cpu", "cpu, cuda or auto (default: cpu, unlike the workers' own auto)"

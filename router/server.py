@@ -35,7 +35,7 @@ from engine.args import EngineArgs, add_engine_args
 from router.core import RouterConfig, RouterLimits
 from router.http import DEFAULT_MAX_REQUEST_BYTES
 from router.instances import POLICIES
-from serving.auth import DEFAULT_OPEN_PATHS, ENV_API_KEY, ApiKey
+from serving.auth import ApiKey, add_api_key_args
 from serving.config import WorkerConfig
 from serving.tls import TlsConfig, add_tls_args
 
@@ -82,12 +82,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="completions one request may ask for, its prompts times n "
                         f"(default: {RouterLimits.max_sub_requests})")
     add_tls_args(p)
-    p.add_argument("--api-key", default=None,
-                   help=f"require 'Authorization: Bearer <key>' on the HTTP API and 'authorization' metadata on the "
-                        f"gRPC API (default: ${ENV_API_KEY}, else no key)")
-    p.add_argument("--api-key-open-paths", default=",".join(DEFAULT_OPEN_PATHS),
-                   help="HTTP paths served without the key, comma-separated ('' protects every path; default: "
-                        f"{','.join(DEFAULT_OPEN_PATHS)})")
+    add_api_key_args(p)
     # --model (for the tokenizer), --served-model-name and --max-model-len (must match the workers') always apply.
     add_engine_args(p)
     return p

@@ -12,6 +12,7 @@ of process listings and of `tandem up`'s printed command lines).
 """
 from __future__ import annotations
 
+import argparse
 import hmac
 import json
 import os
@@ -21,6 +22,18 @@ import grpc
 
 ENV_API_KEY = "TANDEM_API_KEY"
 DEFAULT_OPEN_PATHS = ("/health", "/metrics")
+
+
+def add_api_key_args(p: argparse.ArgumentParser, open_paths: bool = True) -> None:
+    """The router's --api-key (and --api-key-open-paths), declared once for `tandem router` and `tandem up`."""
+    p.add_argument("--api-key", default=None,
+                   help="require 'Authorization: Bearer <key>' on the router's HTTP API and 'authorization' metadata "
+                        f"on its gRPC API (default: ${ENV_API_KEY}, else no key; tandem up hands it to the router in "
+                        "its environment, never on a command line)")
+    if open_paths:
+        p.add_argument("--api-key-open-paths", default=",".join(DEFAULT_OPEN_PATHS),
+                       help="HTTP paths served without the key, comma-separated ('' protects every path; default: "
+                            f"{','.join(DEFAULT_OPEN_PATHS)})")
 
 
 class ApiKey:
