@@ -143,6 +143,13 @@ class RouterCore:
         return await tokenize_off_loop(self.tokenizer, text, **kwargs)
 
     # ---- validation -------------------------------------------------------------------------------------------
+    def check_token_ids(self, ids: list[int], field: str = "prompt_token_ids") -> None:
+        """RequestError naming the first id outside the vocabulary (before anything decodes or sends them)."""
+        bad = next((t for t in ids if not isinstance(t, int) or not 0 <= t < self.vocab_size), None)
+        if bad is not None:
+            raise RequestError("invalid_argument", field, f"{field}: token id {bad!r} is outside the vocabulary "
+                                                          f"[0, {self.vocab_size})")
+
     def check_fan_out(self, num_prompts: int, n: int) -> None:
         """RequestError when num_prompts x n completions exceed limits.max_sub_requests."""
         total, limit = num_prompts * n, self.limits.max_sub_requests
@@ -165,10 +172,7 @@ class RouterCore:
         else:
             ids = list(req.prompt_token_ids)
             field = "prompt_token_ids"
-            bad = next((t for t in ids if not isinstance(t, int) or not 0 <= t < self.vocab_size), None)
-            if bad is not None:
-                raise RequestError("invalid_argument", field, f"prompt_token_ids: token id {bad!r} is outside the "
-                                                              f"vocabulary [0, {self.vocab_size})")
+            self.check_token_ids(ids)
         if not ids:
             raise RequestError("invalid_argument", field, f"{field}: must not be empty")
         if len(ids) >= self.max_model_len:

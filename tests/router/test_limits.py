@@ -108,3 +108,11 @@ async def test_values_the_wire_cannot_carry_are_400_naming_the_field(anyio_backe
         top_k = await c.post("/v1/completions", json={"prompt": "hi", "top_k": 2**31})
         seed = await c.post("/v1/completions", json={"prompt": "hi", "seed": 2**63})
     assert error(top_k)[:2] == (400, "top_k") and error(seed)[:2] == (400, "seed"), (top_k.text, seed.text)
+
+
+@pytest.mark.anyio
+async def test_token_ids_outside_the_vocabulary_are_400_before_echo_decodes_them(anyio_backend):
+    async with client() as c:
+        got = [await c.post("/v1/completions", json={"prompt": [bad], "echo": True}) for bad in (-1, 2**40, 512)]
+    for r, bad in zip(got, (-1, 2**40, 512)):
+        assert error(r) == (400, "prompt", f"prompt: token id {bad} is outside the vocabulary [0, 512)"), r.text
