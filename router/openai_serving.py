@@ -321,7 +321,7 @@ class Completions(_SSEEndpoint):
                          for i, p in enumerate(prompts)]
         for p in prompts:
             if not isinstance(p, str):
-                core.check_token_ids(p, "prompt")  # (before echo decodes them: the tokenizer overflows on some)
+                core.check_token_ids(p)  # (before echo decodes them: the tokenizer overflows on some)
         self.echo = [(p if isinstance(p, str) else self.tokenizer.decode(p)) if body.echo else "" for p in prompts]
         self.stream, self.n, self.created = body.stream, params.n, int(time.time())
         self.offsets: dict[int, int] = {}  # streaming: choice index -> length of its text sent so far

@@ -115,4 +115,5 @@ async def test_token_ids_outside_the_vocabulary_are_400_before_echo_decodes_them
     async with client() as c:
         got = [await c.post("/v1/completions", json={"prompt": [bad], "echo": True}) for bad in (-1, 2**40, 512)]
     for r, bad in zip(got, (-1, 2**40, 512)):
-        assert error(r) == (400, "prompt", f"prompt: token id {bad} is outside the vocabulary [0, 512)"), r.text
+        assert error(r) == (400, "prompt_token_ids", f"prompt_token_ids: token id {bad} is outside the vocabulary "
+                                                     "[0, 512)"), r.text
