@@ -11,7 +11,10 @@ answering GET /metrics) or `prometheus_client.generate_latest()` (the router's F
 """
 from __future__ import annotations
 
-from prometheus_client import Counter, Gauge, Histogram, start_http_server
+import http.server
+import threading
+
+from prometheus_client import CONTENT_TYPE_PLAIN_0_0_4, REGISTRY, Counter, Gauge, Histogram, generate_latest
 
 LABELS = ("model", "role")
 
@@ -95,7 +98,32 @@ class Metrics:
         self.request_success[reason if reason in self.request_success else "abort"].inc()
 
 
-def start_metrics_server(port: int, host: str = "0.0.0.0") -> None:
+class _MetricsHandler(http.server.BaseHTTPRequestHandler):
+    """GET /metrics in Prometheus's text format 0.0.4, whatever the scraper's Accept header says, as the router's
+    /metrics answers. (prometheus_client's own server negotiates OpenMetrics with escaping=underscores for a
+    Prometheus 2.x scrape, which writes `tandem:x` samples as `tandem_x` under a `tandem:x` HELP line: the series
+    would be stored under another name than the router's and the dashboards query.)"""
+
+    def do_GET(self) -> None:  # noqa: N802 - the stdlib's name
+        if self.path.split("?")[0] not in ("/metrics", "/"):
+            self.send_error(404)
+            return
+        body = generate_latest(REGISTRY)
+        self.send_response(200)
+        self.send_header("Content-Type", CONTENT_TYPE_PLAIN_0_0_4)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *args) -> None:  # one line per scrape is noise
+        pass
+
+
+def start_metrics_server(port: int, host: str = "0.0.0.0") -> http.server.ThreadingHTTPServer | None:
     """Serves GET /metrics (the default registry) on host:port in a daemon thread; port 0 disables it."""
-    if port:
-        start_http_server(port, addr=host)
+    if not port:
+        return None
+    server = http.server.ThreadingHTTPServer((host, port), _MetricsHandler)
+    server.daemon_threads = True
+    threading.Thread(target=server.serve_forever, name="metrics-http", daemon=True).start()
+    return server
