@@ -3,6 +3,11 @@
     python -m protos.build          # rewrite the stubs in place
     python -m protos.build --check  # exit 1 when the committed stubs are stale
 
+The .proto files import each other relative to protos/ (`import "tandem/v1/common.proto"`), so any project compiles
+them with `protoc -I protos` (Go and Java packages are named in the files). protoc then writes Python imports as
+`from tandem.v1 import ...`; this script rewrites them to `from protos.tandem.v1 import ...`, the package the
+committed stubs live in here.
+
 Needs grpcio-tools (a dev dependency); the machines that only run the services do not have it, which is why the
 stubs are committed.
 
@@ -22,7 +27,8 @@ import sys
 import tempfile
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent  # the repository root: proto imports are "protos/tandem/v1/x.proto"
+ROOT = Path(__file__).resolve().parent.parent  # the repository root
+INCLUDE = ROOT / "protos"  # proto imports are "tandem/v1/x.proto", relative to it
 PROTO_DIR = Path("protos") / "tandem" / "v1"
 GRPC_FLOOR = "1.70.0"
 
@@ -32,6 +38,7 @@ _RUNTIME_CHECK = re.compile(
 )
 _PROTOC_VERSION = re.compile(r"# Protobuf Python Version: .*\n")
 _GRPC_VERSION = re.compile(r"GRPC_GENERATED_VERSION = '[^']*'")
+_IMPORT = re.compile(r"^from tandem\.v1 import ", re.M)
 
 
 def proto_files() -> list[Path]:
@@ -39,7 +46,7 @@ def proto_files() -> list[Path]:
 
 
 def _postprocess(path: Path) -> None:
-    text = path.read_text()
+    text = _IMPORT.sub("from protos.tandem.v1 import ", path.read_text())
     if path.name.endswith("_pb2.py"):
         text, n = _RUNTIME_CHECK.subn("", text)
         assert n == 2, f"{path}: expected the protobuf runtime version check (import and call), found {n} parts"
@@ -57,15 +64,22 @@ def generate(out_root: Path) -> list[Path]:
     import grpc_tools
 
     include = Path(grpc_tools.__file__).parent / "_proto"
-    files = [str(p.relative_to(ROOT)) for p in proto_files()]
-    args = ["protoc", f"-I{ROOT}", f"-I{include}", f"--python_out={out_root}", f"--pyi_out={out_root}",
-            f"--grpc_python_out={out_root}", *files]
-    rc = protoc.main(args)
-    if rc != 0:
-        raise SystemExit(f"protoc failed with exit code {rc}")
-    generated = sorted(p for p in (out_root / PROTO_DIR).iterdir() if p.name.endswith(("_pb2.py", "_pb2.pyi", "_pb2_grpc.py")))
+    files = [str(p.relative_to(INCLUDE)) for p in proto_files()]
+    with tempfile.TemporaryDirectory() as tmp:
+        args = ["protoc", f"-I{INCLUDE}", f"-I{include}", f"--python_out={tmp}", f"--pyi_out={tmp}",
+                f"--grpc_python_out={tmp}", *files]
+        rc = protoc.main(args)
+        if rc != 0:
+            raise SystemExit(f"protoc failed with exit code {rc}")
+        out = out_root / PROTO_DIR
+        out.mkdir(parents=True, exist_ok=True)
+        generated = []
+        for p in sorted((Path(tmp) / "tandem" / "v1").iterdir()):
+            if p.name.endswith(("_pb2.py", "_pb2.pyi", "_pb2_grpc.py")):
+                (out / p.name).write_text(p.read_text())
+                generated.append(out / p.name)
     for p in generated:
-        if p.suffix == ".py":
+        if p.name.endswith((".py", ".pyi")):
             _postprocess(p)
     return generated
 

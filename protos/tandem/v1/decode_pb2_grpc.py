@@ -3,9 +3,9 @@
 import grpc
 import warnings
 
-from protos.tandem.v1 import common_pb2 as protos_dot_tandem_dot_v1_dot_common__pb2
-from protos.tandem.v1 import decode_pb2 as protos_dot_tandem_dot_v1_dot_decode__pb2
-from protos.tandem.v1 import kv_transfer_pb2 as protos_dot_tandem_dot_v1_dot_kv__transfer__pb2
+from protos.tandem.v1 import common_pb2 as tandem_dot_v1_dot_common__pb2
+from protos.tandem.v1 import decode_pb2 as tandem_dot_v1_dot_decode__pb2
+from protos.tandem.v1 import kv_transfer_pb2 as tandem_dot_v1_dot_kv__transfer__pb2
 
 GRPC_GENERATED_VERSION = '1.70.0'
 GRPC_VERSION = grpc.__version__
@@ -20,7 +20,7 @@ except ImportError:
 if _version_not_supported:
     raise RuntimeError(
         f'The grpc package installed is at version {GRPC_VERSION},'
-        + ' but the generated code in protos/tandem/v1/decode_pb2_grpc.py depends on'
+        + ' but the generated code in tandem/v1/decode_pb2_grpc.py depends on'
         + f' grpcio>={GRPC_GENERATED_VERSION}.'
         + f' Please upgrade your grpc module to grpcio>={GRPC_GENERATED_VERSION}'
         + f' or downgrade your generated code using grpcio-tools<={GRPC_VERSION}.'
@@ -38,23 +38,23 @@ class DecodeStub:
         """
         self.Decode = channel.unary_stream(
                 '/tandem.v1.Decode/Decode',
-                request_serializer=protos_dot_tandem_dot_v1_dot_decode__pb2.DecodeRequest.SerializeToString,
-                response_deserializer=protos_dot_tandem_dot_v1_dot_decode__pb2.DecodeResponse.FromString,
+                request_serializer=tandem_dot_v1_dot_decode__pb2.DecodeRequest.SerializeToString,
+                response_deserializer=tandem_dot_v1_dot_decode__pb2.DecodeResponse.FromString,
                 _registered_method=True)
         self.TransferKv = channel.stream_unary(
                 '/tandem.v1.Decode/TransferKv',
-                request_serializer=protos_dot_tandem_dot_v1_dot_kv__transfer__pb2.KvTransferMessage.SerializeToString,
-                response_deserializer=protos_dot_tandem_dot_v1_dot_kv__transfer__pb2.KvTransferAck.FromString,
+                request_serializer=tandem_dot_v1_dot_kv__transfer__pb2.KvTransferMessage.SerializeToString,
+                response_deserializer=tandem_dot_v1_dot_kv__transfer__pb2.KvTransferAck.FromString,
                 _registered_method=True)
         self.KvHandshake = channel.unary_unary(
                 '/tandem.v1.Decode/KvHandshake',
-                request_serializer=protos_dot_tandem_dot_v1_dot_kv__transfer__pb2.KvHandshakeRequest.SerializeToString,
-                response_deserializer=protos_dot_tandem_dot_v1_dot_kv__transfer__pb2.KvHandshakeResponse.FromString,
+                request_serializer=tandem_dot_v1_dot_kv__transfer__pb2.KvHandshakeRequest.SerializeToString,
+                response_deserializer=tandem_dot_v1_dot_kv__transfer__pb2.KvHandshakeResponse.FromString,
                 _registered_method=True)
         self.GetLoad = channel.unary_unary(
                 '/tandem.v1.Decode/GetLoad',
-                request_serializer=protos_dot_tandem_dot_v1_dot_common__pb2.GetLoadRequest.SerializeToString,
-                response_deserializer=protos_dot_tandem_dot_v1_dot_common__pb2.InstanceLoad.FromString,
+                request_serializer=tandem_dot_v1_dot_common__pb2.GetLoadRequest.SerializeToString,
+                response_deserializer=tandem_dot_v1_dot_common__pb2.InstanceLoad.FromString,
                 _registered_method=True)
 
 
@@ -98,23 +98,23 @@ def add_DecodeServicer_to_server(servicer, server):
     rpc_method_handlers = {
             'Decode': grpc.unary_stream_rpc_method_handler(
                     servicer.Decode,
-                    request_deserializer=protos_dot_tandem_dot_v1_dot_decode__pb2.DecodeRequest.FromString,
-                    response_serializer=protos_dot_tandem_dot_v1_dot_decode__pb2.DecodeResponse.SerializeToString,
+                    request_deserializer=tandem_dot_v1_dot_decode__pb2.DecodeRequest.FromString,
+                    response_serializer=tandem_dot_v1_dot_decode__pb2.DecodeResponse.SerializeToString,
             ),
             'TransferKv': grpc.stream_unary_rpc_method_handler(
                     servicer.TransferKv,
-                    request_deserializer=protos_dot_tandem_dot_v1_dot_kv__transfer__pb2.KvTransferMessage.FromString,
-                    response_serializer=protos_dot_tandem_dot_v1_dot_kv__transfer__pb2.KvTransferAck.SerializeToString,
+                    request_deserializer=tandem_dot_v1_dot_kv__transfer__pb2.KvTransferMessage.FromString,
+                    response_serializer=tandem_dot_v1_dot_kv__transfer__pb2.KvTransferAck.SerializeToString,
             ),
             'KvHandshake': grpc.unary_unary_rpc_method_handler(
                     servicer.KvHandshake,
-                    request_deserializer=protos_dot_tandem_dot_v1_dot_kv__transfer__pb2.KvHandshakeRequest.FromString,
-                    response_serializer=protos_dot_tandem_dot_v1_dot_kv__transfer__pb2.KvHandshakeResponse.SerializeToString,
+                    request_deserializer=tandem_dot_v1_dot_kv__transfer__pb2.KvHandshakeRequest.FromString,
+                    response_serializer=tandem_dot_v1_dot_kv__transfer__pb2.KvHandshakeResponse.SerializeToString,
             ),
             'GetLoad': grpc.unary_unary_rpc_method_handler(
                     servicer.GetLoad,
-                    request_deserializer=protos_dot_tandem_dot_v1_dot_common__pb2.GetLoadRequest.FromString,
-                    response_serializer=protos_dot_tandem_dot_v1_dot_common__pb2.InstanceLoad.SerializeToString,
+                    request_deserializer=tandem_dot_v1_dot_common__pb2.GetLoadRequest.FromString,
+                    response_serializer=tandem_dot_v1_dot_common__pb2.InstanceLoad.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -142,8 +142,8 @@ class Decode:
             request,
             target,
             '/tandem.v1.Decode/Decode',
-            protos_dot_tandem_dot_v1_dot_decode__pb2.DecodeRequest.SerializeToString,
-            protos_dot_tandem_dot_v1_dot_decode__pb2.DecodeResponse.FromString,
+            tandem_dot_v1_dot_decode__pb2.DecodeRequest.SerializeToString,
+            tandem_dot_v1_dot_decode__pb2.DecodeResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -169,8 +169,8 @@ class Decode:
             request_iterator,
             target,
             '/tandem.v1.Decode/TransferKv',
-            protos_dot_tandem_dot_v1_dot_kv__transfer__pb2.KvTransferMessage.SerializeToString,
-            protos_dot_tandem_dot_v1_dot_kv__transfer__pb2.KvTransferAck.FromString,
+            tandem_dot_v1_dot_kv__transfer__pb2.KvTransferMessage.SerializeToString,
+            tandem_dot_v1_dot_kv__transfer__pb2.KvTransferAck.FromString,
             options,
             channel_credentials,
             insecure,
@@ -196,8 +196,8 @@ class Decode:
             request,
             target,
             '/tandem.v1.Decode/KvHandshake',
-            protos_dot_tandem_dot_v1_dot_kv__transfer__pb2.KvHandshakeRequest.SerializeToString,
-            protos_dot_tandem_dot_v1_dot_kv__transfer__pb2.KvHandshakeResponse.FromString,
+            tandem_dot_v1_dot_kv__transfer__pb2.KvHandshakeRequest.SerializeToString,
+            tandem_dot_v1_dot_kv__transfer__pb2.KvHandshakeResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -223,8 +223,8 @@ class Decode:
             request,
             target,
             '/tandem.v1.Decode/GetLoad',
-            protos_dot_tandem_dot_v1_dot_common__pb2.GetLoadRequest.SerializeToString,
-            protos_dot_tandem_dot_v1_dot_common__pb2.InstanceLoad.FromString,
+            tandem_dot_v1_dot_common__pb2.GetLoadRequest.SerializeToString,
+            tandem_dot_v1_dot_common__pb2.InstanceLoad.FromString,
             options,
             channel_credentials,
             insecure,

@@ -3,7 +3,7 @@
 import grpc
 import warnings
 
-from protos.tandem.v1 import generate_pb2 as protos_dot_tandem_dot_v1_dot_generate__pb2
+from protos.tandem.v1 import generate_pb2 as tandem_dot_v1_dot_generate__pb2
 
 GRPC_GENERATED_VERSION = '1.70.0'
 GRPC_VERSION = grpc.__version__
@@ -18,7 +18,7 @@ except ImportError:
 if _version_not_supported:
     raise RuntimeError(
         f'The grpc package installed is at version {GRPC_VERSION},'
-        + ' but the generated code in protos/tandem/v1/generate_pb2_grpc.py depends on'
+        + ' but the generated code in tandem/v1/generate_pb2_grpc.py depends on'
         + f' grpcio>={GRPC_GENERATED_VERSION}.'
         + f' Please upgrade your grpc module to grpcio>={GRPC_GENERATED_VERSION}'
         + f' or downgrade your generated code using grpcio-tools<={GRPC_VERSION}.'
@@ -36,18 +36,18 @@ class GenerateStub:
         """
         self.Generate = channel.unary_stream(
                 '/tandem.v1.Generate/Generate',
-                request_serializer=protos_dot_tandem_dot_v1_dot_generate__pb2.GenerateRequest.SerializeToString,
-                response_deserializer=protos_dot_tandem_dot_v1_dot_generate__pb2.GenerateResponse.FromString,
+                request_serializer=tandem_dot_v1_dot_generate__pb2.GenerateRequest.SerializeToString,
+                response_deserializer=tandem_dot_v1_dot_generate__pb2.GenerateResponse.FromString,
                 _registered_method=True)
         self.Tokenize = channel.unary_unary(
                 '/tandem.v1.Generate/Tokenize',
-                request_serializer=protos_dot_tandem_dot_v1_dot_generate__pb2.TokenizeRequest.SerializeToString,
-                response_deserializer=protos_dot_tandem_dot_v1_dot_generate__pb2.TokenizeResponse.FromString,
+                request_serializer=tandem_dot_v1_dot_generate__pb2.TokenizeRequest.SerializeToString,
+                response_deserializer=tandem_dot_v1_dot_generate__pb2.TokenizeResponse.FromString,
                 _registered_method=True)
         self.ListModels = channel.unary_unary(
                 '/tandem.v1.Generate/ListModels',
-                request_serializer=protos_dot_tandem_dot_v1_dot_generate__pb2.ListModelsRequest.SerializeToString,
-                response_deserializer=protos_dot_tandem_dot_v1_dot_generate__pb2.ListModelsResponse.FromString,
+                request_serializer=tandem_dot_v1_dot_generate__pb2.ListModelsRequest.SerializeToString,
+                response_deserializer=tandem_dot_v1_dot_generate__pb2.ListModelsResponse.FromString,
                 _registered_method=True)
 
 
@@ -82,18 +82,18 @@ def add_GenerateServicer_to_server(servicer, server):
     rpc_method_handlers = {
             'Generate': grpc.unary_stream_rpc_method_handler(
                     servicer.Generate,
-                    request_deserializer=protos_dot_tandem_dot_v1_dot_generate__pb2.GenerateRequest.FromString,
-                    response_serializer=protos_dot_tandem_dot_v1_dot_generate__pb2.GenerateResponse.SerializeToString,
+                    request_deserializer=tandem_dot_v1_dot_generate__pb2.GenerateRequest.FromString,
+                    response_serializer=tandem_dot_v1_dot_generate__pb2.GenerateResponse.SerializeToString,
             ),
             'Tokenize': grpc.unary_unary_rpc_method_handler(
                     servicer.Tokenize,
-                    request_deserializer=protos_dot_tandem_dot_v1_dot_generate__pb2.TokenizeRequest.FromString,
-                    response_serializer=protos_dot_tandem_dot_v1_dot_generate__pb2.TokenizeResponse.SerializeToString,
+                    request_deserializer=tandem_dot_v1_dot_generate__pb2.TokenizeRequest.FromString,
+                    response_serializer=tandem_dot_v1_dot_generate__pb2.TokenizeResponse.SerializeToString,
             ),
             'ListModels': grpc.unary_unary_rpc_method_handler(
                     servicer.ListModels,
-                    request_deserializer=protos_dot_tandem_dot_v1_dot_generate__pb2.ListModelsRequest.FromString,
-                    response_serializer=protos_dot_tandem_dot_v1_dot_generate__pb2.ListModelsResponse.SerializeToString,
+                    request_deserializer=tandem_dot_v1_dot_generate__pb2.ListModelsRequest.FromString,
+                    response_serializer=tandem_dot_v1_dot_generate__pb2.ListModelsResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -121,8 +121,8 @@ class Generate:
             request,
             target,
             '/tandem.v1.Generate/Generate',
-            protos_dot_tandem_dot_v1_dot_generate__pb2.GenerateRequest.SerializeToString,
-            protos_dot_tandem_dot_v1_dot_generate__pb2.GenerateResponse.FromString,
+            tandem_dot_v1_dot_generate__pb2.GenerateRequest.SerializeToString,
+            tandem_dot_v1_dot_generate__pb2.GenerateResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -148,8 +148,8 @@ class Generate:
             request,
             target,
             '/tandem.v1.Generate/Tokenize',
-            protos_dot_tandem_dot_v1_dot_generate__pb2.TokenizeRequest.SerializeToString,
-            protos_dot_tandem_dot_v1_dot_generate__pb2.TokenizeResponse.FromString,
+            tandem_dot_v1_dot_generate__pb2.TokenizeRequest.SerializeToString,
+            tandem_dot_v1_dot_generate__pb2.TokenizeResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -175,8 +175,8 @@ class Generate:
             request,
             target,
             '/tandem.v1.Generate/ListModels',
-            protos_dot_tandem_dot_v1_dot_generate__pb2.ListModelsRequest.SerializeToString,
-            protos_dot_tandem_dot_v1_dot_generate__pb2.ListModelsResponse.FromString,
+            tandem_dot_v1_dot_generate__pb2.ListModelsRequest.SerializeToString,
+            tandem_dot_v1_dot_generate__pb2.ListModelsResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -3,8 +3,8 @@
 import grpc
 import warnings
 
-from protos.tandem.v1 import common_pb2 as protos_dot_tandem_dot_v1_dot_common__pb2
-from protos.tandem.v1 import prefill_pb2 as protos_dot_tandem_dot_v1_dot_prefill__pb2
+from protos.tandem.v1 import common_pb2 as tandem_dot_v1_dot_common__pb2
+from protos.tandem.v1 import prefill_pb2 as tandem_dot_v1_dot_prefill__pb2
 
 GRPC_GENERATED_VERSION = '1.70.0'
 GRPC_VERSION = grpc.__version__
@@ -19,7 +19,7 @@ except ImportError:
 if _version_not_supported:
     raise RuntimeError(
         f'The grpc package installed is at version {GRPC_VERSION},'
-        + ' but the generated code in protos/tandem/v1/prefill_pb2_grpc.py depends on'
+        + ' but the generated code in tandem/v1/prefill_pb2_grpc.py depends on'
         + f' grpcio>={GRPC_GENERATED_VERSION}.'
         + f' Please upgrade your grpc module to grpcio>={GRPC_GENERATED_VERSION}'
         + f' or downgrade your generated code using grpcio-tools<={GRPC_VERSION}.'
@@ -37,13 +37,13 @@ class PrefillStub:
         """
         self.Prefill = channel.unary_stream(
                 '/tandem.v1.Prefill/Prefill',
-                request_serializer=protos_dot_tandem_dot_v1_dot_prefill__pb2.PrefillRequest.SerializeToString,
-                response_deserializer=protos_dot_tandem_dot_v1_dot_prefill__pb2.PrefillResponse.FromString,
+                request_serializer=tandem_dot_v1_dot_prefill__pb2.PrefillRequest.SerializeToString,
+                response_deserializer=tandem_dot_v1_dot_prefill__pb2.PrefillResponse.FromString,
                 _registered_method=True)
         self.GetLoad = channel.unary_unary(
                 '/tandem.v1.Prefill/GetLoad',
-                request_serializer=protos_dot_tandem_dot_v1_dot_common__pb2.GetLoadRequest.SerializeToString,
-                response_deserializer=protos_dot_tandem_dot_v1_dot_common__pb2.InstanceLoad.FromString,
+                request_serializer=tandem_dot_v1_dot_common__pb2.GetLoadRequest.SerializeToString,
+                response_deserializer=tandem_dot_v1_dot_common__pb2.InstanceLoad.FromString,
                 _registered_method=True)
 
 
@@ -70,13 +70,13 @@ def add_PrefillServicer_to_server(servicer, server):
     rpc_method_handlers = {
             'Prefill': grpc.unary_stream_rpc_method_handler(
                     servicer.Prefill,
-                    request_deserializer=protos_dot_tandem_dot_v1_dot_prefill__pb2.PrefillRequest.FromString,
-                    response_serializer=protos_dot_tandem_dot_v1_dot_prefill__pb2.PrefillResponse.SerializeToString,
+                    request_deserializer=tandem_dot_v1_dot_prefill__pb2.PrefillRequest.FromString,
+                    response_serializer=tandem_dot_v1_dot_prefill__pb2.PrefillResponse.SerializeToString,
             ),
             'GetLoad': grpc.unary_unary_rpc_method_handler(
                     servicer.GetLoad,
-                    request_deserializer=protos_dot_tandem_dot_v1_dot_common__pb2.GetLoadRequest.FromString,
-                    response_serializer=protos_dot_tandem_dot_v1_dot_common__pb2.InstanceLoad.SerializeToString,
+                    request_deserializer=tandem_dot_v1_dot_common__pb2.GetLoadRequest.FromString,
+                    response_serializer=tandem_dot_v1_dot_common__pb2.InstanceLoad.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -104,8 +104,8 @@ class Prefill:
             request,
             target,
             '/tandem.v1.Prefill/Prefill',
-            protos_dot_tandem_dot_v1_dot_prefill__pb2.PrefillRequest.SerializeToString,
-            protos_dot_tandem_dot_v1_dot_prefill__pb2.PrefillResponse.FromString,
+            tandem_dot_v1_dot_prefill__pb2.PrefillRequest.SerializeToString,
+            tandem_dot_v1_dot_prefill__pb2.PrefillResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -131,8 +131,8 @@ class Prefill:
             request,
             target,
             '/tandem.v1.Prefill/GetLoad',
-            protos_dot_tandem_dot_v1_dot_common__pb2.GetLoadRequest.SerializeToString,
-            protos_dot_tandem_dot_v1_dot_common__pb2.InstanceLoad.FromString,
+            tandem_dot_v1_dot_common__pb2.GetLoadRequest.SerializeToString,
+            tandem_dot_v1_dot_common__pb2.InstanceLoad.FromString,
             options,
             channel_credentials,
             insecure,
