@@ -344,7 +344,8 @@ class LLMEngine:
         return self.reserved[request_id].num_cached_tokens // self.kv.block_size
 
     def commit_prefilled(self, request_id: str, first_token_id: int) -> StepOutput:
-        """The prompt's KV has arrived: the request joins the batch with its first token already emitted.
+        """The prompt's KV has arrived: the request joins the batch with its first token already emitted (by the
+        prefill instance, which drew it, seeded, for the same position as this engine would have).
         Returns the first token's output (not returned again by step); it may already be finished."""
         req = self.reserved.pop(request_id)
         req.num_computed_tokens = req.num_prompt_tokens
@@ -353,11 +354,6 @@ class LLMEngine:
         self.requests[request_id] = req
         self.children[request_id] = [request_id]
         self.scheduler.add_running(req)
-        if req.generator is not None and not req.sampling_params.greedy:
-            # The prefill instance drew the first token from this seed: consume the same draw so that the
-            # following tokens equal a single-process run's.
-            torch.empty(self.runner.hf_config.vocab_size, device=req.generator.device).exponential_(
-                generator=req.generator)
         out = self._append_token(req, first_token_id, None)
         if out.finished:
             self._forget(req)
