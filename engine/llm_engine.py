@@ -238,8 +238,10 @@ class LLMEngine:
     def tokenize(self, prompt: str) -> list[int]:
         return self.tokenizer(prompt).input_ids
 
-    def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> int:
-        """Checks a prompt against the model and returns the resolved max_tokens."""
+    def validate(self, prompt_token_ids: list[int], params: SamplingParams,
+                 prior_output_token_ids: list[int] = ()) -> int:
+        """Checks a prompt (and a resumed request's prior outputs) against the model and returns the resolved
+        max_tokens, which counts the prior outputs."""
         n = len(prompt_token_ids)
         if n == 0:
             raise ValueError("prompt: must not be empty")
@@ -250,24 +252,47 @@ class LLMEngine:
         if bad is not None:
             raise ValueError(f"prompt_token_ids: token id {bad} is outside the vocabulary [0, {vocab})")
         room = self.max_model_len - n
-        if params.max_tokens is None:
-            return room
-        if params.max_tokens > room:
+        if params.max_tokens is not None and params.max_tokens > room:
             raise ValueError(f"max_tokens={params.max_tokens}: prompt ({n} tokens) + max_tokens must be <= "
                              f"max_model_len={self.max_model_len}")
-        return params.max_tokens
+        max_tokens = room if params.max_tokens is None else params.max_tokens
+        if prior_output_token_ids:
+            k = len(prior_output_token_ids)
+            if params.n != 1:
+                raise ValueError(f"n={params.n}: prior_output_token_ids belong to one completion; resume each "
+                                 "completion as its own request (n=1, seed + its index)")
+            bad = next((t for t in prior_output_token_ids if not 0 <= t < vocab), None)
+            if bad is not None:
+                raise ValueError(f"prior_output_token_ids: token id {bad} is outside the vocabulary [0, {vocab})")
+            if k >= max_tokens:
+                limit = (f"max_tokens={params.max_tokens}" if params.max_tokens is not None else
+                         f"max_model_len={self.max_model_len} - the prompt's {n} tokens")
+                raise ValueError(f"prior_output_token_ids: {k} tokens, must be fewer than {limit} (they count "
+                                 "towards it and the request must have a token left to generate)")
+        return max_tokens
 
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams, *,
-                    kv_hold: bool = False) -> list[int]:
-        """Queues a request; returns its prompt token ids. Raises ValueError naming the field on bad input."""
+                    kv_hold: bool = False, prior_output_token_ids: list[int] | None = None) -> list[int]:
+        """Queues a request; returns its prompt token ids. Raises ValueError naming the field on bad input.
+
+        prior_output_token_ids resumes a completion that generated these tokens elsewhere (a migrated stream, n=1):
+        it continues as if it had never moved. Its KV is computed for prompt + prior outputs (the prompt part may
+        hit the prefix cache); max_tokens, min_tokens, the penalties and the stop conditions count the prior
+        outputs; with the seed it draws what the original would have (engine/sampler.py). Its outputs continue the
+        original's: new_token_ids and new_logprobs hold only the new tokens, num_output_tokens counts the prior
+        ones too, and the text deltas start where the original's stream of the same tokens left off (the text it
+        held back for a stop string included). Prior outputs on which the original would already have stopped
+        are a ValueError."""
         if request_id in self.children or request_id in self.reserved:
             raise ValueError(f"request_id={request_id!r}: already in use")
         prompt_token_ids = self.tokenize(prompt) if isinstance(prompt, str) else list(prompt)
-        max_tokens = self.validate(prompt_token_ids, params)
+        prior = list(prior_output_token_ids or ())
+        max_tokens = self.validate(prompt_token_ids, params, prior)
         ids = []
         for i in range(params.n):
             rid = request_id if params.n == 1 else f"{request_id}#{i}"
             req = Request(rid, prompt_token_ids, params, max_tokens, parent_id=request_id, index=i, kv_hold=kv_hold)
+            self._resume(req, prior)
             self.requests[rid] = req
             self.scheduler.add_request(req)
             ids.append(rid)
@@ -318,8 +343,11 @@ class LLMEngine:
             num_preemptions=sched.num_preemptions)
 
     # ---- decode side of a KV transfer ------------------------------------------------------------------------
-    def reserve_prefilled(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> list[int] | None:
+    def reserve_prefilled(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, *,
+                          prior_output_token_ids: list[int] | None = None) -> list[int] | None:
         """Reserves blocks for a prompt whose KV will arrive from a prefill instance. None: no room now.
+        prior_output_token_ids: a resumed request (add_request says how it behaves): the KV to arrive covers
+        prompt + prior outputs, and commit_prefilled's token is the one after them.
         With prefix caching the prompt's leading full blocks that this engine already holds (an earlier transferred
         prompt's, registered at its commit) are shared, not reserved again: the first
         `reused_prefix_blocks(request_id)` of the returned ids already hold this prompt's KV, and a transfer must
@@ -328,10 +356,12 @@ class LLMEngine:
             raise ValueError(f"request_id={request_id!r}: already in use")
         if params.n != 1:
             raise ValueError(f"n={params.n}: a transferred request carries one completion; fan out in the router")
-        max_tokens = self.validate(prompt_token_ids, params)
+        prior = list(prior_output_token_ids or ())
+        max_tokens = self.validate(prompt_token_ids, params, prior)
         req = Request(request_id, prompt_token_ids, params, max_tokens)
+        self._resume(req, prior)
         hits, num_hit_tokens = self.kv.get_computed_blocks(req)
-        if not self.kv.allocate_slots(req, len(prompt_token_ids) - num_hit_tokens, hits):
+        if not self.kv.allocate_slots(req, req.num_tokens - num_hit_tokens, hits):
             self.kv.free(req)
             return None
         req.num_cached_tokens = num_hit_tokens
@@ -344,20 +374,16 @@ class LLMEngine:
         return self.reserved[request_id].num_cached_tokens // self.kv.block_size
 
     def commit_prefilled(self, request_id: str, first_token_id: int) -> StepOutput:
-        """The prompt's KV has arrived: the request joins the batch with its first token already emitted.
+        """The prompt's KV has arrived: the request joins the batch with its first token already emitted (by the
+        prefill instance, which drew it, seeded, for the same position as this engine would have).
         Returns the first token's output (not returned again by step); it may already be finished."""
         req = self.reserved.pop(request_id)
-        req.num_computed_tokens = req.num_prompt_tokens
+        req.num_computed_tokens = req.num_tokens  # the prompt and any prior outputs
         req.num_cached_tokens = 0
         self.kv.cache_blocks(req, req.num_computed_tokens)
         self.requests[request_id] = req
         self.children[request_id] = [request_id]
         self.scheduler.add_running(req)
-        if req.generator is not None and not req.sampling_params.greedy:
-            # The prefill instance drew the first token from this seed: consume the same draw so that the
-            # following tokens equal a single-process run's.
-            torch.empty(self.runner.hf_config.vocab_size, device=req.generator.device).exponential_(
-                generator=req.generator)
         out = self._append_token(req, first_token_id, None)
         if out.finished:
             self._forget(req)
@@ -460,6 +486,20 @@ class LLMEngine:
             if req.kv_hold:
                 self.held[req.request_id] = req
         return self._output(req, [token], logprobs)
+
+    def _resume(self, req: Request, prior_output_token_ids: list[int]) -> None:
+        """Gives a new request the outputs it already generated elsewhere, with the state the original had after
+        them: each token goes through what _append_token did with it there (detokenization, the stop checks, the
+        text released to the stream), so the next text delta starts where the original's left off."""
+        for i, token in enumerate(prior_output_token_ids):
+            req.output_token_ids.append(token)
+            if self.stream_text or req.sampling_params.stop:
+                self._detokenize(req)
+            status = self._check_stop(req, token)
+            if status is not None:
+                raise ValueError(f"prior_output_token_ids: the request already finished ({FINISH_REASONS[status]}, "
+                                 f"{req.stop_reason!r}) at output token {i}; resume only an unfinished one")
+            self._output(req, [], None)  # advances sent_text_len as the original's stream did
 
     def _detokenize(self, req: Request) -> None:
         """Incremental detokenization (vLLM's scheme): decode the few newest tokens with some context before them,

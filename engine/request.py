@@ -5,8 +5,6 @@ import enum
 import time
 from typing import TYPE_CHECKING
 
-import torch
-
 if TYPE_CHECKING:
     from engine.sampling_params import SamplingParams
 
@@ -61,10 +59,8 @@ class Request:
         self.stop_reason: int | str | None = None
         self.arrival_time = arrival_time if arrival_time is not None else time.monotonic()
         self.first_token_time: float | None = None
-        self.generator: torch.Generator | None = None
-        if sampling_params.seed is not None:
-            self.generator = torch.Generator()
-            self.generator.manual_seed(sampling_params.seed + index)
+        # The seed of this completion's draws (each token's from this and its position: engine/sampler.py).
+        self.seed = None if sampling_params.seed is None else sampling_params.seed + index
         # Detokenization state (engine/llm_engine.py).
         self.output_text = ""
         self.prefix_offset = 0  # output tokens [prefix_offset, read_offset) were decoded as context last time

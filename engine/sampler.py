@@ -9,8 +9,14 @@ The order is vLLM's:
 
 Everything is vectorized over the batch: per-row parameters become tensors once per call (copied without waiting
 for the device), and the only device-to-host transfer is one non-blocking copy of the results, read by
-`DeviceSample.result()` (the engine reads a step's tokens after it has launched the next step). Rows with a seed draw from their own `torch.Generator`
-(exponential race: argmax(probs / q), q ~ Exp(1)); the other rows share one draw from the global generator.
+`DeviceSample.result()` (the engine reads a step's tokens after it has launched the next step).
+
+A draw is an exponential race: argmax(probs / q), q ~ Exp(1). Rows without a seed share one draw from the global
+generator. A row with a seed draws its q from a CPU generator seeded with `draw_seed(seed, position)`, position being
+the number of tokens in the sequence before the one drawn (prompt + outputs): the draw for a token depends on the
+request's seed and the token's place only, not on how many draws came before it. So a request re-issued as prompt +
+the outputs it already had (a migrated stream), or whose first token another engine drew (the prefill -> decode
+hand-off), draws what an undisturbed run would have; and the same seed gives the same q on the CPU and on a GPU.
 """
 
 from __future__ import annotations
@@ -30,7 +36,8 @@ class SamplingState(Protocol):
     sampling_params: SamplingParams
     prompt_token_ids: list[int]
     output_token_ids: list[int]
-    generator: torch.Generator | None  # set by the engine when sampling_params.seed is not None
+    seed: int | None  # the completion's seed (SamplingParams.seed + its index among the n), None: unseeded
+    num_computed_tokens: int  # at sampling time: the tokens before the one drawn (its position)
 
 
 @dataclass
@@ -41,9 +48,30 @@ class SamplerOutput:
     """Per row, when its params.logprobs is not None: the top-n ids -> logprob, plus the sampled id."""
 
 
+_MASK64 = (1 << 64) - 1
+_GAMMA = 0x9E3779B97F4A7C15  # SplitMix64's increment: 2**64 / the golden ratio
+
+
+def _mix64(z: int) -> int:
+    """SplitMix64's finalizer (Stafford's Mix13): a bijection of [0, 2**64) in which every input bit flips about
+    half of the output bits."""
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return z ^ (z >> 31)
+
+
+def draw_seed(seed: int, position: int) -> int:
+    """The generator seed, in [0, 2**64), of the draw for the token at `position` (the tokens before it: prompt +
+    outputs) of a request seeded with `seed` (any int; a negative one is taken modulo 2**64): output position + 1 of
+    a SplitMix64 stream started from the mixed seed. Nearby seeds start far apart, and nearby positions of one
+    stream do not correlate. A CPU generator (mt19937) keys on the low 32 bits, which are as well mixed as the rest."""
+    return _mix64((_mix64(seed & _MASK64) + (position + 1) * _GAMMA) & _MASK64)
+
+
 class Sampler:
     def __init__(self, vocab_size: int, eos_token_id: int | Sequence[int] | None):
         self.vocab_size = vocab_size
+        self._generator = torch.Generator()  # CPU; re-seeded for every seeded row's draw (draw_seed)
         if eos_token_id is None:
             self.eos_token_ids: list[int] = []
         elif isinstance(eos_token_id, int):
@@ -132,16 +160,16 @@ class Sampler:
         probs = torch.softmax(logits, dim=-1)  # [R, V]
         q = torch.empty_like(probs)
         q.exponential_()  # one shared draw for the rows without a seed
-        for i, s in enumerate(states):
-            if s.generator is None:
-                continue
-            if s.generator.device == q.device:
-                q[i].exponential_(generator=s.generator)
-            else:  # e.g. a CPU generator with CUDA logits: draw where the generator lives, then copy
-                draw = torch.empty(q.shape[1], device=s.generator.device).exponential_(generator=s.generator)
-                if q.is_cuda and draw.device.type == "cpu":
-                    draw = draw.pin_memory()
-                q[i].copy_(draw, non_blocking=True)
+        seeded = [i for i, s in enumerate(states) if s.seed is not None]
+        if seeded:
+            # Drawn on the CPU whatever the logits' device (same q everywhere), then copied in one transfer.
+            draws = torch.empty(len(seeded), q.shape[1])  # [S, V]
+            gen = self._generator
+            for j, i in enumerate(seeded):
+                s = states[i]
+                gen.manual_seed(draw_seed(s.seed, s.num_computed_tokens))
+                draws[j].exponential_(generator=gen)
+            q.index_copy_(0, _tensor(seeded, torch.int64, device), to_device_nowait(draws, device))
         # Exp(1) can round to 0 on some backends; 0 / 0 would be NaN and win the argmax.
         q.clamp_(min=torch.finfo(torch.float32).tiny)
         return (probs / q).argmax(dim=-1)

@@ -4,7 +4,7 @@ from dataclasses import dataclass, field
 import pytest
 import torch
 
-from engine.sampler import Sampler, apply_min_p, apply_penalties, apply_top_k_top_p
+from engine.sampler import Sampler, apply_min_p, apply_penalties, apply_top_k_top_p, draw_seed
 from engine.sampling_params import SamplingParams
 
 EOS = 0
@@ -15,11 +15,15 @@ class State:
     sampling_params: SamplingParams
     prompt_token_ids: list[int] = field(default_factory=lambda: [1, 2])
     output_token_ids: list[int] = field(default_factory=list)
-    generator: torch.Generator | None = None
+    seed: int | None = None  # default: sampling_params.seed
 
     def __post_init__(self):
-        if self.sampling_params.seed is not None:
-            self.generator = torch.Generator().manual_seed(self.sampling_params.seed)
+        if self.seed is None:
+            self.seed = self.sampling_params.seed
+
+    @property
+    def num_computed_tokens(self) -> int:  # as when the engine samples: every token before the drawn one
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
 
 
 def kept(logits: torch.Tensor) -> list[set[int]]:
@@ -70,6 +74,7 @@ def draw_sequence(seed: int, steps: int = 20, others: int = 0) -> list[int]:
     tokens = []
     for _ in range(steps):
         tokens.append(sampler(torch.zeros(len(batch), 1000), batch).token_ids[-1])
+        state.output_token_ids.append(tokens[-1])
     return tokens
 
 
@@ -86,6 +91,35 @@ def test_seeded_draws_do_not_depend_on_the_rest_of_the_batch():
     torch.manual_seed(456)
     batched = draw_sequence(seed=7, others=3)
     assert alone == batched
+
+
+def test_a_seeded_draw_depends_on_the_seed_and_the_position_only():
+    """The token after prompt [1, 2] + outputs [3] is drawn as after prompt [1, 2, 3]: what a request re-issued as
+    prompt + its outputs so far draws; and a draw does not depend on the draws before it."""
+    sampler = Sampler(1000, None)
+    logits = torch.zeros(1, 1000)
+    torch.manual_seed(0)
+    a = sampler(logits, [State(SamplingParams(seed=5), prompt_token_ids=[1, 2], output_token_ids=[3])]).token_ids
+    torch.manual_seed(1)
+    b = sampler(logits, [State(SamplingParams(seed=5), prompt_token_ids=[1, 2, 3])]).token_ids
+    fresh = State(SamplingParams(seed=5), prompt_token_ids=[9, 9], output_token_ids=[9])
+    assert a == b == sampler(logits, [fresh]).token_ids
+    # Each position of one seed, and each seed at one position, draws something else.
+    assert len({tuple(sampler(logits, [State(SamplingParams(seed=5), prompt_token_ids=[1] * n)]).token_ids)
+                for n in range(1, 21)}) > 15
+    assert len({tuple(sampler(logits, [State(SamplingParams(seed=s))]).token_ids) for s in range(20)}) > 15
+
+
+def test_draw_seed_is_a_64_bit_value_that_mixes_seed_and_position():
+    seeds = {draw_seed(s, p) for s in (-2**63, -1, 0, 1, 2, 2**63 - 1) for p in range(64)}
+    assert len(seeds) == 6 * 64 and all(0 <= x < 2**64 for x in seeds)
+    assert draw_seed(-1, 3) == draw_seed(2**64 - 1, 3)  # a negative seed is taken modulo 2**64
+    # Neighbouring inputs flip about half of the output bits (the CPU generator keys on the low 32 of them).
+    flips = [bin(draw_seed(s, p) ^ draw_seed(s + ds, p + dp)).count("1")
+             for s in range(16) for p in range(16) for ds, dp in ((1, 0), (0, 1))]
+    assert 28 < sum(flips) / len(flips) < 36
+    low = [bin((draw_seed(s, p) ^ draw_seed(s, p + 1)) & 0xFFFFFFFF).count("1") for s in range(8) for p in range(32)]
+    assert 14 < sum(low) / len(low) < 18
 
 
 def test_unseeded_draws_follow_the_global_generator():
@@ -144,8 +178,7 @@ def test_sampled_tokens_stay_inside_the_kept_set():
     cases = [(SamplingParams(top_k=2, seed=0), {1, 3}), (SamplingParams(top_p=0.8, seed=0), {1, 3, 4}),
              (SamplingParams(min_p=0.3, seed=0), {1, 3, 4})]
     for params, allowed in cases:
-        state = State(params)
-        drawn = {sampler(logits, [state]).token_ids[0] for _ in range(300)}
+        drawn = {sampler(logits, [State(params, seed=seed)]).token_ids[0] for seed in range(300)}
         assert drawn == allowed, params
 
 
@@ -189,9 +222,8 @@ def test_min_tokens_masks_eos_and_stop_token_ids_until_reached():
     params = SamplingParams(temperature=0, min_tokens=2, ignore_eos=True)
     assert sampler(logits, [State(params)]).token_ids == [0]
     # A sampled row never draws a masked token.
-    params = SamplingParams(min_tokens=1, seed=3)
-    state = State(params)
-    assert 0 not in {sampler(logits, [state]).token_ids[0] for _ in range(200)}
+    params = SamplingParams(min_tokens=1)
+    assert 0 not in {sampler(logits, [State(params, seed=seed)]).token_ids[0] for seed in range(200)}
 
 
 # ---- logprobs ----------------------------------------------------------------------------------------------
@@ -229,9 +261,14 @@ def test_temperature_sampling_matches_softmax_frequencies(seeded):
     n = 20000
     torch.manual_seed(0)
     if seeded:
-        # 400 seeded requests, each stepping its own generator for 50 steps.
+        # 400 seeded requests (neighbouring seeds), each drawing 50 tokens (neighbouring positions).
         states = [State(SamplingParams(temperature=temperature, seed=seed)) for seed in range(400)]
-        tokens = [t for _ in range(n // 400) for t in sampler(logits.repeat(400, 1), states).token_ids]
+        tokens = []
+        for _ in range(n // 400):
+            step = sampler(logits.repeat(400, 1), states).token_ids
+            for state, t in zip(states, step):
+                state.output_token_ids.append(t)
+            tokens += step
     else:
         # Unseeded rows share one draw per call: a batch of n identical rows.
         states = [State(SamplingParams(temperature=temperature)) for _ in range(n)]
