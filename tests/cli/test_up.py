@@ -108,12 +108,12 @@ def _alive(pid: int) -> bool:
     return state != "Z"
 
 
-def _tandem_up() -> tuple[subprocess.Popen, dict[str, int]]:
+def _tandem_up(*extra: str) -> tuple[subprocess.Popen, dict[str, int]]:
     """`tandem up` with random:tiny on free ports, once it says it is ready; and its children's pids by name."""
     base = _free_base(6)
     proc = subprocess.Popen([sys.executable, "-m", "cli", "up", "--model", "random:tiny", "--http-port",
                              str(base), "--grpc-port", str(base + 1), "--worker-port", str(base + 2),
-                             "--metrics-port", str(base + 4)],
+                             "--metrics-port", str(base + 4), *extra],
                             cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             env={**os.environ, "PYTHONUNBUFFERED": "1"})
     lines, pids = [], {}
@@ -133,7 +133,8 @@ def _tandem_up() -> tuple[subprocess.Popen, dict[str, int]]:
 
 
 def test_a_dead_child_stops_the_others_and_tandem_up_fails():
-    proc, pids = _tandem_up()
+    """Under --on-worker-exit stop (the default restarts a worker: tests/e2e/test_migration.py)."""
+    proc, pids = _tandem_up("--on-worker-exit", "stop")
     try:
         os.kill(pids["decode-0"], signal.SIGKILL)
         rest = proc.communicate(timeout=60)[0]
