@@ -33,27 +33,40 @@ log = logging.getLogger("tandem.rpc")
 MAX_MESSAGE_BYTES = 512 * 1024 * 1024
 # Keepalive: every channel pings an idle connection at this interval (so a dead peer is noticed and NATs keep the
 # connection), and every server accepts pings that often, with or without calls in flight. gRPC's server default
-# refuses pings without data more often than every 5 minutes: two such pings, and it answers GOAWAY too_many_pings
-# and drops the connection (what a decode worker once did to the router after an idle period).
+# refuses pings without data more often than every 5 minutes: after the third such ping it answers GOAWAY
+# too_many_pings and drops the connection with its calls (what a decode worker did to the router: a Decode stream
+# waits for its KV without data). gRPC ignores option names it does not know, so a misspelt one (this file had
+# `min_recv_ping_interval_without_data_ms`) changes nothing, silently. Both sides take the interval from one
+# argument; tests/serving/test_keepalive.py idles a stream between them on a short one, and a server left at
+# gRPC's defaults next to it for contrast.
 KEEPALIVE_TIME_MS = 30_000
-_SIZES = [("grpc.max_send_message_length", MAX_MESSAGE_BYTES), ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES)]
-GRPC_OPTIONS = [  # a channel's
-    *_SIZES,
-    ("grpc.keepalive_time_ms", KEEPALIVE_TIME_MS),
-    ("grpc.keepalive_permit_without_calls", 1),
-    ("grpc.http2.max_pings_without_data", 0),
-]
-SERVER_OPTIONS = [
-    *_SIZES,
-    ("grpc.keepalive_time_ms", KEEPALIVE_TIME_MS),
-    ("grpc.keepalive_permit_without_calls", 1),
-    ("grpc.http2.min_recv_ping_interval_without_data_ms", KEEPALIVE_TIME_MS // 2),
-    ("grpc.http2.max_pings_without_data", 0),
-]
 
 
-def new_server(interceptors: Iterable[grpc.aio.ServerInterceptor] = ()) -> grpc.aio.Server:
-    return grpc.aio.server(options=SERVER_OPTIONS, interceptors=list(interceptors))
+def channel_options(keepalive_ms: int = KEEPALIVE_TIME_MS) -> list[tuple[str, int]]:
+    return [("grpc.max_send_message_length", MAX_MESSAGE_BYTES), ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+            ("grpc.keepalive_time_ms", keepalive_ms),
+            ("grpc.keepalive_permit_without_calls", 1),
+            ("grpc.http2.max_pings_without_data", 0)]
+
+
+def server_options(keepalive_ms: int = KEEPALIVE_TIME_MS) -> list[tuple[str, int]]:
+    """A server's options: it accepts the pings of channels built with the same keepalive_ms (half that interval
+    apart, with or without calls)."""
+    return [("grpc.max_send_message_length", MAX_MESSAGE_BYTES), ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+            ("grpc.keepalive_time_ms", keepalive_ms),
+            ("grpc.keepalive_permit_without_calls", 1),
+            # (GRPC_ARG_HTTP2_MIN_RECV_PING_INTERVAL_WITHOUT_DATA_MS)
+            ("grpc.http2.min_ping_interval_without_data_ms", keepalive_ms // 2),
+            ("grpc.http2.max_pings_without_data", 0)]
+
+
+GRPC_OPTIONS = channel_options()  # a channel's
+SERVER_OPTIONS = server_options()
+
+
+def new_server(interceptors: Iterable[grpc.aio.ServerInterceptor] = (),
+               keepalive_ms: int = KEEPALIVE_TIME_MS) -> grpc.aio.Server:
+    return grpc.aio.server(options=server_options(keepalive_ms), interceptors=list(interceptors))
 
 
 def add_port(server: grpc.aio.Server, address: str, tls: TlsConfig | None = None,
@@ -95,12 +108,13 @@ async def set_serving(hs, service_names: Iterable[str], serving: bool) -> None:
         await hs.set(name, status)
 
 
-def channel(address: str, tls: TlsConfig | None = None) -> grpc.aio.Channel:
+def channel(address: str, tls: TlsConfig | None = None, keepalive_ms: int = KEEPALIVE_TIME_MS) -> grpc.aio.Channel:
     """A channel to another Tandem process: plaintext, or mutual TLS with `tls` (this process's certificate, the
-    peer's checked against the CA and the address)."""
+    peer's checked against the CA and the address). keepalive_ms: as its server's (new_server)."""
+    options = channel_options(keepalive_ms)
     if tls is None:
-        return grpc.aio.insecure_channel(address, options=GRPC_OPTIONS)
-    return grpc.aio.secure_channel(address, tls.channel_credentials(), options=GRPC_OPTIONS)
+        return grpc.aio.insecure_channel(address, options=options)
+    return grpc.aio.secure_channel(address, tls.channel_credentials(), options=options)
 
 
 def _parsed(parse, raw: bytes, what: str):
