@@ -17,7 +17,7 @@ from protos.tandem.v1 import common_pb2, generate_pb2, generate_pb2_grpc
 from router.core import GenerateRequest, RequestError, RouterCore
 from serving.auth import ApiKey, ApiKeyInterceptor
 from serving.convert import finish_to_proto, logprobs_to_proto, sampling_from_proto
-from serving.errors import grpc_method
+from serving.errors import grpc_method, shown
 from serving.rpc import add_health_and_reflection, add_port, add_service, new_server, set_serving
 from serving.tls import TlsConfig
 
@@ -54,7 +54,7 @@ class GenerateServicer(generate_pb2_grpc.GenerateServicer):
     async def Tokenize(self, request, context):
         model = self._model(request.model)
         if model not in self.core.models():
-            raise RequestError("not_found", "model", f"model={model!r}: not served here")
+            raise RequestError("not_found", "model", f"model={shown(model)}: not served here")
         return generate_pb2.TokenizeResponse(token_ids=await self.core.tokenize(request.text))
 
     @grpc_method

@@ -1,6 +1,7 @@
 """serving.rpc.add_service: malformed request bytes end the call with INVALID_ARGUMENT naming the message, on every
 kind of method (unary, server-streaming, client-streaming), instead of gRPC's INTERNAL; valid ones reach the
-servicer parsed. serving.errors' failure log writes one traceback per interval, with a count, not one per call."""
+servicer parsed. serving.errors' failure log writes one traceback per interval, with a count, not one per call, and cuts status
+messages that quote huge values."""
 from __future__ import annotations
 
 import asyncio
@@ -36,6 +37,8 @@ class Echo:
 
     @grpc_method
     async def KvHandshake(self, request, context):
+        if request.host.pid:  # a refusal that quotes the whole of a huge field
+            raise ValueError(f"host.hostname={request.host.hostname!r}: unknown")
         return kv.KvHandshakeResponse(reason=request.host.hostname)
 
     @grpc_method
@@ -153,3 +156,22 @@ def test_the_failure_log_counts_what_it_held_back(caplog):
         monkey_time.undo()
     messages = [r.getMessage() for r in caplog.records]
     assert messages == ["Svc.M failed", "Svc.M failed (and 3 more time(s) in the last 11 s)", "Svc.M failed"], messages
+
+
+@pytest.mark.parametrize("char", ["x", "\U0001F600"])
+def test_a_refusal_quoting_a_huge_value_is_cut_and_the_connection_lives(char):
+    """A status message travels in a trailer: past 8-16 KiB percent-encoded the client answered RESOURCE_EXHAUSTED
+    ("received metadata size exceeds ... limit") instead of the refusal, and dropped the connection with every call
+    on it."""
+    async def scenario(ch):
+        handshake = ch.unary_unary(_path("KvHandshake"), request_serializer=kv.KvHandshakeRequest.SerializeToString,
+                                   response_deserializer=kv.KvHandshakeResponse.FromString)
+        huge = await _code(handshake(kv.KvHandshakeRequest(host=kv.HostIdentity(hostname=char * 100_000, pid=1))))
+        after = await handshake(kv.KvHandshakeRequest(host=kv.HostIdentity(hostname="h2")))
+        return huge, after.reason
+
+    huge, after = run(scenario)
+    assert huge.startswith(f"INVALID_ARGUMENT: host.hostname='{char * 3}") and huge.endswith(
+        "... (message cut; 100025 characters)"), huge[-100:]
+    encoded = len(huge.encode()) + 2 * sum(1 for c in huge.encode() if c > 0x7E)
+    assert encoded <= errors.MAX_MESSAGE_WIRE_BYTES and after == "h2"
