@@ -41,6 +41,7 @@ from dataclasses import fields
 import torch
 
 from engine.args import EngineArgs, add_engine_args
+from router.grpc_server import DEFAULT_MAX_MESSAGE_BYTES, MAX_MESSAGE_FLAG
 from router.server import OPTIONAL_ROUTER_FLAGS, add_router_args
 from serving.auth import ENV_API_KEY, add_api_key_args
 from serving.config import WorkerConfig
@@ -118,6 +119,17 @@ def _process_flags(ns: argparse.Namespace) -> list[str]:
     return grace + tls_flags(ns)
 
 
+def _router_only_flags(ns: argparse.Namespace) -> list[str]:
+    """The router's own flags of add_router_args beyond its ports and policy, where given (else its defaults)."""
+    given = ns.max_grpc_message_bytes != DEFAULT_MAX_MESSAGE_BYTES
+    out = [MAX_MESSAGE_FLAG, str(ns.max_grpc_message_bytes)] if given else []
+    for dest, (flag, default) in OPTIONAL_ROUTER_FLAGS.items():
+        value = getattr(ns, dest)
+        if value != default:
+            out += [flag, f"{value:g}" if isinstance(value, float) else str(value)]
+    return out
+
+
 def stop_timeout(ns: argparse.Namespace) -> float:
     """Seconds a child gets to exit after SIGTERM: --stop-timeout, else its grace and a margin."""
     if ns.stop_timeout is not None:
@@ -162,7 +174,7 @@ def launch_commands(ns: argparse.Namespace, address=None, num_gpus: int = 0) -> 
     every = _process_flags(ns)
     if ns.colocated:
         return {"router": ["tandem", "router", "--colocated", "--host", ns.host, "--grpc-port", str(ns.grpc_port),
-                           "--http-port", str(ns.http_port), *every, *engine]}
+                           "--http-port", str(ns.http_port), *_router_only_flags(ns), *every, *engine]}
     cmds: dict[str, list[str]] = {}
     k = 0
     for role, count in (("prefill", _count(ns.prefill)), ("decode", _count(ns.decode))):
@@ -185,19 +197,9 @@ def launch_commands(ns: argparse.Namespace, address=None, num_gpus: int = 0) -> 
             cmd[at:at] = ["--decode-allowlist", addrs("decode")]
     cmds["router"] = ["tandem", "router", "--host", ns.host, "--grpc-port", str(ns.grpc_port),
                       "--http-port", str(ns.http_port), "--prefill", addrs("prefill"), "--decode", addrs("decode"),
-                      "--policy", ns.policy, *_optional_router_flags(ns), *every,
+                      "--policy", ns.policy, *_router_only_flags(ns), *every,
                       *_engine_flags(ns, ("model", "served_model_name", "max_model_len"))]
     return cmds
-
-
-def _optional_router_flags(ns: argparse.Namespace) -> list[str]:
-    """The router's OPTIONAL_ROUTER_FLAGS given a value other than their default."""
-    out = []
-    for dest, (flag, default) in OPTIONAL_ROUTER_FLAGS.items():
-        value = getattr(ns, dest)
-        if value != default:
-            out += [flag, f"{value:g}" if isinstance(value, float) else str(value)]
-    return out
 
 
 def _die_with_parent() -> None:

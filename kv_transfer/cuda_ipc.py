@@ -30,7 +30,7 @@ import torch
 
 from kv_transfer.base import CUDA_IPC, BlockReceiver, BlockRun, BlockSender, Transport
 from protos.tandem.v1 import kv_transfer_pb2
-from serving.errors import ServiceError
+from serving.errors import ServiceError, shown
 
 log = logging.getLogger("tandem.decode.kv")
 
@@ -89,12 +89,12 @@ def ipc_refusal(mine: kv_transfer_pb2.HostIdentity, my_cache_device: torch.devic
     if not peer.boot_id or not mine.boot_id:
         return "host identity unknown (no /proc/sys/kernel/random/boot_id)"
     if peer.boot_id != mine.boot_id:
-        return (f"different hosts: peer {peer.hostname} boot_id={peer.boot_id}, this one {mine.hostname} "
-                f"boot_id={mine.boot_id}")
+        return (f"different hosts: peer {shown(peer.hostname)} boot_id={shown(peer.boot_id)}, this one "
+                f"{mine.hostname!r} boot_id={mine.boot_id!r}")
     if peer.process_id == mine.process_id:
         return f"same process (pid {mine.pid}): CUDA IPC cannot open a handle in the process that exported it"
     if cache.device_uuid not in mine.gpu_uuids:
-        return (f"the peer's GPU {cache.device_uuid} is not visible here (CUDA_VISIBLE_DEVICES="
+        return (f"the peer's GPU {shown(cache.device_uuid)} is not visible here (CUDA_VISIBLE_DEVICES="
                 f"{os.environ.get('CUDA_VISIBLE_DEVICES', '<unset>')}; visible: {', '.join(mine.gpu_uuids) or 'none'})")
     return None
 
@@ -151,7 +151,7 @@ class MappedCaches:
         if src is None:
             src = self._rows[cache.mem_handle] = import_cache(cache, self.block_bytes, self.host)
             log.info("mapped the KV cache of prefill pid %d on %s (%d blocks) for CUDA IPC transfers",
-                     cache.host.pid, cache.host.hostname, cache.num_blocks)
+                     cache.host.pid, shown(cache.host.hostname), cache.num_blocks)
         return src
 
 

@@ -10,6 +10,7 @@ import ctypes
 import torch
 
 from protos.tandem.v1 import kv_transfer_pb2
+from serving.errors import shown
 
 LAYOUT_NAME = "block_layer_kv_token_head_dim"
 
@@ -55,7 +56,7 @@ def layout_mismatch(mine: kv_transfer_pb2.KvLayout, theirs: kv_transfer_pb2.KvLa
     for f in ("layout", "dtype", "block_size", "num_layers", "num_kv_heads", "head_dim", "block_bytes"):
         a, b = getattr(theirs, f), getattr(mine, f)
         if a != b:
-            return f"layout.{f}={a!r}: this decode instance's KV cache has {f}={b!r}"
+            return f"layout.{f}={shown(a)}: this decode instance's KV cache has {f}={b!r}"
     return None
 
 

@@ -3,9 +3,9 @@ and one request's incoming transfer (`IncomingTransfer`).
 
 The life of a transfer on the receiving side (its `TransferState` goes BOOTSTRAPPING -> WAITING -> TRANSFERRING ->
 SUCCESS, or FAILED from any of them):
-1. BOOTSTRAPPING: the first message must be the KvTransferOpen. Its request id names a reservation, which may not
-   exist yet (the router sends the prompt to prefill while it asks for the reservation): the open waits for it
-   (`Reservations.reservation`), and fails NOT_FOUND when there is none; a second open is ALREADY_EXISTS.
+1. BOOTSTRAPPING: the first message must be the KvTransferOpen. Its request id (at most MAX_ID_CHARS characters) names
+   a reservation, which may not exist yet (the router sends the prompt to prefill while it asks for it): the open
+   waits for it (`Reservations.reservation`), and fails NOT_FOUND when there is none; a second open is ALREADY_EXISTS.
 2. WAITING: the open is checked against this cache and the reservation (layout field by field, prompt length, block
    count, a known path), then by the path's transport (registry.TRANSPORTS; CUDA IPC: the host identity and the
    mapping of the prefill's cache).
@@ -40,8 +40,9 @@ from kv_transfer.layout import layout_mismatch, layout_of, retain_freed_memory
 from kv_transfer.metrics import KvPathMetrics
 from kv_transfer.registry import TRANSPORTS
 from protos.tandem.v1 import kv_transfer_pb2
-from serving.errors import ServiceError
+from serving.errors import ServiceError, shown
 from serving.hops import hop
+from serving.worker_core import MAX_ID_CHARS
 
 log = logging.getLogger("tandem.decode.kv")
 
@@ -78,8 +79,8 @@ class KvReceiver:
             except Exception as exc:  # noqa: BLE001 - e.g. separate IPC namespaces: the answer is GRPC, with why
                 reason = f"mapping the prefill KV cache failed: {type(exc).__name__}: {exc}"
         if reason is not None:
-            log.info("kv transfers from prefill pid %d on %s take the grpc path: %s", req.host.pid, req.host.hostname,
-                     reason)
+            log.info("kv transfers from prefill pid %d on %s take the grpc path: %s", req.host.pid,
+                     shown(req.host.hostname), reason)
         return kv_transfer_pb2.KvHandshakeResponse(host=self.host, path=GRPC if reason else CUDA_IPC,
                                                    reason=reason or "")
 
@@ -138,6 +139,9 @@ class IncomingTransfer:
         if kind != "open":
             raise ValueError(f"TransferKv: first message is `{kind}`; it must be `open`")
         op = first.open
+        if not 0 < len(op.request_id) <= MAX_ID_CHARS:  # (logged and looked up: bounded first, as a Decode call's)
+            raise ServiceError(grpc.StatusCode.INVALID_ARGUMENT, f"open.request_id: {len(op.request_id)} characters, "
+                                                                 f"must be 1 to {MAX_ID_CHARS}")
         rid = self.rid = self.state.request_id = op.request_id
         hop(rid, "decode.tx_open")
         r = await self.reservations.reservation(rid)

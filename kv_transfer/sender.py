@@ -51,6 +51,10 @@ from serving.hops import hop
 log = logging.getLogger("tandem.prefill.kv")
 
 HANDSHAKE_TIMEOUT_S = 10.0
+# What gRPC's aio client reports when one of its writes on a client-streaming call races the server's end of the
+# call: INTERNAL with these words, the server's own status lost (grpc/grpc#36066). The decode instance refused or
+# ended the transfer; the prefill did nothing wrong.
+CLIENT_WRITE_RACE = "Internal error from Core"
 _TRANSFER_KV = "/{}/{}".format(*decode_pb2.DESCRIPTOR.services_by_name["Decode"].methods_by_name[
     "TransferKv"].full_name.rsplit(".", 1))
 _IPC = PATH_LABELS[CUDA_IPC]
@@ -151,6 +155,15 @@ class KvSender:
                                                   encoded)
 
 
+def transfer_failure(e: grpc.aio.AioRpcError) -> tuple[grpc.StatusCode, str]:
+    """The status a failed TransferKv call passes on: its own, except gRPC's client-side INTERNAL for a write that
+    raced the decode instance's end of the stream (CLIENT_WRITE_RACE), which is ABORTED."""
+    if e.code() == grpc.StatusCode.INTERNAL and e.details() == CLIENT_WRITE_RACE:
+        return grpc.StatusCode.ABORTED, ("the decode instance ended the stream while blocks were still being sent "
+                                         "(gRPC's client lost its status: see its log)")
+    return e.code(), e.details()
+
+
 class OutgoingTransfer:
     """One request's transfer to its decode target, from the path negotiation to the ack (event loop)."""
 
@@ -208,9 +221,10 @@ class OutgoingTransfer:
             self.path_metrics.failed(self.path, failed_in)
             if self.path == CUDA_IPC:
                 self.sender.forget(self.address)  # the next request asks again (the decode instance may have restarted)
+            code, details = transfer_failure(e)
             log.warning("kv transfer of %s to %s failed while %s: %s %s", self.request_id, self.address,
-                        failed_in.name, e.code().name, e.details())
-            raise ServiceError(e.code(), f"kv transfer to decode {self.address} failed: {e.details()}") from None
+                        failed_in.name, code.name, details)
+            raise ServiceError(code, f"kv transfer to decode {self.address} failed: {details}") from None
         except BaseException:  # cancelled (the request ended at its first token, or its caller went)
             self.state.advance(KvPoll.FAILED)
             raise

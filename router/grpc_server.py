@@ -17,11 +17,15 @@ from protos.tandem.v1 import common_pb2, generate_pb2, generate_pb2_grpc
 from router.core import GenerateRequest, RequestError, RouterCore
 from serving.auth import ApiKey, ApiKeyInterceptor
 from serving.convert import finish_to_proto, logprobs_to_proto, sampling_from_proto
-from serving.errors import grpc_method
-from serving.rpc import add_health_and_reflection, add_port, add_service, new_server, set_serving
+from serving.errors import grpc_method, shown
+from serving.rpc import RequestLimit, add_health_and_reflection, add_port, add_service, new_server, set_serving
 from serving.tls import TlsConfig
 
 SERVICE_NAME = generate_pb2.DESCRIPTOR.services_by_name["Generate"].full_name
+# The largest request message of the public API (a prompt of ~16 million characters; the HTTP API's body limit is
+# the same, router/http.py). The workers' internal servers take KV blocks, up to serving.rpc.MAX_MESSAGE_BYTES.
+DEFAULT_MAX_MESSAGE_BYTES = 16 << 20
+MAX_MESSAGE_FLAG = "--max-grpc-message-bytes"
 
 
 class GenerateServicer(generate_pb2_grpc.GenerateServicer):
@@ -54,7 +58,7 @@ class GenerateServicer(generate_pb2_grpc.GenerateServicer):
     async def Tokenize(self, request, context):
         model = self._model(request.model)
         if model not in self.core.models():
-            raise RequestError("not_found", "model", f"model={model!r}: not served here")
+            raise RequestError("not_found", "model", f"model={shown(model)}: not served here")
         return generate_pb2.TokenizeResponse(token_ids=await self.core.tokenize(request.text))
 
     @grpc_method
@@ -63,13 +67,16 @@ class GenerateServicer(generate_pb2_grpc.GenerateServicer):
 
 
 async def start_grpc_server(core: RouterCore, address: str, tls: TlsConfig | None = None,
-                            api_key: ApiKey | None = None) -> grpc.aio.Server:
+                            api_key: ApiKey | None = None,
+                            max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> grpc.aio.Server:
     """Starts the public API on address ("host:port"), TLS with `tls` (no client certificate asked: clients of the
-    public API are not Tandem processes), calls without `api_key` refused (health and reflection stay open); the
-    caller stops it with `await server.stop(grace)`."""
-    server = new_server([ApiKeyInterceptor(api_key, [SERVICE_NAME])] if api_key else [])
-    add_service(server, generate_pb2.DESCRIPTOR.services_by_name["Generate"], GenerateServicer(core))
-    hs = add_health_and_reflection(server, [SERVICE_NAME])
+    public API are not Tandem processes), calls without `api_key` refused (health and reflection stay open), request
+    messages over max_message_bytes refused (RESOURCE_EXHAUSTED naming --max-grpc-message-bytes); the caller stops
+    it with `await server.stop(grace)`."""
+    limit = RequestLimit(max_message_bytes, MAX_MESSAGE_FLAG)
+    server = new_server([ApiKeyInterceptor(api_key, [SERVICE_NAME])] if api_key else [], limit=limit)
+    add_service(server, generate_pb2.DESCRIPTOR.services_by_name["Generate"], GenerateServicer(core), limit=limit)
+    hs = add_health_and_reflection(server, [SERVICE_NAME], limit=limit)
     add_port(server, address, tls, require_client_auth=False)
     await server.start()
     await set_serving(hs, [SERVICE_NAME], core.ready())

@@ -33,10 +33,12 @@ import uvloop
 
 from engine.args import EngineArgs, add_engine_args
 from router.core import RouterConfig, RouterLimits
+from router.grpc_server import DEFAULT_MAX_MESSAGE_BYTES, MAX_MESSAGE_FLAG
 from router.http import DEFAULT_MAX_REQUEST_BYTES
 from router.instances import POLICIES
 from serving.auth import ApiKey, add_api_key_args
 from serving.config import WorkerConfig
+from serving.rpc import RequestLimit
 from serving.tls import TlsConfig, add_tls_args
 
 log = logging.getLogger("tandem.router")
@@ -56,6 +58,9 @@ def add_router_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--policy", choices=POLICIES, default=RouterConfig.policy,
                    help="how to pick instances: " + ", ".join(POLICIES) + " (router/instances.py; default: "
                         f"{RouterConfig.policy})")
+    p.add_argument(MAX_MESSAGE_FLAG, type=int, default=DEFAULT_MAX_MESSAGE_BYTES,
+                   help="gRPC request messages larger than this are refused, RESOURCE_EXHAUSTED (the workers' "
+                        f"internal limit is larger: KV blocks; default: {DEFAULT_MAX_MESSAGE_BYTES})")
     p.add_argument("--migration-limit", type=int, default=RouterConfig.migration_limit,
                    help="how many times one request may move to another instance when the one serving it fails "
                         "(its stream continues, token-exact, router/migration.py); past it the client gets the "
@@ -168,7 +173,8 @@ async def serve(ns: argparse.Namespace, prefill: list[str], decode: list[str], t
         http_sock.close()
         raise
     try:
-        grpc_server = await start_grpc_server(core, f"{ns.host}:{ns.grpc_port}", tls, api_key)
+        grpc_server = await start_grpc_server(core, f"{ns.host}:{ns.grpc_port}", tls, api_key,
+                                              ns.max_grpc_message_bytes)
         open_paths = [p.strip() for p in ns.api_key_open_paths.split(",") if p.strip()]
         # TLS on the public HTTP API with the process's certificate; clients are not asked for one.
         ssl = {} if tls is None else {"ssl_certfile": tls.cert, "ssl_keyfile": tls.key}
@@ -224,6 +230,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         tls = TlsConfig.from_cli_args(ns)
         api_key = ApiKey.from_flag(ns.api_key)
+        RequestLimit(ns.max_grpc_message_bytes, MAX_MESSAGE_FLAG)
     except ValueError as e:
         parser.error(str(e))
     try:

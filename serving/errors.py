@@ -1,6 +1,7 @@
 """Errors -> gRPC status codes, in one place: every servicer method is wrapped by `grpc_method`, which turns a
 `ServiceError`, a `ValueError` (bad input: the message names the field), a router `RequestError` or anything else into
-`context.abort(code, message)`.
+`context.abort(code, message)`, the message cut to MAX_MESSAGE_WIRE_BYTES. `shown(value)` is how a message or a log line
+quotes what a caller sent.
 """
 from __future__ import annotations
 
@@ -12,6 +13,38 @@ import time
 import grpc
 
 log = logging.getLogger("tandem.rpc")
+
+# A status message travels in a trailer, percent-encoded (3 bytes for each byte of UTF-8 outside printable ASCII):
+# gRPC clients refuse metadata past 8 KiB (some of the time) and past 16 KiB (always) with RESOURCE_EXHAUSTED
+# ("received metadata size exceeds ... limit") instead of the status, and take down the whole connection, every
+# other call on it included. A message that quotes a caller's megabyte-long field is cut to this size on the wire.
+MAX_MESSAGE_WIRE_BYTES = 4096
+_SHOWN_CHARS = 80
+
+
+def shown(value, limit: int = _SHOWN_CHARS) -> str:
+    """repr(value) for a message or a log line, cut to about `limit` characters (a caller's string may be megabytes
+    long and hold newlines: repr escapes them)."""
+    r = repr(value)
+    if len(r) <= limit:
+        return r
+    size = f" ({len(value)} {'bytes' if isinstance(value, bytes) else 'characters'})" \
+        if isinstance(value, (str, bytes)) else ""
+    return f"{r[:limit]}...{size}"
+
+
+def _wire_bytes(ch: str) -> int:
+    return 1 if " " <= ch <= "~" and ch != "%" else 3 * len(ch.encode("utf-8", "surrogatepass"))
+
+
+def clipped(message: str, limit: int = MAX_MESSAGE_WIRE_BYTES) -> str:
+    """message, cut (saying how long it was) where its percent-encoding would pass `limit` bytes."""
+    size = 0
+    for i, ch in enumerate(message):
+        size += _wire_bytes(ch)
+        if size > limit - 60:  # (room for the note)
+            return f"{message[:i]}... (message cut; {len(message)} characters)"
+    return message
 
 
 class ServiceError(Exception):
@@ -76,7 +109,7 @@ async def _abort(context, where: str, exc: Exception) -> None:
     code, msg = status_of(exc)
     if code == grpc.StatusCode.INTERNAL:
         log_failure(where, exc)
-    await context.abort(code, msg)
+    await context.abort(code, clipped(msg))
 
 
 def grpc_method(fn):

@@ -25,8 +25,11 @@ def _varint(n: int) -> bytes:
 
 
 def _read_varint(data: bytes, i: int) -> tuple[int, int]:
+    """(value, position after it); ValueError when data ends inside it."""
     shift = value = 0
     while True:
+        if i >= len(data) or shift > 63:
+            raise ValueError("truncated or overlong varint")
         b = data[i]
         i += 1
         value |= (b & 0x7F) << shift
@@ -41,20 +44,25 @@ def encode_request(service: str) -> bytes:
 
 
 def decode_request(data: bytes) -> str:
-    i = 0
+    """HealthCheckRequest.service; ValueError for bytes that are no HealthCheckRequest (unknown fields are skipped)."""
+    i, service = 0, ""
     while i < len(data):
         key, i = _read_varint(data, i)
-        if key >> 3 == 1 and key & 7 == 2:
-            n, i = _read_varint(data, i)
-            return data[i:i + n].decode()
-        if key & 7 == 0:
+        wire = key & 7
+        if wire == 0:
             _, i = _read_varint(data, i)
-        elif key & 7 == 2:
+        elif wire in (1, 5):
+            i += 8 if wire == 1 else 4
+        elif wire == 2:
             n, i = _read_varint(data, i)
+            if key >> 3 == 1:
+                service = data[i:i + n].decode()  # (UnicodeDecodeError is a ValueError)
             i += n
         else:
-            raise ValueError("unexpected wire type in HealthCheckRequest")
-    return ""
+            raise ValueError(f"HealthCheckRequest: unexpected wire type {wire}")
+        if i > len(data) or key >> 3 == 0:
+            raise ValueError("HealthCheckRequest: truncated, or field number 0")
+    return service
 
 
 def encode_response(status: int) -> bytes:
@@ -87,11 +95,16 @@ class HealthFallback:
     async def set(self, service: str, status: int) -> None:
         self._status[service] = status
 
-    async def _check(self, service: str, context) -> int:
+    async def _check(self, raw: bytes, context) -> int:
+        try:  # parsed here, not by gRPC: bad bytes are INVALID_ARGUMENT (gRPC's deserializer would answer UNKNOWN)
+            service = decode_request(raw)
+        except ValueError as e:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                f"{SERVICE}.Check: grpc.health.v1.HealthCheckRequest: not a valid message ({e})")
         if service not in self._status:
-            await context.abort(grpc.StatusCode.NOT_FOUND, f"service {service!r}: unknown")
+            await context.abort(grpc.StatusCode.NOT_FOUND, f"service {service[:80]!r}: unknown")
         return self._status[service]
 
     def handler(self) -> grpc.GenericRpcHandler:
         return grpc.method_handlers_generic_handler(SERVICE, {"Check": grpc.unary_unary_rpc_method_handler(
-            self._check, request_deserializer=decode_request, response_serializer=encode_response)})
+            self._check, response_serializer=encode_response)})

@@ -51,6 +51,16 @@ def test_counts_ports_and_engine_flags_carry_over():
                               "--model", "random:tiny", "--served-model-name", "tiny", "--max-model-len", "512"]
 
 
+def test_the_grpc_message_limit_goes_to_the_router_only_and_only_when_given():
+    from router.server import build_parser as router_parser
+
+    for argv in ([], ["--colocated"]):
+        assert all("--max-grpc-message-bytes" not in cmd for cmd in commands(*argv).values())  # its own default
+        cmds = commands(*argv, "--max-grpc-message-bytes", "1000")
+        assert [name for name, cmd in cmds.items() if "--max-grpc-message-bytes" in cmd] == ["router"]
+        assert router_parser().parse_args(cmds["router"][2:]).max_grpc_message_bytes == 1000
+
+
 def test_binding_every_interface_still_dials_loopback():
     cmds = commands("--host", "0.0.0.0")
     assert cmds["prefill-0"][2:4] == ["--host", "0.0.0.0"]

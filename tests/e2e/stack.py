@@ -29,7 +29,10 @@ class Stack:
         self.argv = [sys.executable, "-m", "cli", "up", "--http-port", str(base), "--grpc-port",
                      str(base + 1), "--worker-port", str(base + 2), "--metrics-port", str(self.metrics_ports[0]),
                      "--prefill", str(prefill), "--decode", str(decode), *args]
+        # (errors=: two processes' long lines can interleave mid-character; a reader that died of it would leave
+        # every process blocked on a full pipe)
         self.proc = subprocess.Popen(self.argv, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                     errors="backslashreplace",
                                      env={**os.environ, "PYTHONUNBUFFERED": "1"})
         self.lines: list[str] = []
         self.ready = threading.Event()

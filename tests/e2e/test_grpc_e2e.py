@@ -17,7 +17,8 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
-from protos.tandem.v1 import common_pb2, decode_pb2, decode_pb2_grpc, generate_pb2, generate_pb2_grpc, prefill_pb2_grpc
+from protos.tandem.v1 import common_pb2, decode_pb2, decode_pb2_grpc, generate_pb2, generate_pb2_grpc, kv_transfer_pb2
+from protos.tandem.v1 import prefill_pb2_grpc
 from ports import free_ports
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -278,6 +279,33 @@ def test_unknown_model_is_not_found(stack):
     with pytest.raises(grpc.aio.AioRpcError) as ei:
         asyncio.run(generate_raw(stack.address, generate_pb2.GenerateRequest(model="gpt-17", prompt="hi")))
     assert ei.value.code() == grpc.StatusCode.NOT_FOUND and "model" in ei.value.details()
+
+
+def test_the_public_api_takes_smaller_messages_than_the_workers(stack):
+    """The router's --max-grpc-message-bytes (16 MiB by default) bounds what a client may send; a worker's internal
+    server takes KV blocks (serving.rpc.MAX_MESSAGE_BYTES, 512 MiB)."""
+    big = "x" * (20 << 20)
+    unbounded = [("grpc.max_send_message_length", -1)]
+
+    async def run():
+        async with grpc.aio.insecure_channel(stack.address, options=unbounded) as ch:
+            try:
+                await generate_pb2_grpc.GenerateStub(ch).Generate(generate_pb2.GenerateRequest(prompt=big),
+                                                                  timeout=60).read()
+                public = "OK"
+            except grpc.aio.AioRpcError as e:
+                public = e.code(), e.details()
+        async with grpc.aio.insecure_channel(stack.decode_addrs[0], options=unbounded) as ch:
+            answer = await decode_pb2_grpc.DecodeStub(ch).KvHandshake(
+                kv_transfer_pb2.KvHandshakeRequest(host=kv_transfer_pb2.HostIdentity(hostname=big)), timeout=60)
+        toks, _, _, _ = await generate(stack.address, "Hello", temperature=0.0, max_tokens=3)
+        return public, answer, toks
+
+    (code, details), answer, toks = asyncio.run(run())
+    assert code == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert details.endswith("request message: 20971525 bytes, more than the 16777216 this server takes "
+                            "(--max-grpc-message-bytes)"), details
+    assert answer.path == kv_transfer_pb2.KV_TRANSFER_PATH_GRPC and len(toks) == 3
 
 
 async def generate_raw(address: str, req) -> list:

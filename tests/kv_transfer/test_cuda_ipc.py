@@ -47,10 +47,10 @@ def test_a_second_visible_gpu_is_accepted():
     (ident(process="d"), CUDA, None, "offered no CUDA IPC handle"),
     (ident(process="d"), CUDA, kv.CudaIpcCache(host=ident(process="p")), "offered no CUDA IPC handle"),
     (ident(process="d"), CUDA, export(ident(boot="boot-2", process="p", host="h2")),
-     "different hosts: peer h2 boot_id=boot-2, this one h1 boot_id=boot-1"),
+     "different hosts: peer 'h2' boot_id='boot-2', this one 'h1' boot_id='boot-1'"),
     (ident(boot="", process="d"), CUDA, export(ident(process="p")), "host identity unknown"),
     (ident(process="same"), CUDA, export(ident(process="same")), "same process (pid 7)"),
-    (ident(process="d", gpus=(GPU_B,)), CUDA, export(ident(process="p")), f"the peer's GPU {GPU_A} is not visible"),
+    (ident(process="d", gpus=(GPU_B,)), CUDA, export(ident(process="p")), f"the peer's GPU '{GPU_A}' is not visible"),
 ])
 def test_refusals_say_why(mine, device, cache, words):
     reason = ipc_refusal(mine, device, cache)

@@ -1,5 +1,5 @@
-"""kv_transfer/layout.py: runs of consecutive block ids, and the malloc setting both sides' processes take, which keeps
-message buffers off the page-fault path. (The bytes of block runs: test_grpc_bytes.py.)"""
+"""kv_transfer/layout.py: runs of consecutive block ids, the layout check's message, and the malloc setting both sides'
+processes take, which keeps message buffers off the page-fault path. (The bytes of block runs: test_grpc_bytes.py.)"""
 from __future__ import annotations
 
 import subprocess
@@ -8,7 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from kv_transfer.layout import id_runs
+import torch
+
+from kv_transfer.layout import id_runs, layout_mismatch, layout_of
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
@@ -17,6 +19,17 @@ def test_id_runs():
     assert id_runs([5]) == [(0, 5, 1)]
     assert id_runs([3, 4, 5, 9, 10, 2]) == [(0, 3, 3), (3, 9, 2), (5, 2, 1)]
     assert id_runs([7, 6]) == [(0, 7, 1), (1, 6, 1)]
+
+
+def test_a_layout_mismatch_quotes_the_peers_value_in_short():
+    mine = layout_of(torch.zeros(2, 2, 2, 4, 2, 8))
+    theirs = type(mine)()
+    theirs.CopyFrom(mine)
+    theirs.dtype = "\U0001F600" * 1_000_000  # (the message goes back as a status and into the log)
+    msg = layout_mismatch(mine, theirs)
+    assert msg.startswith("layout.dtype='\U0001F600") and msg.endswith(
+        "... (1000000 characters): this decode instance's KV cache has dtype='float32'"), msg[-120:]
+    assert len(msg) < 200
 
 
 _CHURN = """

@@ -4,6 +4,7 @@ the commit needs every block; the transfer's KvPoll states are seen in order, an
 from __future__ import annotations
 
 import asyncio
+import logging
 from dataclasses import dataclass
 from types import SimpleNamespace
 
@@ -211,3 +212,28 @@ def test_no_reservation_is_not_found_and_a_second_open_already_exists():
         "open.request_id='none': no reservation here")
     assert twice.code == grpc.StatusCode.ALREADY_EXISTS
     assert state.seen == [B, F] and not book.failures  # (the Decode call was never this transfer's to fail)
+
+
+@pytest.mark.parametrize("rid", ["", "i" * 5000])
+def test_an_empty_or_long_open_request_id_is_invalid_at_once(rid):
+    _, book, receiver, _ = setup()
+    err, state = failing(receiver, open_msg(receiver.layout, rid=rid))
+    assert err.code == grpc.StatusCode.INVALID_ARGUMENT
+    assert err.message == f"open.request_id: {len(rid)} characters, must be 1 to 256"
+    assert state.seen == [B, F] and not book.arrivals  # refused before it waited for (or logged) any reservation
+
+
+def test_the_handshake_quotes_a_peers_strings_in_short(caplog):
+    """A hostile peer's host name of a million lines was one log line per line, and its layout field went back
+    whole in the answer (and in the log)."""
+    _, _, receiver, _ = setup()
+    layout = kv.KvLayout()
+    layout.CopyFrom(receiver.layout)
+    layout.layout = "x" * 5_000_000
+    req = kv.KvHandshakeRequest(host=kv.HostIdentity(hostname="a\n" * 1_000_000, pid=7), layout=layout)
+    with caplog.at_level(logging.INFO, logger="tandem.decode.kv"):
+        answer = asyncio.run(receiver.handshake(req))
+    assert answer.path == kv.KV_TRANSFER_PATH_GRPC
+    assert answer.reason.startswith("layout.layout='xxx") and len(answer.reason) < 200, answer.reason[:300]
+    [line] = [r.getMessage() for r in caplog.records]
+    assert line.startswith("kv transfers from prefill pid 7 on 'a\\na\\n") and "\n" not in line and len(line) < 400

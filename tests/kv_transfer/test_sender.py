@@ -17,7 +17,7 @@ from kv_transfer.base import CUDA_IPC, GRPC
 from kv_transfer.cuda_ipc import host_identity
 from kv_transfer.grpc_bytes import KvBlocksOut, serialize
 from kv_transfer.layout import block_rows
-from kv_transfer.sender import KvSender
+from kv_transfer.sender import CLIENT_WRITE_RACE, KvSender, transfer_failure
 from prefill_svc.core import PrefillCore
 from prefill_svc.server import ROLE, build_parser
 from protos.tandem.v1 import common_pb2, decode_pb2, decode_pb2_grpc, kv_transfer_pb2 as kv, prefill_pb2
@@ -186,3 +186,15 @@ def test_a_prompts_kv_arrives_bit_exact_through_transfer_kv(engines):
     assert torch.equal(as_bytes(received[6, :, :, :4]), as_bytes(sent[6, :, :, :4]))
     assert toks == expected[0].outputs[0].token_ids
     assert load.num_used_blocks == 0
+
+
+def test_a_write_that_races_the_decodes_refusal_is_aborted_not_internal():
+    """gRPC's aio client turns a write that races the server's end of a client stream into INTERNAL "Internal error
+    from Core" (the server's status lost); the router would pass INTERNAL on to its client."""
+    def failure(code, details):
+        return transfer_failure(grpc.aio.AioRpcError(code, grpc.aio.Metadata(), grpc.aio.Metadata(), details))
+
+    assert failure(grpc.StatusCode.INTERNAL, CLIENT_WRITE_RACE)[0] == grpc.StatusCode.ABORTED
+    assert failure(grpc.StatusCode.INTERNAL, "ValueError: x") == (grpc.StatusCode.INTERNAL, "ValueError: x")
+    assert failure(grpc.StatusCode.INVALID_ARGUMENT, "open.num_blocks=3: the reservation holds 2 blocks") == (
+        grpc.StatusCode.INVALID_ARGUMENT, "open.num_blocks=3: the reservation holds 2 blocks")

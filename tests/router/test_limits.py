@@ -1,14 +1,21 @@
-"""Limits before work (router/core.py RouterLimits, router/http.py): a body over --max-request-bytes is 413 before
-it is parsed, a prompt over --max-prompt-bytes or with a lone surrogate is 400 before it is tokenized, a request
-fanning out past --max-sub-requests is 400 before any sub-request starts, JSON nested too deeply is 400, and long
-prompts are tokenized in a worker thread, not on the event loop. Over a scripted backend (no services)."""
+"""Limits before work (router/core.py RouterLimits, router/http.py, router/grpc_server.py): a body over
+--max-request-bytes is 413 before it is parsed, a gRPC message over --max-grpc-message-bytes is RESOURCE_EXHAUSTED
+before it is parsed, a prompt over --max-prompt-bytes or with a lone surrogate is 400 before it is tokenized, a
+request fanning out past --max-sub-requests is 400 before any sub-request starts, JSON nested too deeply is 400, and
+long prompts are tokenized in a worker thread, not on the event loop. Over a scripted backend (no services)."""
+import asyncio
+import socket
 import threading
 
+import grpc
 import httpx
 import pytest
 
+from protos.tandem.v1 import common_pb2, generate_pb2, generate_pb2_grpc
 from router.core import RouterCore, RouterLimits
+from router.grpc_server import start_grpc_server
 from router.http import create_app
+from router.server import main as router_main
 from scripted_backend import Scripted
 
 
@@ -42,6 +49,42 @@ async def test_a_body_over_the_limit_is_413_declared_or_streamed(anyio_backend):
     assert declared.status_code == 413 and "2014 bytes, more than the 1000" in error(declared)[2]
     assert streamed.status_code == 413 and "more than the 1000 bytes" in error(streamed)[2]
     assert small.status_code == 200
+
+
+def test_a_grpc_message_over_the_limit_is_resource_exhausted_naming_the_flag():
+    """The public server takes 16 MiB by default (the workers' internal ones 512 MiB: KV blocks)."""
+    async def main():
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            address = f"127.0.0.1:{s.getsockname()[1]}"
+        server = await start_grpc_server(RouterCore(Scripted()), address)
+        try:
+            async with grpc.aio.insecure_channel(address, options=[("grpc.max_send_message_length", -1)]) as ch:
+                stub = generate_pb2_grpc.GenerateStub(ch)
+
+                async def generate(prompt: str):
+                    req = generate_pb2.GenerateRequest(prompt=prompt, params=common_pb2.SamplingParams(max_tokens=3))
+                    try:
+                        return "".join([r.delta.text async for r in stub.Generate(req, timeout=30)])
+                    except grpc.aio.AioRpcError as e:
+                        return e.code(), e.details()
+                return await generate("x" * (20 << 20)), await generate("hi")
+        finally:
+            await server.stop(0)
+
+    (code, details), small = asyncio.run(main())
+    assert code == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert details == ("tandem.v1.Generate.Generate: tandem.v1.GenerateRequest: request message: 20971529 bytes, "
+                       "more than the 16777216 this server takes (--max-grpc-message-bytes)")
+    assert small == "abc"
+
+
+@pytest.mark.parametrize("value", ["0", str(1 << 30)])
+def test_the_grpc_message_limit_is_checked_at_start(value, capsys):
+    with pytest.raises(SystemExit) as ei:
+        router_main(["--colocated", "--max-grpc-message-bytes", value])
+    assert ei.value.code == 2
+    assert f"--max-grpc-message-bytes={value}: must be in [1, 536870912]" in capsys.readouterr().err
 
 
 @pytest.mark.anyio

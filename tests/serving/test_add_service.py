@@ -1,6 +1,8 @@
 """serving.rpc.add_service: malformed request bytes end the call with INVALID_ARGUMENT naming the message, on every
 kind of method (unary, server-streaming, client-streaming), instead of gRPC's INTERNAL; valid ones reach the
-servicer parsed. serving.errors' failure log writes one traceback per interval, with a count, not one per call."""
+servicer parsed; with a RequestLimit, a larger message is RESOURCE_EXHAUSTED naming the limit and its flag.
+serving.errors' failure log writes one traceback per interval, with a count, not one per call, and cuts status
+messages that quote huge values."""
 from __future__ import annotations
 
 import asyncio
@@ -13,7 +15,7 @@ import pytest
 from protos.tandem.v1 import common_pb2, decode_pb2, kv_transfer_pb2 as kv
 from serving import errors
 from serving.errors import grpc_method
-from serving.rpc import add_port, add_service, channel, new_server
+from serving.rpc import RequestLimit, add_port, add_service, channel, new_server
 
 DECODE = decode_pb2.DESCRIPTOR.services_by_name["Decode"]
 TRUNCATED = b"\x0a\x05ab"  # field 1, length 5, two bytes: no protobuf parser accepts it
@@ -36,6 +38,8 @@ class Echo:
 
     @grpc_method
     async def KvHandshake(self, request, context):
+        if request.host.pid:  # a refusal that quotes the whole of a huge field
+            raise ValueError(f"host.hostname={request.host.hostname!r}: unknown")
         return kv.KvHandshakeResponse(reason=request.host.hostname)
 
     @grpc_method
@@ -53,11 +57,11 @@ def _path(method: str) -> str:
     return f"/{DECODE.full_name}/{method}"
 
 
-def run(scenario):
+def run(scenario, limit: RequestLimit | None = None):
     async def main():
         address = f"127.0.0.1:{_free_port()}"
-        server = new_server()
-        add_service(server, DECODE, Echo())
+        server = new_server(limit=limit)
+        add_service(server, DECODE, Echo(), limit=limit)
         add_port(server, address)
         await server.start()
         try:
@@ -153,3 +157,53 @@ def test_the_failure_log_counts_what_it_held_back(caplog):
         monkey_time.undo()
     messages = [r.getMessage() for r in caplog.records]
     assert messages == ["Svc.M failed", "Svc.M failed (and 3 more time(s) in the last 11 s)", "Svc.M failed"], messages
+
+
+@pytest.mark.parametrize("char", ["x", "\U0001F600"])
+def test_a_refusal_quoting_a_huge_value_is_cut_and_the_connection_lives(char):
+    """A status message travels in a trailer: past 8-16 KiB percent-encoded the client answered RESOURCE_EXHAUSTED
+    ("received metadata size exceeds ... limit") instead of the refusal, and dropped the connection with every call
+    on it."""
+    async def scenario(ch):
+        handshake = ch.unary_unary(_path("KvHandshake"), request_serializer=kv.KvHandshakeRequest.SerializeToString,
+                                   response_deserializer=kv.KvHandshakeResponse.FromString)
+        huge = await _code(handshake(kv.KvHandshakeRequest(host=kv.HostIdentity(hostname=char * 100_000, pid=1))))
+        after = await handshake(kv.KvHandshakeRequest(host=kv.HostIdentity(hostname="h2")))
+        return huge, after.reason
+
+    huge, after = run(scenario)
+    assert huge.startswith(f"INVALID_ARGUMENT: host.hostname='{char * 3}") and huge.endswith(
+        "... (message cut; 100025 characters)"), huge[-100:]
+    encoded = len(huge.encode()) + 2 * sum(1 for c in huge.encode() if c > 0x7E)
+    assert encoded <= errors.MAX_MESSAGE_WIRE_BYTES and after == "h2"
+
+
+def test_a_message_over_the_limit_is_resource_exhausted_naming_the_flag():
+    limit = RequestLimit(1000, "--max-test-bytes")
+
+    async def scenario(ch):
+        handshake = ch.unary_unary(_path("KvHandshake"), request_serializer=kv.KvHandshakeRequest.SerializeToString,
+                                   response_deserializer=kv.KvHandshakeResponse.FromString)
+        upload = ch.stream_unary(_path("TransferKv"), request_serializer=kv.KvTransferMessage.SerializeToString,
+                                 response_deserializer=kv.KvTransferAck.FromString)
+
+        async def blocks(size):
+            yield kv.KvTransferMessage(blocks=kv.KvBlocks(num_blocks=1, data=bytes(size)))
+
+        def host(n):
+            return kv.KvHandshakeRequest(host=kv.HostIdentity(hostname="h" * n))
+        return {"fits": (await handshake(host(990))).reason == "h" * 990,
+                "unary": await _code(handshake(host(1200))),
+                "past gRPC's own limit": await _code(handshake(host(2000))),
+                "streamed": await _code(upload(blocks(1200))),
+                "streamed, fits": (await upload(blocks(900))).num_blocks}
+
+    got = run(scenario, limit)
+    assert got["fits"] and got["streamed, fits"] == 1
+    assert got["unary"] == ("RESOURCE_EXHAUSTED: tandem.v1.Decode.KvHandshake: tandem.v1.KvHandshakeRequest: "
+                            "request message: 1206 bytes, more than the 1000 this server takes (--max-test-bytes)")
+    assert got["streamed"].startswith("RESOURCE_EXHAUSTED: tandem.v1.Decode.TransferKv: tandem.v1.KvTransferMessage: "
+                                      "request message: 1208 bytes, more than the 1000"), got
+    # Past core_bytes (1.5 x the limit) gRPC core refuses the message itself, naming both sizes.
+    assert got["past gRPC's own limit"].startswith("RESOURCE_EXHAUSTED: ") and "(2006 vs. 1500)" in got[
+        "past gRPC's own limit"], got
