@@ -253,7 +253,7 @@ class DisaggregatedBackend(Backend):
         still hold `rid` for a moment)."""
         order = self.decode.ordered()
         exhausted: list[str] = []
-        if order and self._room_likely(order[0], prompt):
+        if order and self._room_likely(order[0], prompt + prior):
             dinst = order.pop(0)
             # Tasks start in order: the Prefill call (the first token's path) goes out before the Decode call.
             prefill = asyncio.create_task(self._first_token(rid, prompt, params_msg, dinst.address, timeout_ms,
