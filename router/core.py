@@ -23,6 +23,8 @@ import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, replace
 
+import anyio
+
 from engine.sampling_params import SamplingParams
 from router.backend import Backend, GenerateDelta, RequestError
 from router.disaggregated import DisaggregatedBackend, RouterConfig
@@ -235,10 +237,15 @@ class RouterCore:
             self.metrics.finished(reason)
             for t in subs:
                 t.cancel()
-            await asyncio.gather(*subs, return_exceptions=True)
-            self._queues.discard(queue)
-            self._running -= 1
-            self.metrics.num_requests_running.set(self._running)
+            try:
+                # Shielded: a stream whose HTTP client went away is cancelled by anyio (starlette), again at every
+                # await until it returns, which would skip the accounting below.
+                with anyio.CancelScope(shield=True):
+                    await asyncio.gather(*subs, return_exceptions=True)
+            finally:
+                self._queues.discard(queue)
+                self._running -= 1
+                self.metrics.num_requests_running.set(self._running)
 
     async def _run_one(self, rid: str, index: int, prompt: list[int], params: SamplingParams,
                        queue: asyncio.Queue) -> None:
