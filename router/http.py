@@ -12,6 +12,8 @@ The life of a request in here:
    during a stream: uvicorn); the streams are closed, which cancels the request in the core. APIError and
    RequestError are answered in OpenAI's error JSON (router/openai_serving.py maps codes to statuses); anything
    else is a 500 for that request only.
+
+`/openapi.json` describes each POST body by its pydantic model and each answer, errors included (router/openapi.py).
 """
 from __future__ import annotations
 
@@ -30,8 +32,10 @@ from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, Counter, generate_l
 from pydantic import BaseModel, ValidationError
 
 from router.core import NOT_READY, SHUTTING_DOWN, RequestError, RouterCore
-from router.openai_protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, DetokenizeResponse,
-                                    ModelCard, ModelList, SimpleGenerateRequest, TokenizeRequest, TokenizeResponse)
+from router.openai_protocol import (ChatCompletionRequest, ChatCompletionResponse, CompletionRequest,
+                                    CompletionResponse, DetokenizeRequest, DetokenizeResponse, ModelCard, ModelList,
+                                    SimpleGenerateRequest, SimpleGenerateResponse, TokenizeRequest, TokenizeResponse)
+from router.openapi import GENERATE_ERRORS, TOKENIZE_ERRORS, install, request_body, responses
 from router.openai_serving import (APIError, ChatCompletions, Completions, Endpoint, SimpleGenerate, Streams,
                                    as_api_error, chat_prompt_ids, check_model, gather, stream)
 from serving.auth import DEFAULT_OPEN_PATHS, ApiKey, ApiKeyMiddleware
@@ -178,7 +182,8 @@ def create_app(core: RouterCore, api_key: ApiKey | None = None, open_paths: Iter
     async def version() -> dict:
         return {"version": _VERSION}
 
-    @app.post("/tokenize")
+    @app.post("/tokenize", openapi_extra=request_body(TokenizeRequest),
+              responses=responses(TokenizeResponse, TOKENIZE_ERRORS))
     async def tokenize(request: Request) -> TokenizeResponse:
         body: TokenizeRequest = await _parse(request, TokenizeRequest)
         check_model(core, body.model)
@@ -192,7 +197,8 @@ def create_app(core: RouterCore, api_key: ApiKey | None = None, open_paths: Iter
             ids = await core.tokenize(body.prompt, "prompt", add_special_tokens=body.add_special_tokens)
         return TokenizeResponse(count=len(ids), max_model_len=core.max_model_len, tokens=list(ids))
 
-    @app.post("/detokenize")
+    @app.post("/detokenize", openapi_extra=request_body(DetokenizeRequest),
+              responses=responses(DetokenizeResponse, TOKENIZE_ERRORS))
     async def detokenize(request: Request) -> DetokenizeResponse:
         body: DetokenizeRequest = await _parse(request, DetokenizeRequest)
         check_model(core, body.model)
@@ -203,22 +209,26 @@ def create_app(core: RouterCore, api_key: ApiKey | None = None, open_paths: Iter
         return DetokenizeResponse(prompt=tokenizer.decode(body.tokens))
 
     # ------------------------------------------------------------------------------------------ generation
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", openapi_extra=request_body(CompletionRequest),
+              responses=responses(CompletionResponse, GENERATE_ERRORS, stream="text/event-stream"))
     async def completions(request: Request) -> Response:
         t_in = time.monotonic_ns()
         return await serve(request, Completions(core, await _parse(request, CompletionRequest), t_in))
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", openapi_extra=request_body(ChatCompletionRequest),
+              responses=responses(ChatCompletionResponse, GENERATE_ERRORS, stream="text/event-stream"))
     async def chat_completions(request: Request) -> Response:
         t_in = time.monotonic_ns()
         return await serve(request, await ChatCompletions.create(core, await _parse(request, ChatCompletionRequest),
                                                                  t_in))
 
-    @app.post("/generate")
+    @app.post("/generate", openapi_extra=request_body(SimpleGenerateRequest),
+              responses=responses(SimpleGenerateResponse, GENERATE_ERRORS))
     async def generate(request: Request) -> Response:
         """vLLM's simple API (router/openai_serving.py: SimpleGenerate)."""
         return await serve(request, SimpleGenerate(core, await _parse(request, SimpleGenerateRequest)))
 
+    install(app, [CompletionRequest, ChatCompletionRequest, SimpleGenerateRequest, TokenizeRequest, DetokenizeRequest])
     return app
 
 

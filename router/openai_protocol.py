@@ -24,7 +24,8 @@ def random_id(prefix: str) -> str:
 
 
 class _Body(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", use_attribute_docstrings=True)  # (the docstrings describe the fields
+    # in /openapi.json)
 
     # OpenAI fields this server does not implement, each with the values that mean "not used". A request that uses
     # one is refused (400 naming it) rather than answered as if it had not asked.
@@ -163,6 +164,12 @@ class DetokenizeResponse(BaseModel):
 class SimpleGenerateRequest(SamplingRequest):
     """vLLM's `POST /generate`: `prompt`, `stream` and SamplingParams' fields."""
     prompt: str
+
+
+class SimpleGenerateResponse(BaseModel):
+    """vLLM's `/generate` answer: each choice's text is the prompt followed by its completion (streamed: this object
+    as the texts so far, NUL-terminated, once per delta)."""
+    text: list[str]
 
 
 # ---------------------------------------------------------------------------------------------------- responses

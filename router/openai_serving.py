@@ -35,7 +35,8 @@ from router.openai_protocol import (DEFAULT_COMPLETION_MAX_TOKENS, AssistantMess
                                     ChatCompletionRequest, ChatCompletionResponse, ChatLogProbs, ChatStreamChoice,
                                     ChatTokenLogprob, CompletionChoice, CompletionChunk, CompletionLogProbs,
                                     CompletionRequest, CompletionResponse, DeltaMessage, ErrorInfo, ErrorResponse,
-                                    SamplingRequest, SimpleGenerateRequest, TopLogprob, UsageInfo, random_id)
+                                    SamplingRequest, SimpleGenerateRequest, SimpleGenerateResponse, TopLogprob,
+                                    UsageInfo, random_id)
 from serving.hops import hop
 
 log = logging.getLogger("tandem.router.openai")
@@ -445,5 +446,5 @@ class SimpleGenerate(Endpoint):
         return json.dumps({"text": self.texts}) + "\0"
 
     def response(self, choices: dict[tuple[int, int], Choice], usage: Usage) -> dict:
-        return {"text": [self.prompt + "".join(choices[(0, i)].text) if (0, i) in choices else self.prompt
-                         for i in range(len(self.texts))]}
+        return SimpleGenerateResponse(text=[self.prompt + "".join(choices[(0, i)].text) if (0, i) in choices
+                                            else self.prompt for i in range(len(self.texts))]).model_dump()
