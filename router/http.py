@@ -21,6 +21,7 @@ import asyncio
 import importlib.metadata
 import json
 import logging
+import re
 import time
 from collections.abc import Awaitable, Iterable
 
@@ -74,9 +75,51 @@ async def _read_body(request: Request, limit: int) -> bytes:
     return b"".join(chunks)
 
 
+# A lone UTF-16 surrogate comes in as a \uD800-\uDFFF escape or as its UTF-8 bytes (json reads both): only a body
+# where this matches is searched for one.
+_MAYBE_SURROGATE = re.compile(rb"\\u[dD][89a-fA-F]|\xed[\xa0-\xbf]")
+_SHOWN_CHARS = 200
+
+
+def _shown(value) -> str:
+    """repr(value), cut short: an error message quotes what it refuses, not megabytes of it."""
+    text = repr(value)
+    return text if len(text) <= _SHOWN_CHARS else f"{text[:_SHOWN_CHARS]}... ({len(text)} characters)"
+
+
+def _surrogate_at(s: str) -> int | None:
+    """Where s has a lone UTF-16 surrogate (not valid Unicode), else None."""
+    try:
+        s.encode("utf-8")
+    except UnicodeEncodeError as e:
+        return e.start
+    return None
+
+
+def _check_text(data) -> None:
+    """400 naming the first string (a value or a key) in `data` that is not valid Unicode, as the core words it."""
+    todo = [([], data)]
+    while todo:  # (iterative: the body may be nested as deep as json.loads goes)
+        path, node = todo.pop()
+        if isinstance(node, str) and (at := _surrogate_at(node)) is not None:
+            where = ".".join(path)
+            raise APIError(400, f"{where}: not valid text: a lone UTF-16 surrogate ({node[at]!r}) at character {at}",
+                           path[0] if path else None, "invalid_value")
+        if isinstance(node, dict):
+            for key, value in node.items():
+                if (at := _surrogate_at(key)) is not None:
+                    where = ".".join(path) or "the body"
+                    raise APIError(400, f"{where}: not valid text: a field name with a lone UTF-16 surrogate "
+                                        f"({key[at]!r}) at character {at}", path[0] if path else None,
+                                   "invalid_value")
+                todo.append((path + [key], value))
+        elif isinstance(node, list):
+            todo.extend((path + [str(i)], value) for i, value in enumerate(node))
+
+
 async def _parse(request: Request, model: type[BaseModel]):
-    """The body as `model`; 400 for malformed JSON, a wrong type or an OpenAI feature this server lacks, 413 for a
-    body over the limit."""
+    """The body as `model`; 400 for malformed JSON, text that is not valid Unicode, a wrong type or an OpenAI feature
+    this server lacks, 413 for a body over the limit."""
     raw = await _read_body(request, request.app.state.max_request_bytes)
     try:
         data = json.loads(raw)
@@ -86,17 +129,25 @@ async def _parse(request: Request, model: type[BaseModel]):
         raise APIError(400, "malformed JSON in the request body: nested too deeply", None, "invalid_json") from None
     if not isinstance(data, dict):
         raise APIError(400, "the request body must be a JSON object", None, "invalid_json")
+    if _MAYBE_SURROGATE.search(raw):
+        _check_text(data)
     try:
         body = model.model_validate(data)
     except ValidationError as e:
         err = e.errors()[0]
         where = ".".join(str(part) for part in err["loc"])
         param = str(err["loc"][0]) if err["loc"] else None
-        raise APIError(400, f"{where}: {err['msg']} (got {err.get('input')!r})", param, "invalid_type") from None
+        raise APIError(400, f"{where}: {err['msg']} (got {_shown(err.get('input'))})", param,
+                       "invalid_type") from None
     if (name := body.unsupported_field()) is not None:
-        raise APIError(400, f"{name}={getattr(body, name)!r}: not supported by this server; leave it out",
+        raise APIError(400, f"{name}={_shown(getattr(body, name))}: not supported by this server; leave it out",
                        name, "unsupported")
     return body
+
+
+def _error_response(err: APIError) -> Response:
+    # json.dumps escapes what is not ASCII, so a message quoting any text the client sent always renders.
+    return Response(json.dumps(err.body()), status_code=err.status, media_type="application/json")
 
 
 class ClientGone(Exception):
@@ -141,18 +192,17 @@ def create_app(core: RouterCore, api_key: ApiKey | None = None, open_paths: Iter
 
     @app.exception_handler(APIError)
     @app.exception_handler(RequestError)
-    async def on_api_error(_: Request, e: APIError | RequestError) -> JSONResponse:
-        err = as_api_error(e)
-        return JSONResponse(err.body(), status_code=err.status)
+    async def on_api_error(_: Request, e: APIError | RequestError) -> Response:
+        return _error_response(as_api_error(e))
 
     @app.exception_handler(ClientGone)
     async def on_client_gone(_: Request, e: ClientGone) -> Response:
         return Response(status_code=499)  # nginx's "client closed request"; nobody reads it
 
     @app.exception_handler(Exception)
-    async def on_unexpected(_: Request, e: Exception) -> JSONResponse:
+    async def on_unexpected(_: Request, e: Exception) -> Response:
         log.exception("unexpected error")
-        return JSONResponse(as_api_error(e).body(), status_code=500)
+        return _error_response(as_api_error(e))
 
     async def serve(request: Request, endpoint: Endpoint) -> Response:
         core.check_fan_out(len(endpoint.requests), endpoint.requests[0].params.n if endpoint.requests else 1)
