@@ -146,7 +146,13 @@ class RouterCore:
 
     # ---- validation -------------------------------------------------------------------------------------------
     def check_token_ids(self, ids: list[int], field: str = "prompt_token_ids") -> None:
-        """RequestError naming the first id outside the vocabulary (before anything decodes or sends them)."""
+        """RequestError for a token-id prompt that is empty, too long for max_model_len, or has an id outside the
+        vocabulary (before anything decodes or sends them; the length first: a long list is refused unread)."""
+        if not ids:
+            raise RequestError("invalid_argument", field, f"{field}: must not be empty")
+        if len(ids) >= self.max_model_len:
+            raise RequestError("invalid_argument", field, f"{field}: {len(ids)} tokens, must be fewer than "
+                                                          f"max_model_len={self.max_model_len}")
         bad = next((t for t in ids if not isinstance(t, int) or not 0 <= t < self.vocab_size), None)
         if bad is not None:
             raise RequestError("invalid_argument", field, f"{field}: token id {bad!r} is outside the vocabulary "

@@ -27,15 +27,16 @@ from collections.abc import Awaitable, Iterable
 
 import anyio
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.requests import ClientDisconnect
 from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, Counter, generate_latest
 from pydantic import BaseModel, ValidationError
 
 from router.core import NOT_READY, SHUTTING_DOWN, RequestError, RouterCore
 from router.openai_protocol import (ChatCompletionRequest, ChatCompletionResponse, CompletionRequest,
-                                    CompletionResponse, DetokenizeRequest, DetokenizeResponse, ModelCard, ModelList,
-                                    SimpleGenerateRequest, SimpleGenerateResponse, TokenizeRequest, TokenizeResponse)
+                                    CompletionResponse, DetokenizeRequest, DetokenizeResponse, HealthStatus, ModelCard,
+                                    ModelList, SimpleGenerateRequest, SimpleGenerateResponse, TokenizeRequest,
+                                    TokenizeResponse)
 from router.openapi import GENERATE_ERRORS, TOKENIZE_ERRORS, install, request_body, responses
 from router.openai_serving import (APIError, ChatCompletions, Completions, Endpoint, SimpleGenerate, Streams,
                                    as_api_error, chat_prompt_ids, check_model, gather, stream)
@@ -79,6 +80,8 @@ async def _read_body(request: Request, limit: int) -> bytes:
 # where this matches is searched for one.
 _MAYBE_SURROGATE = re.compile(rb"\\u[dD][89a-fA-F]|\xed[\xa0-\xbf]")
 _SHOWN_CHARS = 200
+# How pydantic names the member of a union an error is about ("str", "list[int]", "constrained-str"): not a field.
+_UNION_MEMBER = re.compile(r"^(constrained-)?(str|int|float|bool|none|list\[.*\]|dict\[.*\])$")
 
 
 def _shown(value) -> str:
@@ -134,8 +137,10 @@ async def _parse(request: Request, model: type[BaseModel]):
     try:
         body = model.model_validate(data)
     except ValidationError as e:
-        err = e.errors()[0]
-        where = ".".join(str(part) for part in err["loc"])
+        # Of a union's errors (one per member), the one that says most: a bound broken rather than a type mismatch,
+        # then the member that got deepest into the value.
+        err = min(e.errors(), key=lambda x: (x["type"].endswith(("_type", "_parsing")), -len(x["loc"])))
+        where = ".".join(str(part) for part in err["loc"] if not _UNION_MEMBER.match(str(part)))
         param = str(err["loc"][0]) if err["loc"] else None
         raise APIError(400, f"{where}: {err['msg']} (got {_shown(err.get('input'))})", param,
                        "invalid_type") from None
@@ -213,22 +218,24 @@ def create_app(core: RouterCore, api_key: ApiKey | None = None, open_paths: Iter
         return JSONResponse(endpoint.response(choices, usage))
 
     # ------------------------------------------------------------------------------------------ info routes
-    @app.get("/health")
+    @app.get("/health", responses={200: {"model": HealthStatus, "description": "ready to serve"},
+                                   503: {"model": HealthStatus, "description": "not ready: `reason` says why"}})
     async def health() -> Response:
         if core.ready():
             return JSONResponse({"status": "ok"})
         return JSONResponse({"status": "unavailable", "reason": SHUTTING_DOWN if core.draining else NOT_READY},
                             status_code=503)
 
-    @app.get("/metrics")
+    @app.get("/metrics", response_class=PlainTextResponse,
+             responses={200: {"description": "Prometheus' text format"}})
     async def metrics() -> Response:
         return Response(generate_latest(REGISTRY), media_type=CONTENT_TYPE_LATEST)
 
-    @app.get("/v1/models")
+    @app.get("/v1/models", responses=responses(None, (401,)))
     async def models() -> ModelList:
         return ModelList(data=[ModelCard(id=name, max_model_len=core.max_model_len) for name in core.models()])
 
-    @app.get("/version")
+    @app.get("/version", responses=responses(None, (401,)))
     async def version() -> dict:
         return {"version": _VERSION}
 
@@ -252,6 +259,9 @@ def create_app(core: RouterCore, api_key: ApiKey | None = None, open_paths: Iter
     async def detokenize(request: Request) -> DetokenizeResponse:
         body: DetokenizeRequest = await _parse(request, DetokenizeRequest)
         check_model(core, body.model)
+        if len(body.tokens) > core.max_model_len:  # (as vLLM's; decoding millions of ids would hold the event loop)
+            raise APIError(400, f"tokens: {len(body.tokens)} ids, more than max_model_len={core.max_model_len}, the "
+                                "most a prompt and its completion have", "tokens", "invalid_value")
         bad = next((t for t in body.tokens if not 0 <= t < core.vocab_size), None)
         if bad is not None:
             raise APIError(400, f"tokens: token id {bad} is outside the vocabulary [0, {core.vocab_size})", "tokens",

@@ -224,3 +224,28 @@ async def test_an_error_quotes_a_huge_value_cut_short(client):
     err = _assert_error(await client.post("/v1/chat/completions", json={
         "messages": [{"role": "user", "content": "hi"}], "tool_choice": {"x": "y" * 1_000_000}}), 400, "tool_choice")
     assert len(err["message"]) < 500
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("field,value", [
+    ("stop", [f"s{i}" for i in range(65)]),  # (200,000 of them with n=128: a 500 after 38 s, the decode worker swamped)
+    ("stop", "x" * 1025),
+    ("stop", ["ok", "x" * 1025]),
+    ("stop_token_ids", [7] * 1025),
+])
+async def test_stop_conditions_past_their_bounds_are_400(client, field, value):
+    body = {"prompt": "hi", "n": 128, field: value}
+    for path in ("/v1/completions", "/generate"):
+        err = _assert_error(await client.post(path, json=body), 400, field)
+        assert "at most" in err["message"], err
+
+
+@pytest.mark.anyio
+async def test_token_ids_too_many_for_the_context_are_refused_before_they_are_read(client):
+    # Refused for their number (64 here), not for the out-of-vocabulary id at the end: the list is not scanned.
+    err = _assert_error(await client.post("/v1/completions", json={"prompt": [7] * 100_000 + [10**9], "echo": True}),
+                        400, "prompt_token_ids")
+    assert err["message"] == "prompt_token_ids: 100001 tokens, must be fewer than max_model_len=64"
+    err = _assert_error(await client.post("/detokenize", json={"tokens": [7] * 65}), 400, "tokens")
+    assert err["message"].startswith("tokens: 65 ids, more than max_model_len=64")
+    assert (await client.post("/detokenize", json={"tokens": [7] * 64})).status_code == 200
