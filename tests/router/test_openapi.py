@@ -73,6 +73,24 @@ def test_every_post_path_has_its_models_body_and_answers(doc):
         assert "text/event-stream" in doc["paths"][path]["post"]["responses"]["200"]["content"]
 
 
+def test_the_gets_are_documented_as_they_answer(doc):
+    paths = doc["paths"]
+    assert set(paths["/metrics"]["get"]["responses"]["200"]["content"]) == {"text/plain"}
+    health = paths["/health"]["get"]["responses"]
+    assert {resolve(doc, health[s]["content"]["application/json"]["schema"])["title"] for s in ("200", "503")} == {
+        "HealthStatus"}
+    assert resolve(doc, paths["/v1/models"]["get"]["responses"]["200"]["content"]["application/json"]["schema"])[
+        "title"] == "ModelList"
+    for path in ("/v1/models", "/version"):
+        assert "401" in paths[path]["get"]["responses"]
+
+
+def test_the_stop_bounds_are_in_the_schema(doc):
+    stop = doc["components"]["schemas"]["CompletionRequest"]["properties"]["stop"]["anyOf"]
+    assert {"type": "string", "maxLength": 1024} in stop
+    assert {"type": "array", "items": {"type": "string", "maxLength": 1024}, "maxItems": 64} in stop
+
+
 def test_nested_models_and_field_docs_are_in_the_components(doc):
     chat = doc["components"]["schemas"]["ChatCompletionRequest"]
     messages = chat["properties"]["messages"]
