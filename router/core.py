@@ -23,6 +23,8 @@ import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, replace
 
+import anyio
+
 from engine.sampling_params import SamplingParams
 from router.backend import Backend, GenerateDelta, RequestError
 from router.disaggregated import DisaggregatedBackend, RouterConfig
@@ -144,7 +146,13 @@ class RouterCore:
 
     # ---- validation -------------------------------------------------------------------------------------------
     def check_token_ids(self, ids: list[int], field: str = "prompt_token_ids") -> None:
-        """RequestError naming the first id outside the vocabulary (before anything decodes or sends them)."""
+        """RequestError for a token-id prompt that is empty, too long for max_model_len, or has an id outside the
+        vocabulary (before anything decodes or sends them; the length first: a long list is refused unread)."""
+        if not ids:
+            raise RequestError("invalid_argument", field, f"{field}: must not be empty")
+        if len(ids) >= self.max_model_len:
+            raise RequestError("invalid_argument", field, f"{field}: {len(ids)} tokens, must be fewer than "
+                                                          f"max_model_len={self.max_model_len}")
         bad = next((t for t in ids if not isinstance(t, int) or not 0 <= t < self.vocab_size), None)
         if bad is not None:
             raise RequestError("invalid_argument", field, f"{field}: token id {bad!r} is outside the vocabulary "
@@ -235,10 +243,15 @@ class RouterCore:
             self.metrics.finished(reason)
             for t in subs:
                 t.cancel()
-            await asyncio.gather(*subs, return_exceptions=True)
-            self._queues.discard(queue)
-            self._running -= 1
-            self.metrics.num_requests_running.set(self._running)
+            try:
+                # Shielded: a stream whose HTTP client went away is cancelled by anyio (starlette), again at every
+                # await until it returns, which would skip the accounting below.
+                with anyio.CancelScope(shield=True):
+                    await asyncio.gather(*subs, return_exceptions=True)
+            finally:
+                self._queues.discard(queue)
+                self._running -= 1
+                self.metrics.num_requests_running.set(self._running)
 
     async def _run_one(self, rid: str, index: int, prompt: list[int], params: SamplingParams,
                        queue: asyncio.Queue) -> None:

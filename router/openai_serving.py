@@ -35,7 +35,8 @@ from router.openai_protocol import (DEFAULT_COMPLETION_MAX_TOKENS, AssistantMess
                                     ChatCompletionRequest, ChatCompletionResponse, ChatLogProbs, ChatStreamChoice,
                                     ChatTokenLogprob, CompletionChoice, CompletionChunk, CompletionLogProbs,
                                     CompletionRequest, CompletionResponse, DeltaMessage, ErrorInfo, ErrorResponse,
-                                    SamplingRequest, SimpleGenerateRequest, TopLogprob, UsageInfo, random_id)
+                                    SamplingRequest, SimpleGenerateRequest, SimpleGenerateResponse, TopLogprob,
+                                    UsageInfo, random_id)
 from serving.hops import hop
 
 log = logging.getLogger("tandem.router.openai")
@@ -382,8 +383,12 @@ class ChatCompletions(_SSEEndpoint):
             params = _sampling_params(body, max_tokens=max_tokens,
                                       logprobs=(body.top_logprobs or 0) if body.logprobs else None)
         except APIError as e:
-            if e.param == "max_tokens" and body.max_completion_tokens is not None:
-                e.param = "max_completion_tokens"  # the name this client used
+            # The names this client used for what SamplingParams calls max_tokens and logprobs.
+            used = {"max_tokens": "max_completion_tokens" if body.max_completion_tokens is not None else None,
+                    "logprobs": "top_logprobs" if body.top_logprobs is not None else None}.get(e.param)
+            if used is not None:
+                e.message = used + e.message.removeprefix(e.param)
+                e.param = used
             raise
         self.rid, self.created = random_id("chatcmpl"), int(time.time())
         hop(self.rid, "http.in", t_in)
@@ -445,5 +450,5 @@ class SimpleGenerate(Endpoint):
         return json.dumps({"text": self.texts}) + "\0"
 
     def response(self, choices: dict[tuple[int, int], Choice], usage: Usage) -> dict:
-        return {"text": [self.prompt + "".join(choices[(0, i)].text) if (0, i) in choices else self.prompt
-                         for i in range(len(self.texts))]}
+        return SimpleGenerateResponse(text=[self.prompt + "".join(choices[(0, i)].text) if (0, i) in choices
+                                            else self.prompt for i in range(len(self.texts))]).model_dump()
