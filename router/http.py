@@ -139,7 +139,7 @@ def create_app(core: RouterCore, api_key: ApiKey | None = None, open_paths: Iter
     @app.exception_handler(RequestError)
     async def on_api_error(_: Request, e: APIError | RequestError) -> JSONResponse:
         err = as_api_error(e)
-        return JSONResponse(err.body(), status_code=err.status)
+        return JSONResponse(err.body(), status_code=err.status, headers=err.headers())
 
     @app.exception_handler(ClientGone)
     async def on_client_gone(_: Request, e: ClientGone) -> Response:
