@@ -37,18 +37,21 @@ async def one(client: httpx.AsyncClient, prompt: list[int], t0: float, max_token
     out = {"start": time.perf_counter() - t0}
     body = {"model": "random:tiny", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
             "ignore_eos": True, "stream": True}
-    async with client.stream("POST", "/v1/completions", json=body) as r:
-        out["status"], out["at"] = r.status_code, time.perf_counter() - t0
-        if r.status_code != 200:
-            out["retry_after"] = r.headers.get("retry-after")
-            out["error"] = (await r.aread()).decode()
-            return out
-        chunks = 0
-        async for line in r.aiter_lines():
-            if line.startswith("data: ") and line != "data: [DONE]":
-                assert '"error"' not in line, line  # a started stream must not fail
-                chunks += 1
-        out["chunks"], out["done"] = chunks, time.perf_counter() - t0
+    try:
+        async with client.stream("POST", "/v1/completions", json=body) as r:
+            out["status"], out["at"] = r.status_code, time.perf_counter() - t0
+            if r.status_code != 200:
+                out["retry_after"] = r.headers.get("retry-after")
+                out["error"] = (await r.aread()).decode()
+                return out
+            chunks = 0
+            async for line in r.aiter_lines():
+                if line.startswith("data: ") and line != "data: [DONE]":
+                    assert '"error"' not in line, line  # a started stream must not fail
+                    chunks += 1
+            out["chunks"], out["done"] = chunks, time.perf_counter() - t0
+    except httpx.HTTPError as e:  # neither served nor refused: the asserts below name it
+        out.update(status=0, at=time.perf_counter() - t0, error=f"{type(e).__name__}: {e}")
     return out
 
 
@@ -75,8 +78,9 @@ def test_500_requests_at_once_are_each_served_or_refused_429_within_the_wait():
                 await asyncio.gather(*(c.get("/health") for _ in range(n)))
                 t0 = time.perf_counter()
                 calls = [one(c, p, t0) for p in prompts]
-                for k in range(NUM_MALFORMED):  # interleaved: when the router read them, it read its neighbours
+                for k in range(NUM_MALFORMED - 1):  # interleaved: when the router read them, it read its neighbours
                     calls.insert(k * (NUM_REQUESTS // NUM_MALFORMED + 1), one(c, prompts[0] * 8, t0))
+                calls.append(one(c, prompts[0] * 8, t0))  # and the last of all
                 out = await asyncio.gather(*calls)
             return [r for r in out if r["status"] != 400], [r for r in out if r["status"] == 400]
 
@@ -103,8 +107,9 @@ def test_500_requests_at_once_are_each_served_or_refused_429_within_the_wait():
             assert r["at"] <= WAIT_S + MARGIN_S, r  # the first token (the stream starts with it)
             assert r["chunks"] == MAX_TOKENS, r
         # A full queue is refused at once: as soon as the router has read the request (as a too long prompt
-        # beside it is answered), never after waiting for anything.
-        assert max(r["at"] for r in full) <= last_read + 1.0, (median([r["at"] for r in full]), last_read)
+        # beside it is answered; the router does not read the connections in exactly the order they were sent),
+        # never after waiting for anything.
+        assert max(r["at"] for r in full) <= last_read + 2.0, (median([r["at"] for r in full]), last_read)
 
         deadline = time.monotonic() + 30
         while True:
