@@ -152,7 +152,8 @@ async def _parse(request: Request, model: type[BaseModel]):
 
 def _error_response(err: APIError) -> Response:
     # json.dumps escapes what is not ASCII, so a message quoting any text the client sent always renders.
-    return Response(json.dumps(err.body()), status_code=err.status, media_type="application/json")
+    return Response(json.dumps(err.body()), status_code=err.status, media_type="application/json",
+                    headers=err.headers())
 
 
 class ClientGone(Exception):

@@ -52,6 +52,7 @@ class Instance:
     load: common_pb2.InstanceLoad | None = None
     inflight: int = 0  # this router's requests there
     inflight_tokens: int = 0  # their prompt tokens (prefill)
+    refused: bool = False  # decode: refused a reservation for room since the last poll
     last_error: str = ""
     prefixes: PrefixIndex = field(default_factory=lambda: PrefixIndex(DEFAULT_INDEX_BLOCKS))  # cache_aware
 
@@ -131,7 +132,7 @@ class InstancePool:
             return
         if not inst.healthy:
             log.info("%s %s is up", self.role, inst.address)
-        inst.healthy, inst.last_error = True, ""
+        inst.healthy, inst.last_error, inst.refused = True, "", False
 
     def mark_down(self, inst: Instance, reason: str) -> None:
         if inst.healthy:

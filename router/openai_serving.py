@@ -41,20 +41,26 @@ from serving.hops import hop
 
 log = logging.getLogger("tandem.router.openai")
 
-# RequestError.code (the core's, shared with gRPC) -> HTTP status.
-_STATUS = {"invalid_argument": 400, "not_found": 404, "resource_exhausted": 503, "unavailable": 503, "internal": 500}
+# RequestError.code (the core's, shared with gRPC) -> HTTP status. resource_exhausted is a refusal under load (the
+# router's admission, router/admission.py): 429 Too Many Requests, with Retry-After.
+_STATUS = {"invalid_argument": 400, "not_found": 404, "resource_exhausted": 429, "unavailable": 503, "internal": 500}
 
 
 class APIError(Exception):
-    """An error answered in OpenAI's error JSON."""
+    """An error answered in OpenAI's error JSON; retry_after_s goes in a Retry-After header."""
 
-    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None):
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
+                 retry_after_s: int | None = None):
         super().__init__(message)
         self.status, self.message, self.param, self.code = status, message, param, code
+        self.retry_after_s = retry_after_s
 
     @classmethod
     def from_request_error(cls, e: RequestError) -> "APIError":
-        return cls(_STATUS.get(e.code, 500), e.message, e.field, e.code)
+        return cls(_STATUS.get(e.code, 500), e.message, e.field, e.code, e.retry_after_s)
+
+    def headers(self) -> dict[str, str] | None:
+        return None if self.retry_after_s is None else {"Retry-After": str(self.retry_after_s)}
 
     def body(self) -> dict:
         kind = "invalid_request_error" if self.status < 500 else "server_error"
