@@ -42,6 +42,7 @@ import torch
 
 from engine.args import EngineArgs, add_engine_args
 from router.grpc_server import DEFAULT_MAX_MESSAGE_BYTES, MAX_MESSAGE_FLAG
+from router.admission import admission_flags
 from router.server import OPTIONAL_ROUTER_FLAGS, add_router_args
 from serving.auth import ENV_API_KEY, add_api_key_args
 from serving.config import WorkerConfig
@@ -174,7 +175,8 @@ def launch_commands(ns: argparse.Namespace, address=None, num_gpus: int = 0) -> 
     every = _process_flags(ns)
     if ns.colocated:
         return {"router": ["tandem", "router", "--colocated", "--host", ns.host, "--grpc-port", str(ns.grpc_port),
-                           "--http-port", str(ns.http_port), *_router_only_flags(ns), *every, *engine]}
+                           "--http-port", str(ns.http_port), *_router_only_flags(ns), *admission_flags(ns), *every,
+                           *engine]}
     cmds: dict[str, list[str]] = {}
     k = 0
     for role, count in (("prefill", _count(ns.prefill)), ("decode", _count(ns.decode))):
@@ -197,7 +199,7 @@ def launch_commands(ns: argparse.Namespace, address=None, num_gpus: int = 0) -> 
             cmd[at:at] = ["--decode-allowlist", addrs("decode")]
     cmds["router"] = ["tandem", "router", "--host", ns.host, "--grpc-port", str(ns.grpc_port),
                       "--http-port", str(ns.http_port), "--prefill", addrs("prefill"), "--decode", addrs("decode"),
-                      "--policy", ns.policy, *_router_only_flags(ns), *every,
+                      "--policy", ns.policy, *_router_only_flags(ns), *admission_flags(ns), *every,
                       *_engine_flags(ns, ("model", "served_model_name", "max_model_len"))]
     return cmds
 

@@ -31,6 +31,7 @@ class EngineArgs:
     max_num_seqs: int = SchedulerConfig.max_num_seqs
     max_num_batched_tokens: int = SchedulerConfig.max_num_batched_tokens
     async_scheduling: bool | None = SchedulerConfig.async_scheduling
+    new_token_ratio: float = SchedulerConfig.new_token_ratio
     device: str = DeviceConfig.device
     tensor_parallel_size: int = ParallelConfig.tensor_parallel_size
 

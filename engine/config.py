@@ -103,8 +103,12 @@ class SchedulerConfig:
     """Token budget of one step: prefill chunks and decodes together (chunked prefill splits longer prompts)."""
     async_scheduling: bool | None = None
     """Schedule and launch each step before reading the previous step's tokens, so host work overlaps the device's (default: on for CUDA)."""
+    new_token_ratio: float = 0.7
+    """Admission watermark (SGLang's new_token_ratio): a waiting request (or a decode reservation) is admitted only while the free KV blocks left after it cover this share of every admitted request's remaining max_tokens, so that admitted requests do not preempt each other. It starts here, decays to a seventh of it over 600 steps without preemption, and rises again on a preemption; 0 turns the watermark off (admit whenever the prompt fits, preempt when the pool is full)."""
 
     def __post_init__(self) -> None:
+        if not 0.0 <= self.new_token_ratio <= 1.0:
+            raise ValueError(f"new_token_ratio={self.new_token_ratio}: must be in [0, 1]")
         if self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs={self.max_num_seqs}: must be >= 1")
         if self.max_num_batched_tokens < 1:

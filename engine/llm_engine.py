@@ -185,7 +185,7 @@ class LLMEngine:
         self.requests: dict[str, Request] = {}  # engine request id -> request (children of n > 1 included)
         self.children: dict[str, list[str]] = {}  # user request id -> engine request ids
         self.held: dict[str, Request] = {}  # finished kv_hold requests whose blocks are still allocated
-        self.reserved: dict[str, Request] = {}  # decode side: blocks reserved for an incoming KV transfer
+        self.reserved = self.scheduler.reserved  # decode side: blocks reserved for a KV transfer (the scheduler counts them)
         self.stream_text = True  # text deltas every step; the offline LLM turns this off (text once, at the end)
         self._pending: list[StepOutput] = []  # outputs produced outside step() (aborts), returned by the next step
         self._launched: _Launched | None = None  # async scheduling: the step on the device whose tokens are unread
@@ -303,8 +303,8 @@ class LLMEngine:
         """Ends a request wherever it is (waiting, running, held, reserved) and frees its blocks."""
         if request_id in self.reserved:
             req = self.reserved.pop(request_id)
+            req.status = RequestStatus.FINISHED_ABORTED  # (before free: a finished request's block hashes go too)
             self.kv.free(req)
-            req.status = RequestStatus.FINISHED_ABORTED
             return
         for rid in self.children.get(request_id, ()):
             req = self.requests.get(rid)
@@ -345,7 +345,9 @@ class LLMEngine:
     # ---- decode side of a KV transfer ------------------------------------------------------------------------
     def reserve_prefilled(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, *,
                           prior_output_token_ids: list[int] | None = None) -> list[int] | None:
-        """Reserves blocks for a prompt whose KV will arrive from a prefill instance. None: no room now.
+        """Reserves blocks for a prompt whose KV will arrive from a prefill instance. None: no room now, either in the
+        pool or under the scheduler's admission watermark (the blocks left would not cover the expected growth of
+        the requests already admitted; engine/scheduler.py).
         prior_output_token_ids: a resumed request (add_request says how it behaves): the KV to arrive covers
         prompt + prior outputs, and commit_prefilled's token is the one after them.
         With prefix caching the prompt's leading full blocks that this engine already holds (an earlier transferred
@@ -361,7 +363,9 @@ class LLMEngine:
         req = Request(request_id, prompt_token_ids, params, max_tokens)
         self._resume(req, prior)
         hits, num_hit_tokens = self.kv.get_computed_blocks(req)
-        if not self.kv.allocate_slots(req, req.num_tokens - num_hit_tokens, hits):
+        if (not self.scheduler.can_reserve(req, hits)
+                or not self.kv.allocate_slots(req, req.num_tokens - num_hit_tokens, hits)):
+            req.status = RequestStatus.FINISHED_ABORTED  # (so that free drops its block hashes too)
             self.kv.free(req)
             return None
         req.num_cached_tokens = num_hit_tokens

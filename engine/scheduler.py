@@ -7,6 +7,15 @@ request's next tokens, the most recently admitted request is preempted: its bloc
 later from its tokens. A single request always fits in an empty pool (checked when the engine starts), so the loop
 cannot deadlock.
 
+Admission keeps a watermark so that admitted requests rarely preempt each other (SGLang's new_token_ratio): a waiting
+request is admitted only while the free blocks, less what the running and reserved requests are expected to grow
+into, still hold its own expected blocks. A request's expected blocks are its tokens so far plus new_token_ratio x
+the output it may still produce. The ratio starts at `SchedulerConfig.new_token_ratio`, decays towards a seventh of
+it while steps run without preemption (requests often stop well before max_tokens), and is raised on a preemption
+to at least the share of max_tokens the running requests have used. With nothing running or reserved, the first
+waiting request is admitted whenever it fits. The decode service's reservations go through the same check
+(`can_reserve`), behind the preempted requests waiting for their blocks back.
+
 A scheduled step is accounted for at once (vLLM v1's rule): num_computed_tokens advances when the step is scheduled,
 and a request whose step reaches its last token owes one sampled token (num_inflight_tokens) until the engine reads
 it. So the next step can be scheduled while this one runs on the GPU (async scheduling): a decode's input is then the
@@ -14,12 +23,23 @@ token still in flight, which the model runner takes from the previous step's sam
 """
 from __future__ import annotations
 
+import itertools
+import math
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from engine.config import SchedulerConfig
 from engine.kv_cache_manager import KVCacheManager
 from engine.request import Request, RequestStatus
+from engine.utils import cdiv
+
+# The watermark's schedule, SGLang's defaults: from its start value the ratio decays linearly to
+# _MIN_RATIO_FACTOR x it over _DECAY_STEPS steps without a preemption; after one it is at least the share of
+# max_tokens the running requests have used, each counted _PREEMPT_MARGIN_TOKENS ahead (RETRACT_DECODE_STEPS).
+_MIN_RATIO_FACTOR = 0.14
+_DECAY_STEPS = 600
+_PREEMPT_MARGIN_TOKENS = 20
 
 
 @dataclass
@@ -43,7 +63,14 @@ class Scheduler:
         self.kv = kv
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
+        # Decode side: requests whose blocks are reserved for a KV transfer (LLMEngine.reserve_prefilled), not yet
+        # running; their growth counts against admission.
+        self.reserved: dict[str, Request] = {}
         self.num_preemptions = 0
+        self.init_ratio = config.new_token_ratio
+        self.min_ratio = self.init_ratio * _MIN_RATIO_FACTOR
+        self.ratio_decay = (self.init_ratio - self.min_ratio) / _DECAY_STEPS
+        self.new_token_ratio = self.init_ratio
 
     def add_request(self, request: Request) -> None:
         request.status = RequestStatus.WAITING
@@ -87,12 +114,20 @@ class Scheduler:
                 continue
             break
 
-        # Admit waiting requests only when nothing had to be preempted this step.
+        # Admit waiting requests only when nothing had to be preempted this step, and while the watermark holds.
+        room = None  # headroom(), once a request is checked against it; less each admitted request's need
         while (not out.preempted and self.waiting and budget > 0
                and len(self.running) < self.config.max_num_seqs):
             req = self.waiting[0]
             assert req.num_inflight_tokens == 0, req  # the step that preempted it admitted nobody
             hits, num_hit_tokens = self.kv.get_computed_blocks(req)
+            if self.init_ratio and (self.running or self.reserved):
+                if room is None:
+                    room = self.headroom()
+                need = self.need(req, hits)
+                if need > room:
+                    break
+                room -= need
             num_new = min(req.num_tokens - num_hit_tokens, budget)
             if not self.kv.allocate_slots(req, num_new, hits):
                 break
@@ -112,7 +147,53 @@ class Scheduler:
                                                   + req.num_inflight_tokens)
             req.num_inflight_tokens += samples
             samples_list.append(samples)
+        if self.init_ratio:
+            if out.preempted:
+                self._raise_ratio()
+            elif out.scheduled:
+                self.new_token_ratio = max(self.min_ratio, self.new_token_ratio - self.ratio_decay)
         return out
+
+    # ---- the admission watermark ----------------------------------------------------------------------------
+    def expected_blocks(self, req: Request) -> int:
+        """Blocks req is expected to hold at its end: its tokens so far and new_token_ratio x the output it may
+        still produce."""
+        out = len(req.output_token_ids) + req.num_inflight_tokens
+        tokens = len(req.prompt_token_ids) + out + math.ceil(self.new_token_ratio * max(0, req.max_tokens - out))
+        return cdiv(tokens, self.kv.block_size)
+
+    def headroom(self) -> int:
+        """Free blocks less what the running and reserved requests are expected to take still."""
+        held = self.kv.req_to_blocks
+        growth = 0
+        for r in itertools.chain(self.running, self.reserved.values()):
+            g = self.expected_blocks(r) - len(held.get(r.request_id, ()))
+            if g > 0:
+                growth += g
+        return self.kv.pool.num_free_blocks - growth
+
+    def need(self, req: Request, hits: Sequence[int] = ()) -> int:
+        """Free blocks admitting req (which holds none) takes, now and as it grows: its expected blocks, less the
+        prefix hits `hits` that other requests hold already."""
+        ref_cnt = self.kv.pool.ref_cnt
+        return self.expected_blocks(req) - sum(1 for b in hits if ref_cnt[b] > 0)
+
+    def can_reserve(self, req: Request, hits: Sequence[int] = ()) -> bool:
+        """Whether a decode reservation for req (its prefix hits `hits`) keeps the watermark, behind the preempted
+        requests waiting to come back (they hold no blocks: all they are expected to take is counted). With nothing
+        running, reserved or waiting, any reservation that fits is granted (the caller allocates)."""
+        if not self.init_ratio or not (self.running or self.reserved or self.waiting):
+            return True
+        waiting = sum(self.expected_blocks(r) for r in self.waiting)
+        return self.need(req, hits) <= self.headroom() - waiting
+
+    def _raise_ratio(self) -> None:
+        """A step preempted: admitted requests outgrew the estimate. The ratio goes back to at least its start
+        value, and to the share of max_tokens the running requests have used when that is higher."""
+        used = sum(len(r.output_token_ids) + r.num_inflight_tokens + _PREEMPT_MARGIN_TOKENS for r in self.running)
+        total = sum(r.max_tokens for r in self.running)
+        observed = used / total if total else 1.0
+        self.new_token_ratio = min(1.0, max(self.init_ratio, self.new_token_ratio, observed))
 
     def _preempt(self, req: Request) -> None:
         self.kv.free(req)

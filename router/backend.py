@@ -12,6 +12,7 @@ import re
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
+from engine.config import SchedulerConfig
 from engine.sampling_params import SamplingParams
 
 
@@ -28,11 +29,21 @@ class GenerateDelta:
 
 class RequestError(Exception):
     """A request that cannot be served; code in {"invalid_argument", "not_found", "resource_exhausted",
-    "unavailable", "internal"}, field names the offending request field (or None)."""
+    "unavailable", "internal"}, field names the offending request field (or None); retry_after_s: when a refusal
+    under load may be retried (HTTP Retry-After, gRPC trailing metadata retry-after)."""
 
-    def __init__(self, code: str, field: str | None, message: str):
+    def __init__(self, code: str, field: str | None, message: str, *, retry_after_s: int | None = None):
         super().__init__(message)
         self.code, self.field, self.message = code, field, message
+        self.retry_after_s = retry_after_s
+
+
+class NoRoom(RequestError):
+    """Every instance that could serve the sub-request refused it for lack of room now, before anything was queued
+    for the client: the core may try it again later (router/admission.py), under a new sub-request id."""
+
+    def __init__(self, message: str):
+        super().__init__("resource_exhausted", None, message)
 
 
 # An engine's ValueError names the field first ("max_tokens=0: must be >= 1"), maybe behind a service's "name: ".
@@ -62,6 +73,11 @@ class Backend(ABC):
         self.max_model_len = max_model_len
         """Context length: prompt + output tokens."""
         self.vocab_size = vocab_size
+
+    def default_max_concurrent(self) -> int:
+        """Sub-requests in flight that fill what serves them: --max-concurrent-requests' default (one engine's
+        max_num_seqs here)."""
+        return SchedulerConfig.max_num_seqs
 
     @abstractmethod
     async def start(self) -> None:

@@ -68,6 +68,9 @@ class ColocatedBackend(Backend):
     def ready(self) -> bool:
         return self.worker is not None
 
+    def default_max_concurrent(self) -> int:
+        return self.engine.config.scheduler.max_num_seqs
+
     async def close(self) -> None:
         if self.worker is None:
             return

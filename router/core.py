@@ -6,13 +6,17 @@ The life of a request in the core:
 1. `generate()` validates it (model name, exactly one non-empty prompt, token ids inside the vocabulary, prompt and
    max_tokens within max_model_len) and tokenizes a text prompt; a RequestError naming the field is raised before the
    first delta, as is "unavailable" when the backend is not ready.
-2. n > 1 fans out into n independent sub-requests `<id>-<i>` (seed + i each; a prefix cache shares their prompt).
+2. Admission (router/admission.py): the request takes one slot per sub-request, waiting in a bounded FIFO queue
+   when they are all taken; a full queue or a wait past --queue-timeout is refused "resource_exhausted" with a
+   Retry-After (HTTP 429), before the first delta.
+3. n > 1 fans out into n independent sub-requests `<id>-<i>` (seed + i each; a prefix cache shares their prompt).
    Each runs as a task in `backend.serve_one`, which puts the sub-request's deltas, tagged with its index, on one
    queue; `generate()` yields them in arrival order (and records the router's metrics) until every sub-request
-   has finished.
-3. A sub-request that fails puts its RequestError on the queue ("internal" for anything that is not one), and
-   `generate()` raises it: that request ends, the router stays up.
-4. Closing the iterator (or cancelling the task that consumes it) cancels every sub-request's task; the backend then
+   has finished. A sub-request that no instance has room for (NoRoom, before its first delta) waits for room and is
+   tried again as `<sub-id>.r<k>`, until the request's deadline; then it is refused like a wait past the limit.
+4. A sub-request that fails puts its RequestError on the queue ("internal" for anything that is not one), and
+   `generate()` raises it: that request ends, the router stays up. Each sub-request gives its slot back when it ends.
+5. Closing the iterator (or cancelling the task that consumes it) cancels every sub-request's task; the backend then
    frees what the request holds (see its module for how).
 """
 from __future__ import annotations
@@ -23,14 +27,17 @@ import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, replace
 
+import anyio
+
 from engine.sampling_params import SamplingParams
-from router.backend import Backend, GenerateDelta, RequestError
+from router.admission import Admission, AdmissionConfig, Ticket
+from router.backend import Backend, GenerateDelta, NoRoom, RequestError
 from router.disaggregated import DisaggregatedBackend, RouterConfig
 from serving.hops import hop
 from serving.metrics import Metrics
 
-__all__ = ["GenerateDelta", "GenerateRequest", "NOT_READY", "RequestError", "RouterConfig", "RouterCore",
-           "RouterLimits"]
+__all__ = ["AdmissionConfig", "GenerateDelta", "GenerateRequest", "NOT_READY", "RequestError", "RouterConfig",
+           "RouterCore", "RouterLimits"]
 
 log = logging.getLogger("tandem.router.core")
 
@@ -91,7 +98,8 @@ class GenerateRequest:
 
 
 class RouterCore:
-    def __init__(self, backend: Backend, limits: RouterLimits = RouterLimits()):
+    def __init__(self, backend: Backend, limits: RouterLimits = RouterLimits(),
+                 admission: AdmissionConfig = AdmissionConfig()):
         self.backend = backend
         self.limits = limits
         self.tokenizer = backend.tokenizer
@@ -99,14 +107,17 @@ class RouterCore:
         self.max_model_len = backend.max_model_len
         self.vocab_size = backend.vocab_size
         self.metrics = Metrics(self.served_name, "router")
+        self.admission = Admission(admission, admission.max_concurrent_requests or backend.default_max_concurrent(),
+                                   self.metrics, self.served_name)
         self._running = 0
         self._queues: set[asyncio.Queue] = set()  # one per request in flight: drain() ends them through it
         self.draining = False
 
     @classmethod
-    async def create(cls, cfg: RouterConfig, limits: RouterLimits = RouterLimits()) -> "RouterCore":
+    async def create(cls, cfg: RouterConfig, limits: RouterLimits = RouterLimits(),
+                     admission: AdmissionConfig = AdmissionConfig()) -> "RouterCore":
         """A core over the prefill and decode instances of `cfg`, once their first health poll is back."""
-        core = cls(await DisaggregatedBackend.create(cfg), limits)
+        core = cls(await DisaggregatedBackend.create(cfg), limits, admission)
         await core.start()
         return core
 
@@ -127,6 +138,7 @@ class RouterCore:
         finish for up to grace_s, then ends each with an "unavailable" error: an HTTP stream then closes with an
         error event and [DONE], a gRPC call with UNAVAILABLE, never a cut-off body."""
         self.draining = True
+        self.admission.close(RequestError("unavailable", None, SHUTTING_DOWN))  # the queued ones: refused at once
         loop = asyncio.get_running_loop()
         deadline = loop.time() + grace_s
         if self._running:
@@ -144,7 +156,13 @@ class RouterCore:
 
     # ---- validation -------------------------------------------------------------------------------------------
     def check_token_ids(self, ids: list[int], field: str = "prompt_token_ids") -> None:
-        """RequestError naming the first id outside the vocabulary (before anything decodes or sends them)."""
+        """RequestError for a token-id prompt that is empty, too long for max_model_len, or has an id outside the
+        vocabulary (before anything decodes or sends them; the length first: a long list is refused unread)."""
+        if not ids:
+            raise RequestError("invalid_argument", field, f"{field}: must not be empty")
+        if len(ids) >= self.max_model_len:
+            raise RequestError("invalid_argument", field, f"{field}: {len(ids)} tokens, must be fewer than "
+                                                          f"max_model_len={self.max_model_len}")
         bad = next((t for t in ids if not isinstance(t, int) or not 0 <= t < self.vocab_size), None)
         if bad is not None:
             raise RequestError("invalid_argument", field, f"{field}: token id {bad!r} is outside the vocabulary "
@@ -197,13 +215,15 @@ class RouterCore:
         if not self.ready():
             raise RequestError("unavailable", None, NOT_READY)
         t0 = time.monotonic()
+        ticket = await self.admission.acquire(n)
+        hop(req.request_id, "router.admitted")
         queue: asyncio.Queue = asyncio.Queue()
         subs = []
         for i in range(n):
             params = req.params if n == 1 else replace(
                 req.params, n=1, seed=None if req.params.seed is None else req.params.seed + i)
             sub_id = req.request_id if n == 1 else f"{req.request_id}-{i}"
-            subs.append(asyncio.create_task(self._run_one(sub_id, i, prompt, params, queue)))
+            subs.append(asyncio.create_task(self._run_one(sub_id, i, prompt, params, queue, ticket)))
         self._running += 1
         self._queues.add(queue)
         self.metrics.num_requests_running.set(self._running)
@@ -235,15 +255,21 @@ class RouterCore:
             self.metrics.finished(reason)
             for t in subs:
                 t.cancel()
-            await asyncio.gather(*subs, return_exceptions=True)
-            self._queues.discard(queue)
-            self._running -= 1
-            self.metrics.num_requests_running.set(self._running)
+            try:
+                # Shielded: a stream whose HTTP client went away is cancelled by anyio (starlette), again at every
+                # await until it returns, which would skip the accounting below.
+                with anyio.CancelScope(shield=True):
+                    await asyncio.gather(*subs, return_exceptions=True)
+            finally:
+                ticket.close()
+                self._queues.discard(queue)
+                self._running -= 1
+                self.metrics.num_requests_running.set(self._running)
 
     async def _run_one(self, rid: str, index: int, prompt: list[int], params: SamplingParams,
-                       queue: asyncio.Queue) -> None:
+                       queue: asyncio.Queue, ticket: Ticket) -> None:
         try:
-            await self.backend.serve_one(rid, index, prompt, params, queue)
+            await self._serve_one(rid, index, prompt, params, queue, ticket)
         except asyncio.CancelledError:
             if asyncio.current_task().cancelling():  # the consumer went away
                 raise
@@ -253,3 +279,23 @@ class RouterCore:
         except Exception as e:  # noqa: BLE001 - one request fails, not the router
             log.exception("request %s failed", rid)
             queue.put_nowait(RequestError("internal", None, f"{type(e).__name__}: {e}"))
+        finally:
+            ticket.sub_done()
+
+    async def _serve_one(self, rid: str, index: int, prompt: list[int], params: SamplingParams,
+                         queue: asyncio.Queue, ticket: Ticket) -> None:
+        """backend.serve_one; while no instance has room for it (NoRoom, raised before its first delta), it waits
+        for room (behind the sub-requests already waiting) and goes again as `<rid>.r<k>` (a cancelled attempt may
+        still hold its id on an instance for a moment), until the request's deadline."""
+        admission = self.admission
+        if admission.waiting_for_room and not await admission.wait_for_room(ticket.deadline):
+            raise admission.no_room(NoRoom("no decode instance had room"), ticket.since)
+        sub_id, attempt = rid, 0
+        while True:
+            try:
+                return await self.backend.serve_one(sub_id, index, prompt, params, queue)
+            except NoRoom as e:
+                if not await admission.wait_for_room(ticket.deadline, front=True):
+                    raise admission.no_room(e, ticket.since) from None
+            attempt += 1
+            sub_id = f"{rid}.r{attempt}"

@@ -6,8 +6,10 @@ The life of a sub-request in here (`serve_one`):
    by the policy (router/instances.py) and asked to reserve blocks for the prompt (Decode RPC, first answer
    Reserved). When its polled load leaves room, the prompt goes to prefill (step 2) at the same time, naming it, so
    that the reservation's round trip is not on the way to the first token. RESOURCE_EXHAUSTED or an unreachable
-   instance: that prefill is cancelled and the next instances are tried, reservation first; none left:
-   RESOURCE_EXHAUSTED (`_reserve_and_prefill`).
+   instance: that prefill is cancelled and the next instances are tried, reservation first; none left: NoRoom
+   when some refused for room (`_reserve_and_prefill`; the core waits for room and tries again, router/admission.py),
+   "unavailable" when none was reachable. An instance that refused sends no prompt to prefill before its
+   reservation until its next poll.
 2. A prefill instance is picked and sent the prompt with the router-issued request id, the decode target's address
    and the transfer deadline (Prefill RPC). Its first answer is the first token, which is queued once the
    reservation stands: the client does not wait for the KV transfer.
@@ -32,10 +34,11 @@ from dataclasses import dataclass, replace
 import grpc
 
 from engine.args import EngineArgs
+from engine.config import SchedulerConfig
 from engine.sampling_params import SamplingParams
 from engine.utils import cdiv
 from protos.tandem.v1 import decode_pb2, prefill_pb2
-from router.backend import Backend, RequestError, invalid_argument
+from router.backend import Backend, NoRoom, RequestError, invalid_argument
 from router.instances import Instance, InstancePool
 from router.migration import Lost, Migration, Stream, lost_or_error
 from serving.config import KvTransferConfig
@@ -134,6 +137,9 @@ class DisaggregatedBackend(Backend):
         prefill locally)."""
         return bool(self.decode.healthy()) and (bool(self.prefill.healthy()) or self.prefill.ever_healthy)
 
+    def default_max_concurrent(self) -> int:
+        return SchedulerConfig.max_num_seqs * len(self.decode.instances)
+
     async def close(self) -> None:
         await asyncio.gather(self.prefill.close(), self.decode.close())
 
@@ -148,8 +154,10 @@ class DisaggregatedBackend(Backend):
 
     def _room_likely(self, inst: Instance, prompt: list[int]) -> bool:
         """Whether inst's polled load leaves room for the prompt's blocks twice over (the poll is up to
-        poll_interval_s old): only then does the prompt go to prefill before the reservation answers, since a
-        refusal wastes that prefill."""
+        poll_interval_s old) and it has refused no reservation since: only then does the prompt go to prefill
+        before the reservation answers, since a refusal wastes that prefill."""
+        if inst.refused:
+            return False
         load = inst.load
         if load is None or not load.block_size or not load.num_total_blocks:
             return True
@@ -168,8 +176,9 @@ class DisaggregatedBackend(Backend):
             first = await call.read()
         except grpc.aio.AioRpcError as e:
             if e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
-                log.info("decode %s has no room for %s; trying the next", inst.address, rid)
+                log.debug("decode %s has no room for %s; trying the next", inst.address, rid)
                 exhausted.append(inst.address)
+                inst.refused = True
                 return None
             if e.code() == grpc.StatusCode.UNAVAILABLE:
                 self.decode.mark_down(inst, e.details() or "unavailable")
@@ -192,9 +201,7 @@ class DisaggregatedBackend(Backend):
             if call is not None:
                 return call, inst
         if exhausted:
-            raise RequestError("resource_exhausted", None,
-                               f"no decode instance has room for {len(prompt)} prompt tokens "
-                               f"(tried {', '.join(exhausted)})")
+            raise NoRoom(f"no decode instance has room for {len(prompt)} prompt tokens (tried {', '.join(exhausted)})")
         raise RequestError("unavailable", None, "no healthy decode instance")
 
     async def _first_token(self, rid: str, prompt: list[int], params_msg, decode_address: str, timeout_ms: int,

@@ -3,8 +3,9 @@
 A thin servicer: protobuf -> GenerateRequest (SamplingParams validates and names the field), RouterCore.generate,
 GenerateDelta -> protobuf. RequestError and ValueError become status codes in serving.errors.grpc_method (the one
 place): invalid_argument -> INVALID_ARGUMENT, not_found -> NOT_FOUND, resource_exhausted -> RESOURCE_EXHAUSTED,
-unavailable -> UNAVAILABLE, anything else -> INTERNAL. A client's cancel cancels the handler, which closes the core's
-stream and so cancels the request in its backend (on the prefill and decode services, or in the colocated engine).
+unavailable -> UNAVAILABLE, anything else -> INTERNAL (a refusal under load carries trailing metadata retry-after,
+router/admission.py). A client's cancel cancels the handler, which closes the core's stream and so cancels the request
+in its backend (on the prefill and decode services, or in the colocated engine).
 """
 from __future__ import annotations
 

@@ -12,6 +12,8 @@ The life of a request in here:
    during a stream: uvicorn); the streams are closed, which cancels the request in the core. APIError and
    RequestError are answered in OpenAI's error JSON (router/openai_serving.py maps codes to statuses); anything
    else is a 500 for that request only.
+
+`/openapi.json` describes each POST body by its pydantic model and each answer, errors included (router/openapi.py).
 """
 from __future__ import annotations
 
@@ -19,19 +21,23 @@ import asyncio
 import importlib.metadata
 import json
 import logging
+import re
 import time
 from collections.abc import Awaitable, Iterable
 
 import anyio
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.requests import ClientDisconnect
 from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, Counter, generate_latest
 from pydantic import BaseModel, ValidationError
 
 from router.core import NOT_READY, SHUTTING_DOWN, RequestError, RouterCore
-from router.openai_protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, DetokenizeResponse,
-                                    ModelCard, ModelList, SimpleGenerateRequest, TokenizeRequest, TokenizeResponse)
+from router.openai_protocol import (ChatCompletionRequest, ChatCompletionResponse, CompletionRequest,
+                                    CompletionResponse, DetokenizeRequest, DetokenizeResponse, HealthStatus, ModelCard,
+                                    ModelList, SimpleGenerateRequest, SimpleGenerateResponse, TokenizeRequest,
+                                    TokenizeResponse)
+from router.openapi import GENERATE_ERRORS, TOKENIZE_ERRORS, install, request_body, responses
 from router.openai_serving import (APIError, ChatCompletions, Completions, Endpoint, SimpleGenerate, Streams,
                                    as_api_error, chat_prompt_ids, check_model, gather, stream)
 from serving.auth import DEFAULT_OPEN_PATHS, ApiKey, ApiKeyMiddleware
@@ -70,9 +76,53 @@ async def _read_body(request: Request, limit: int) -> bytes:
     return b"".join(chunks)
 
 
+# A lone UTF-16 surrogate comes in as a \uD800-\uDFFF escape or as its UTF-8 bytes (json reads both): only a body
+# where this matches is searched for one.
+_MAYBE_SURROGATE = re.compile(rb"\\u[dD][89a-fA-F]|\xed[\xa0-\xbf]")
+_SHOWN_CHARS = 200
+# How pydantic names the member of a union an error is about ("str", "list[int]", "constrained-str"): not a field.
+_UNION_MEMBER = re.compile(r"^(constrained-)?(str|int|float|bool|none|list\[.*\]|dict\[.*\])$")
+
+
+def _shown(value) -> str:
+    """repr(value), cut short: an error message quotes what it refuses, not megabytes of it."""
+    text = repr(value)
+    return text if len(text) <= _SHOWN_CHARS else f"{text[:_SHOWN_CHARS]}... ({len(text)} characters)"
+
+
+def _surrogate_at(s: str) -> int | None:
+    """Where s has a lone UTF-16 surrogate (not valid Unicode), else None."""
+    try:
+        s.encode("utf-8")
+    except UnicodeEncodeError as e:
+        return e.start
+    return None
+
+
+def _check_text(data) -> None:
+    """400 naming the first string (a value or a key) in `data` that is not valid Unicode, as the core words it."""
+    todo = [([], data)]
+    while todo:  # (iterative: the body may be nested as deep as json.loads goes)
+        path, node = todo.pop()
+        if isinstance(node, str) and (at := _surrogate_at(node)) is not None:
+            where = ".".join(path)
+            raise APIError(400, f"{where}: not valid text: a lone UTF-16 surrogate ({node[at]!r}) at character {at}",
+                           path[0] if path else None, "invalid_value")
+        if isinstance(node, dict):
+            for key, value in node.items():
+                if (at := _surrogate_at(key)) is not None:
+                    where = ".".join(path) or "the body"
+                    raise APIError(400, f"{where}: not valid text: a field name with a lone UTF-16 surrogate "
+                                        f"({key[at]!r}) at character {at}", path[0] if path else None,
+                                   "invalid_value")
+                todo.append((path + [key], value))
+        elif isinstance(node, list):
+            todo.extend((path + [str(i)], value) for i, value in enumerate(node))
+
+
 async def _parse(request: Request, model: type[BaseModel]):
-    """The body as `model`; 400 for malformed JSON, a wrong type or an OpenAI feature this server lacks, 413 for a
-    body over the limit."""
+    """The body as `model`; 400 for malformed JSON, text that is not valid Unicode, a wrong type or an OpenAI feature
+    this server lacks, 413 for a body over the limit."""
     raw = await _read_body(request, request.app.state.max_request_bytes)
     try:
         data = json.loads(raw)
@@ -82,17 +132,28 @@ async def _parse(request: Request, model: type[BaseModel]):
         raise APIError(400, "malformed JSON in the request body: nested too deeply", None, "invalid_json") from None
     if not isinstance(data, dict):
         raise APIError(400, "the request body must be a JSON object", None, "invalid_json")
+    if _MAYBE_SURROGATE.search(raw):
+        _check_text(data)
     try:
         body = model.model_validate(data)
     except ValidationError as e:
-        err = e.errors()[0]
-        where = ".".join(str(part) for part in err["loc"])
+        # Of a union's errors (one per member), the one that says most: a bound broken rather than a type mismatch,
+        # then the member that got deepest into the value.
+        err = min(e.errors(), key=lambda x: (x["type"].endswith(("_type", "_parsing")), -len(x["loc"])))
+        where = ".".join(str(part) for part in err["loc"] if not _UNION_MEMBER.match(str(part)))
         param = str(err["loc"][0]) if err["loc"] else None
-        raise APIError(400, f"{where}: {err['msg']} (got {err.get('input')!r})", param, "invalid_type") from None
+        raise APIError(400, f"{where}: {err['msg']} (got {_shown(err.get('input'))})", param,
+                       "invalid_type") from None
     if (name := body.unsupported_field()) is not None:
-        raise APIError(400, f"{name}={getattr(body, name)!r}: not supported by this server; leave it out",
+        raise APIError(400, f"{name}={_shown(getattr(body, name))}: not supported by this server; leave it out",
                        name, "unsupported")
     return body
+
+
+def _error_response(err: APIError) -> Response:
+    # json.dumps escapes what is not ASCII, so a message quoting any text the client sent always renders.
+    return Response(json.dumps(err.body()), status_code=err.status, media_type="application/json",
+                    headers=err.headers())
 
 
 class ClientGone(Exception):
@@ -137,18 +198,17 @@ def create_app(core: RouterCore, api_key: ApiKey | None = None, open_paths: Iter
 
     @app.exception_handler(APIError)
     @app.exception_handler(RequestError)
-    async def on_api_error(_: Request, e: APIError | RequestError) -> JSONResponse:
-        err = as_api_error(e)
-        return JSONResponse(err.body(), status_code=err.status)
+    async def on_api_error(_: Request, e: APIError | RequestError) -> Response:
+        return _error_response(as_api_error(e))
 
     @app.exception_handler(ClientGone)
     async def on_client_gone(_: Request, e: ClientGone) -> Response:
         return Response(status_code=499)  # nginx's "client closed request"; nobody reads it
 
     @app.exception_handler(Exception)
-    async def on_unexpected(_: Request, e: Exception) -> JSONResponse:
+    async def on_unexpected(_: Request, e: Exception) -> Response:
         log.exception("unexpected error")
-        return JSONResponse(as_api_error(e).body(), status_code=500)
+        return _error_response(as_api_error(e))
 
     async def serve(request: Request, endpoint: Endpoint) -> Response:
         core.check_fan_out(len(endpoint.requests), endpoint.requests[0].params.n if endpoint.requests else 1)
@@ -159,26 +219,29 @@ def create_app(core: RouterCore, api_key: ApiKey | None = None, open_paths: Iter
         return JSONResponse(endpoint.response(choices, usage))
 
     # ------------------------------------------------------------------------------------------ info routes
-    @app.get("/health")
+    @app.get("/health", responses={200: {"model": HealthStatus, "description": "ready to serve"},
+                                   503: {"model": HealthStatus, "description": "not ready: `reason` says why"}})
     async def health() -> Response:
         if core.ready():
             return JSONResponse({"status": "ok"})
         return JSONResponse({"status": "unavailable", "reason": SHUTTING_DOWN if core.draining else NOT_READY},
                             status_code=503)
 
-    @app.get("/metrics")
+    @app.get("/metrics", response_class=PlainTextResponse,
+             responses={200: {"description": "Prometheus' text format"}})
     async def metrics() -> Response:
         return Response(generate_latest(REGISTRY), media_type=CONTENT_TYPE_LATEST)
 
-    @app.get("/v1/models")
+    @app.get("/v1/models", responses=responses(None, (401,)))
     async def models() -> ModelList:
         return ModelList(data=[ModelCard(id=name, max_model_len=core.max_model_len) for name in core.models()])
 
-    @app.get("/version")
+    @app.get("/version", responses=responses(None, (401,)))
     async def version() -> dict:
         return {"version": _VERSION}
 
-    @app.post("/tokenize")
+    @app.post("/tokenize", openapi_extra=request_body(TokenizeRequest),
+              responses=responses(TokenizeResponse, TOKENIZE_ERRORS))
     async def tokenize(request: Request) -> TokenizeResponse:
         body: TokenizeRequest = await _parse(request, TokenizeRequest)
         check_model(core, body.model)
@@ -192,10 +255,14 @@ def create_app(core: RouterCore, api_key: ApiKey | None = None, open_paths: Iter
             ids = await core.tokenize(body.prompt, "prompt", add_special_tokens=body.add_special_tokens)
         return TokenizeResponse(count=len(ids), max_model_len=core.max_model_len, tokens=list(ids))
 
-    @app.post("/detokenize")
+    @app.post("/detokenize", openapi_extra=request_body(DetokenizeRequest),
+              responses=responses(DetokenizeResponse, TOKENIZE_ERRORS))
     async def detokenize(request: Request) -> DetokenizeResponse:
         body: DetokenizeRequest = await _parse(request, DetokenizeRequest)
         check_model(core, body.model)
+        if len(body.tokens) > core.max_model_len:  # (as vLLM's; decoding millions of ids would hold the event loop)
+            raise APIError(400, f"tokens: {len(body.tokens)} ids, more than max_model_len={core.max_model_len}, the "
+                                "most a prompt and its completion have", "tokens", "invalid_value")
         bad = next((t for t in body.tokens if not 0 <= t < core.vocab_size), None)
         if bad is not None:
             raise APIError(400, f"tokens: token id {bad} is outside the vocabulary [0, {core.vocab_size})", "tokens",
@@ -203,22 +270,26 @@ def create_app(core: RouterCore, api_key: ApiKey | None = None, open_paths: Iter
         return DetokenizeResponse(prompt=tokenizer.decode(body.tokens))
 
     # ------------------------------------------------------------------------------------------ generation
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", openapi_extra=request_body(CompletionRequest),
+              responses=responses(CompletionResponse, GENERATE_ERRORS, stream="text/event-stream"))
     async def completions(request: Request) -> Response:
         t_in = time.monotonic_ns()
         return await serve(request, Completions(core, await _parse(request, CompletionRequest), t_in))
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", openapi_extra=request_body(ChatCompletionRequest),
+              responses=responses(ChatCompletionResponse, GENERATE_ERRORS, stream="text/event-stream"))
     async def chat_completions(request: Request) -> Response:
         t_in = time.monotonic_ns()
         return await serve(request, await ChatCompletions.create(core, await _parse(request, ChatCompletionRequest),
                                                                  t_in))
 
-    @app.post("/generate")
+    @app.post("/generate", openapi_extra=request_body(SimpleGenerateRequest),
+              responses=responses(SimpleGenerateResponse, GENERATE_ERRORS))
     async def generate(request: Request) -> Response:
         """vLLM's simple API (router/openai_serving.py: SimpleGenerate)."""
         return await serve(request, SimpleGenerate(core, await _parse(request, SimpleGenerateRequest)))
 
+    install(app, [CompletionRequest, ChatCompletionRequest, SimpleGenerateRequest, TokenizeRequest, DetokenizeRequest])
     return app
 
 

@@ -61,6 +61,7 @@ class Instance:
     load: common_pb2.InstanceLoad | None = None
     inflight: int = 0  # this router's requests there
     inflight_tokens: int = 0  # their prompt tokens (prefill)
+    refused: bool = False  # decode: refused a reservation for room since the last poll
     last_error: str = ""
     failed_polls: int = 0  # polls in a row that got no answer
     # This router's streams on the instance: each callback is called (with why) when the instance is lost.
@@ -152,7 +153,7 @@ class InstancePool:
             return
         if not inst.healthy:
             log.info("%s %s is up", self.role, inst.address)
-        inst.healthy, inst.last_error, inst.failed_polls = True, "", 0
+        inst.healthy, inst.last_error, inst.refused, inst.failed_polls = True, "", False, 0
         self.ever_healthy = True
         waiters, self._up = self._up, []
         for w in waiters:

@@ -9,14 +9,21 @@ from __future__ import annotations
 
 import time
 import uuid
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_serializer
+from pydantic import BaseModel, ConfigDict, Field, StringConstraints, model_serializer
 
 from engine.sampling_params import SamplingParams
 
 # Completions default to 16 tokens (OpenAI's and vLLM's default); chat defaults to the rest of the context.
 DEFAULT_COMPLETION_MAX_TOKENS = 16
+# Stop conditions go to the workers with every sub-request (n x prompts of them) and are checked at every token:
+# bounded, so that one request cannot cost the workers more than its tokens do (200,000 stop strings with n=128 once
+# kept a decode worker busy until its calls timed out). OpenAI's API takes 4 stop strings; TGI's default is 4.
+MAX_STOP_STRINGS = 64
+MAX_STOP_CHARS = 1024
+MAX_STOP_TOKEN_IDS = 1024
+StopString = Annotated[str, StringConstraints(max_length=MAX_STOP_CHARS)]
 
 
 def random_id(prefix: str) -> str:
@@ -24,7 +31,8 @@ def random_id(prefix: str) -> str:
 
 
 class _Body(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", use_attribute_docstrings=True)  # (the docstrings describe the fields
+    # in /openapi.json)
 
     # OpenAI fields this server does not implement, each with the values that mean "not used". A request that uses
     # one is refused (400 naming it) rather than answered as if it had not asked.
@@ -71,8 +79,8 @@ class SamplingRequest(_Body):
     frequency_penalty: float | None = None
     repetition_penalty: float | None = None
     seed: int | None = None
-    stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
+    stop: StopString | Annotated[list[StopString], Field(max_length=MAX_STOP_STRINGS)] | None = None
+    stop_token_ids: Annotated[list[int], Field(max_length=MAX_STOP_TOKEN_IDS)] | None = None
     include_stop_str_in_output: bool | None = None
     ignore_eos: bool | None = None
     min_tokens: int | None = None
@@ -163,6 +171,12 @@ class DetokenizeResponse(BaseModel):
 class SimpleGenerateRequest(SamplingRequest):
     """vLLM's `POST /generate`: `prompt`, `stream` and SamplingParams' fields."""
     prompt: str
+
+
+class SimpleGenerateResponse(BaseModel):
+    """vLLM's `/generate` answer: each choice's text is the prompt followed by its completion (streamed: this object
+    as the texts so far, NUL-terminated, once per delta)."""
+    text: list[str]
 
 
 # ---------------------------------------------------------------------------------------------------- responses
@@ -270,6 +284,12 @@ class CompletionChunk(_OmitNone):
     model: str
     choices: list[CompletionChoice]
     usage: UsageInfo | None = None
+
+
+class HealthStatus(BaseModel):
+    """`GET /health`: "ok" (200), or "unavailable" (503) and why."""
+    status: str
+    reason: str | None = None
 
 
 class ModelCard(BaseModel):

@@ -35,25 +35,32 @@ from router.openai_protocol import (DEFAULT_COMPLETION_MAX_TOKENS, AssistantMess
                                     ChatCompletionRequest, ChatCompletionResponse, ChatLogProbs, ChatStreamChoice,
                                     ChatTokenLogprob, CompletionChoice, CompletionChunk, CompletionLogProbs,
                                     CompletionRequest, CompletionResponse, DeltaMessage, ErrorInfo, ErrorResponse,
-                                    SamplingRequest, SimpleGenerateRequest, TopLogprob, UsageInfo, random_id)
+                                    SamplingRequest, SimpleGenerateRequest, SimpleGenerateResponse, TopLogprob,
+                                    UsageInfo, random_id)
 from serving.hops import hop
 
 log = logging.getLogger("tandem.router.openai")
 
-# RequestError.code (the core's, shared with gRPC) -> HTTP status.
-_STATUS = {"invalid_argument": 400, "not_found": 404, "resource_exhausted": 503, "unavailable": 503, "internal": 500}
+# RequestError.code (the core's, shared with gRPC) -> HTTP status. resource_exhausted is a refusal under load (the
+# router's admission, router/admission.py): 429 Too Many Requests, with Retry-After.
+_STATUS = {"invalid_argument": 400, "not_found": 404, "resource_exhausted": 429, "unavailable": 503, "internal": 500}
 
 
 class APIError(Exception):
-    """An error answered in OpenAI's error JSON."""
+    """An error answered in OpenAI's error JSON; retry_after_s goes in a Retry-After header."""
 
-    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None):
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
+                 retry_after_s: int | None = None):
         super().__init__(message)
         self.status, self.message, self.param, self.code = status, message, param, code
+        self.retry_after_s = retry_after_s
 
     @classmethod
     def from_request_error(cls, e: RequestError) -> "APIError":
-        return cls(_STATUS.get(e.code, 500), e.message, e.field, e.code)
+        return cls(_STATUS.get(e.code, 500), e.message, e.field, e.code, e.retry_after_s)
+
+    def headers(self) -> dict[str, str] | None:
+        return None if self.retry_after_s is None else {"Retry-After": str(self.retry_after_s)}
 
     def body(self) -> dict:
         kind = "invalid_request_error" if self.status < 500 else "server_error"
@@ -382,8 +389,12 @@ class ChatCompletions(_SSEEndpoint):
             params = _sampling_params(body, max_tokens=max_tokens,
                                       logprobs=(body.top_logprobs or 0) if body.logprobs else None)
         except APIError as e:
-            if e.param == "max_tokens" and body.max_completion_tokens is not None:
-                e.param = "max_completion_tokens"  # the name this client used
+            # The names this client used for what SamplingParams calls max_tokens and logprobs.
+            used = {"max_tokens": "max_completion_tokens" if body.max_completion_tokens is not None else None,
+                    "logprobs": "top_logprobs" if body.top_logprobs is not None else None}.get(e.param)
+            if used is not None:
+                e.message = used + e.message.removeprefix(e.param)
+                e.param = used
             raise
         self.rid, self.created = random_id("chatcmpl"), int(time.time())
         hop(self.rid, "http.in", t_in)
@@ -445,5 +456,5 @@ class SimpleGenerate(Endpoint):
         return json.dumps({"text": self.texts}) + "\0"
 
     def response(self, choices: dict[tuple[int, int], Choice], usage: Usage) -> dict:
-        return {"text": [self.prompt + "".join(choices[(0, i)].text) if (0, i) in choices else self.prompt
-                         for i in range(len(self.texts))]}
+        return SimpleGenerateResponse(text=[self.prompt + "".join(choices[(0, i)].text) if (0, i) in choices
+                                            else self.prompt for i in range(len(self.texts))]).model_dump()

@@ -32,6 +32,7 @@ import uvicorn
 import uvloop
 
 from engine.args import EngineArgs, add_engine_args
+from router.admission import AdmissionConfig, add_admission_args
 from router.core import RouterConfig, RouterLimits
 from router.grpc_server import DEFAULT_MAX_MESSAGE_BYTES, MAX_MESSAGE_FLAG
 from router.http import DEFAULT_MAX_REQUEST_BYTES
@@ -61,6 +62,7 @@ def add_router_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(MAX_MESSAGE_FLAG, type=int, default=DEFAULT_MAX_MESSAGE_BYTES,
                    help="gRPC request messages larger than this are refused, RESOURCE_EXHAUSTED (the workers' "
                         f"internal limit is larger: KV blocks; default: {DEFAULT_MAX_MESSAGE_BYTES})")
+    add_admission_args(p)
     p.add_argument("--migration-limit", type=int, default=RouterConfig.migration_limit,
                    help="how many times one request may move to another instance when the one serving it fails "
                         "(its stream continues, token-exact, router/migration.py); past it the client gets the "
@@ -157,18 +159,19 @@ async def serve(ns: argparse.Namespace, prefill: list[str], decode: list[str], t
     from router.http import create_app
 
     limits = RouterLimits(max_sub_requests=ns.max_sub_requests, max_prompt_bytes=ns.max_prompt_bytes)
+    admission = AdmissionConfig.from_cli_args(ns)
     http_sock = _bind(ns.host, ns.http_port)
     try:
         if ns.colocated:
             from router.colocated import ColocatedBackend
 
-            core = RouterCore(await ColocatedBackend.from_engine_args(EngineArgs.from_cli_args(ns)), limits)
+            core = RouterCore(await ColocatedBackend.from_engine_args(EngineArgs.from_cli_args(ns)), limits, admission)
             await core.start()
         else:
             core = await RouterCore.create(RouterConfig(
                 prefill_addrs=prefill, decode_addrs=decode, policy=ns.policy, model=ns.model,
                 served_model_name=ns.served_model_name, max_model_len=ns.max_model_len, tls=tls,
-                migration_limit=ns.migration_limit, migration_timeout_s=ns.migration_timeout), limits)
+                migration_limit=ns.migration_limit, migration_timeout_s=ns.migration_timeout), limits, admission)
     except BaseException:
         http_sock.close()
         raise
@@ -231,6 +234,7 @@ def main(argv: list[str] | None = None) -> int:
         tls = TlsConfig.from_cli_args(ns)
         api_key = ApiKey.from_flag(ns.api_key)
         RequestLimit(ns.max_grpc_message_bytes, MAX_MESSAGE_FLAG)
+        AdmissionConfig.from_cli_args(ns)  # (checked here: a bad value is a usage error)
     except ValueError as e:
         parser.error(str(e))
     try:

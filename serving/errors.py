@@ -1,6 +1,7 @@
 """Errors -> gRPC status codes, in one place: every servicer method is wrapped by `grpc_method`, which turns a
 `ServiceError`, a `ValueError` (bad input: the message names the field), a router `RequestError` or anything else into
-`context.abort(code, message)`, the message cut to MAX_MESSAGE_WIRE_BYTES. `shown(value)` is how a message or a log line
+`context.abort(code, message)`, the message cut to MAX_MESSAGE_WIRE_BYTES (with trailing metadata `retry-after`, in
+seconds, for a refusal under load that says when to try again). `shown(value)` is how a message or a log line
 quotes what a caller sent.
 """
 from __future__ import annotations
@@ -109,7 +110,9 @@ async def _abort(context, where: str, exc: Exception) -> None:
     code, msg = status_of(exc)
     if code == grpc.StatusCode.INTERNAL:
         log_failure(where, exc)
-    await context.abort(code, clipped(msg))
+    retry = getattr(exc, "retry_after_s", None)  # a router refusal under load: when to try again, in seconds
+    await context.abort(code, clipped(msg),
+                        trailing_metadata=(("retry-after", str(retry)),) if retry is not None else ())
 
 
 def grpc_method(fn):

@@ -67,6 +67,15 @@ def test_binding_every_interface_still_dials_loopback():
     assert "127.0.0.1:50060" in cmds["router"]
 
 
+def test_admission_flags_go_to_the_router_only():
+    flags = ["--max-concurrent-requests", "32", "--max-queued-requests", "0", "--queue-timeout", "7.5",
+             "--rate-limit", "100"]
+    cmds = commands(*flags)
+    assert cmds["router"][cmds["router"].index("--policy") + 2:][:8] == flags
+    assert not any("--queue-timeout" in cmd for name, cmd in cmds.items() if name != "router")
+    assert commands("--colocated", "--queue-timeout", "5")["router"][9:11] == ["--queue-timeout", "5"]
+
+
 def test_each_command_parses_with_its_roles_own_parser():
     from decode_svc.server import build_parser as decode_parser
     from prefill_svc.server import build_parser as prefill_parser

@@ -41,6 +41,29 @@ def test_reserve_refuse_and_cancel(engine):
     assert run(engine, scenario).num_used_blocks == 0
 
 
+def test_a_reservation_is_refused_while_the_admitted_requests_growth_needs_the_blocks(engine):
+    # The admission watermark (engine/scheduler.py): "a" holds 32 of the 64 blocks and is expected to grow by
+    # 0.7 x 400 tokens (17 blocks); "b" needs 19 blocks for its prompt and 20 at its end, more than the 15 left
+    # beyond a's growth, although 32 are free. Once a is gone, b is granted.
+    async def scenario(stub, core):
+        a = stub.Decode(decode_req("a", 500, max_tokens=400))
+        assert (await a.read()).reserved.num_blocks == 32
+        b = stub.Decode(decode_req("b", 300))
+        with pytest.raises(grpc.aio.AioRpcError) as ei:
+            await b.read()
+        assert ei.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert (await stub.GetLoad(common_pb2.GetLoadRequest())).num_used_blocks == 32
+        a.cancel()
+        await idle(stub)
+        b = stub.Decode(decode_req("b2", 300))
+        assert (await b.read()).reserved.num_blocks == 19
+        b.cancel()
+        return await idle(stub)
+
+    assert run(engine, scenario).num_used_blocks == 0
+    assert not engine.kv.req_to_hashes, "a refused reservation left its block hashes behind"
+
+
 def test_deadline_frees_a_stalled_partial_transfer(engine):
     async def scenario(stub, core):
         call = stub.Decode(decode_req("r", 40, timeout_ms=500))

@@ -84,8 +84,10 @@ def test_sampling_seeds_penalties_min_tokens_and_n_match_the_sync_engine(engines
 
 
 def test_preemption_and_abort_in_flight_free_every_block():
-    # 24 blocks of 16 tokens for 8 requests of up to 80 prompt tokens + 40 outputs: preemption happens.
-    sync, asyn = (make_engine(a, num_gpu_blocks_override=24, max_num_batched_tokens=64, max_model_len=256) for a in (False, True))
+    # 24 blocks of 16 tokens for 8 requests of up to 80 prompt tokens + 40 outputs: preemption happens (the
+    # admission watermark, which would hold requests back instead, is off).
+    sync, asyn = (make_engine(a, num_gpu_blocks_override=24, max_num_batched_tokens=64, max_model_len=256,
+                              new_token_ratio=0.0) for a in (False, True))
     reqs = [(f"p{i}", p, SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True))
             for i, p in enumerate(prompts(8))]
     want = run_all(sync, reqs)

@@ -89,9 +89,11 @@ def test_reserve_refuses_when_full_and_abort_frees(engines):
             break
         held.append(f"r{i}")
     assert held and len(held) == dec.kv.num_blocks // 25, "refused before the pool ran out, or never"
+    assert f"r{len(held)}" not in dec.kv.req_to_hashes  # a refused reservation leaves nothing behind
     for rid in held:
         dec.abort(rid)
     assert all(r == 0 for r in dec.kv.pool.ref_cnt)
+    assert not dec.kv.req_to_hashes, "an aborted reservation left its block hashes behind"
 
 
 def test_abort_running_request_reports_and_frees(engines):

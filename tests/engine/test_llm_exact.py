@@ -44,12 +44,14 @@ REGIMES = {
     "chunked": dict(max_num_batched_tokens=64),
     "block1": dict(block_size=1, max_num_batched_tokens=97),
     "no_prefix_cache": dict(enable_prefix_caching=False, max_num_batched_tokens=128),
-    # 64 blocks of 16 = 1024 tokens for ~1000 prompt tokens + outputs: forces preemption.
-    "preempt": dict(num_gpu_blocks_override=40, max_num_batched_tokens=256, max_model_len=512),
+    # 40 blocks of 16 = 640 tokens for ~1000 prompt tokens + outputs: forces preemption, with the admission
+    # watermark off (it would hold requests back instead: "small_pool").
+    "preempt": dict(num_gpu_blocks_override=40, max_num_batched_tokens=256, max_model_len=512, new_token_ratio=0.0),
+    "small_pool": dict(num_gpu_blocks_override=40, max_num_batched_tokens=256, max_model_len=512),
     # Async scheduling (CUDA's default): each step launched before the previous one's tokens are read.
     "async_chunked": dict(async_scheduling=True, max_num_batched_tokens=64),
     "async_preempt": dict(async_scheduling=True, num_gpu_blocks_override=40, max_num_batched_tokens=256,
-                          max_model_len=512),
+                          max_model_len=512, new_token_ratio=0.0),
 }
 
 
@@ -72,7 +74,7 @@ def test_greedy_matches_transformers(model_case, regime):
         assert g == e, f"prompt {i} (len {len(prompts[i])}): {g} != {e}"
     if regime.endswith("preempt"):
         assert llm.engine.scheduler.num_preemptions > 0, "the pool was meant to force preemption"
-    if llm.engine.kv.enable_caching and not regime.endswith("preempt"):
+    if llm.engine.kv.enable_caching and not regime.endswith(("preempt", "small_pool")):
         # The same prompt again: everything but the last block comes from the prefix cache, same tokens.
         again = llm.generate(prompt_token_ids=[prompts[-1]], sampling_params=params)[0]
         assert again.outputs[0].token_ids == expected[-1]

@@ -5,9 +5,12 @@ from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
 
 
-def make(num_blocks=16, block_size=4, max_num_seqs=8, budget=16, caching=True):
+def make(num_blocks=16, block_size=4, max_num_seqs=8, budget=16, caching=True, ratio=0.0):
+    """ratio: the admission watermark's new_token_ratio; 0 (off) for the tests of the mechanics below it, which
+    admit into a pool too small on purpose."""
     kv = KVCacheManager(num_blocks, block_size, caching)
-    return Scheduler(SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=budget), kv), kv
+    return Scheduler(SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=budget,
+                                     new_token_ratio=ratio), kv), kv
 
 
 def req(rid, n, max_tokens=8):
@@ -145,3 +148,85 @@ def test_async_scheduling_schedules_the_token_in_flight_and_stops_at_max_tokens(
     assert ids(s.schedule()) == [("b", 1)]  # a's last token is in flight
     # Blocks enter the prefix cache only up to tokens the host knows.
     assert kv.num_cached_blocks["a"] == 1  # 6 known tokens, block size 4
+
+
+# ---- the admission watermark (new_token_ratio) ---------------------------------------------------------------
+def run_to_end(s, kv, reqs):
+    """Steps until every request finished (at max_tokens); returns the steps at which each was first admitted."""
+    for r in reqs:
+        s.add_request(r)
+    admitted, step = {}, 0
+    while s.has_unfinished():
+        out = s.schedule()
+        for r, _ in out.scheduled:
+            admitted.setdefault(r.request_id, step)
+        run_step(s, out)
+        for r in list(s.running):
+            if r.num_output_tokens >= r.max_tokens:
+                s.finish(r, RequestStatus.FINISHED_LENGTH)
+        step += 1
+    assert kv.pool.num_free_blocks == kv.num_blocks
+    return admitted
+
+
+def test_the_watermark_admits_what_fits_at_max_tokens_and_nothing_is_preempted():
+    # 16 blocks of 4: a request of 8 prompt tokens and 8 outputs ends in 4 blocks, its prompt takes 2. Without the
+    # watermark all 8 are admitted at once (16 blocks) and preempt each other as they grow; with new_token_ratio 1
+    # four run at a time, and the next four start when they are done.
+    for ratio, first_wave, preempted in ((0.0, 8, True), (1.0, 4, False)):
+        s, kv = make(num_blocks=16, block_size=4, budget=100, ratio=ratio)
+        admitted = run_to_end(s, kv, [req(f"r{i}", 8) for i in range(8)])
+        assert sum(step == 0 for step in admitted.values()) == first_wave, (ratio, admitted)
+        assert (s.num_preemptions > 0) == preempted, (ratio, s.num_preemptions)
+
+
+def test_the_watermark_counts_the_running_requests_growth():
+    s, kv = make(num_blocks=16, block_size=4, budget=100, ratio=0.5)
+    for i in range(5):
+        s.add_request(req(f"r{i}", 8, max_tokens=16))  # 8 + 0.5 x 16 = 16 tokens expected: 4 blocks each
+    out = s.schedule()
+    assert ids(out) == [(f"r{i}", 8) for i in range(4)]  # 2 blocks each now, 2 more each expected: 16 in all
+    assert [r.request_id for r in s.waiting] == ["r4"]
+    assert kv.pool.num_free_blocks == 8  # and r4 would need 4 of them beyond the others' 8 of growth
+
+
+def test_a_first_request_is_admitted_whenever_it_fits():
+    s, kv = make(num_blocks=16, block_size=4, budget=100, ratio=1.0)
+    s.add_request(req("big", 8, max_tokens=100))  # expected 27 blocks, more than the pool: nothing else runs
+    assert ids(s.schedule()) == [("big", 8)]
+
+
+def test_the_ratio_decays_while_nothing_is_preempted_and_rises_on_a_preemption():
+    s, kv = make(num_blocks=2, block_size=2, budget=100, ratio=0.7)
+    assert s.min_ratio == 0.7 * 0.14 and s.ratio_decay == (0.7 - s.min_ratio) / 600
+    a = req("a", 3)
+    s.add_request(a)
+    run_step(s, s.schedule())
+    run_step(s, s.schedule())
+    assert s.new_token_ratio == 0.7 - 2 * s.ratio_decay
+    out = s.schedule()  # the 5th token needs a 3rd block: a preempts itself
+    assert out.preempted == [a] and s.new_token_ratio == 1.0  # nothing left running: no estimate but the worst
+    s.new_token_ratio = s.min_ratio
+    for _ in range(2 * 600):
+        s.new_token_ratio = max(s.min_ratio, s.new_token_ratio - s.ratio_decay)
+    assert s.new_token_ratio == s.min_ratio
+
+
+def test_a_reservation_waits_behind_running_reserved_and_preempted_requests():
+    s, kv = make(num_blocks=16, block_size=4, budget=100, ratio=1.0)
+
+    def reserve(rid):
+        r = req(rid, 8)  # 2 blocks now, 4 at its end
+        if not s.can_reserve(r):
+            return False
+        assert kv.allocate_slots(r, 8)
+        s.reserved[rid] = r
+        return True
+
+    assert [reserve(f"x{i}") for i in range(5)] == [True] * 4 + [False]
+    s.reserved.pop("x3")
+    kv.free(req("x3", 8))
+    s.waiting.append(req("preempted", 8))  # holds nothing, will want 4 blocks back
+    assert not reserve("y")
+    s.waiting.clear()
+    assert reserve("y")

@@ -15,9 +15,11 @@ from engine import LLM, SamplingParams
 
 # Lengths 3..150 with a token budget of 32: prefill is chunked, short prompts decode while long ones prefill. The last
 # prompt shares the longest one's first 96 tokens (prefix cache hits). 32 blocks of 8 tokens cannot hold every
-# request at once: the scheduler preempts (and later recomputes) some.
+# request at once: the scheduler preempts (and later recomputes) some, with the admission watermark off (it would hold
+# requests back instead).
 PROMPT_LENS = [3, 11, 40, 77, 150]
-ENGINE = dict(max_num_batched_tokens=32, block_size=8, num_gpu_blocks_override=32, max_model_len=256, max_num_seqs=8)
+ENGINE = dict(max_num_batched_tokens=32, block_size=8, num_gpu_blocks_override=32, max_model_len=256, max_num_seqs=8,
+              new_token_ratio=0.0)
 MAX_TOKENS = 10
 
 

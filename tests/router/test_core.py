@@ -175,3 +175,44 @@ def test_prefix_index_forgets_tails_first_and_follows_the_polled_block_count():
     inst.load = common_pb2.InstanceLoad(num_total_blocks=2, block_size=32)
     pool.sent(inst, list(range(96)))  # 3 blocks of 32, capacity 2: the first two stay
     assert inst.prefixes.capacity_blocks == 2 and inst.prefixes.match(block_hashes(list(range(96)), 32)) == 2
+
+
+def test_a_stream_cancelled_by_anyio_comes_off_the_running_gauge():
+    """Starlette cancels a streaming response whose client went away through an anyio cancel scope, which cancels
+    the task again at every await until it returns: the core's cleanup (waiting for the sub-requests to free what
+    they hold) must not be cut short, or num_requests_running keeps one per disconnect."""
+    import anyio
+
+    from router.backend import GenerateDelta
+    from scripted_backend import Scripted
+
+    class Endless(Scripted):
+        async def serve_one(self, rid, index, prompt, params, queue) -> None:
+            try:
+                while True:
+                    queue.put_nowait(GenerateDelta(index, [97], "a", None, None, len(prompt), 1))
+                    await asyncio.sleep(0.001)
+            finally:
+                await asyncio.sleep(0.01)  # freeing what it holds takes a call to the services
+
+    async def main():
+        core = RouterCore(Endless())
+        for n in (1, 3):
+            started = anyio.Event()
+
+            async def consume():
+                req = GenerateRequest(request_id=f"r{n}", model="tiny", prompt="hi", prompt_token_ids=None,
+                                      params=SamplingParams(n=n, max_tokens=32))
+                async for _ in core.generate(req):
+                    started.set()
+
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(consume)
+                await started.wait()
+                assert core._running == 1
+                tg.cancel_scope.cancel()
+            assert core._running == 0 and not core._queues, n
+        return core.metrics
+
+    metrics = asyncio.run(main())
+    assert metrics.num_requests_running._value.get() == 0

@@ -169,3 +169,83 @@ async def test_tokenize_bad_input_is_400_naming_the_field(client, path, body, pa
     if path == "/detokenize" and body.get("tokens"):
         assert "[0, 512)" in err["message"]
     assert (await client.post(path, json={**body, "model": "gpt-4"})).status_code in (400, 404)
+
+
+SURROGATE = [  # (raw body, the field named): JSON lets a body carry lone UTF-16 surrogates, as escapes or as bytes
+    ('{"prompt": "hi", "stop": "\\ud800"}', "stop"),  # (once a 500: protobuf cannot encode it for the workers)
+    ('{"prompt": "hi", "stop": ["x", "\\udfff"]}', "stop"),
+    ('{"prompt": "hi", "model": "\\ud800"}', "model"),  # (once a 500 without a body: the 404 could not render)
+    ('{"prompt": "hi", "unknown": {"deep": ["\\ud800"]}}', "unknown"),
+    ('{"prompt": "hi", "\\ud800": 1}', None),
+    ('{"prompt": "ok \\ud83d\\ude00", "stop": "\\ud800\\ud800"}', "stop"),  # (a pair is fine, two highs are not)
+]
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions", "/generate", "/tokenize"])
+@pytest.mark.parametrize("raw,param", SURROGATE)
+async def test_lone_surrogates_anywhere_are_400_naming_the_field(client, path, raw, param):
+    if path in ("/v1/chat/completions", "/tokenize"):
+        raw = raw.replace('"prompt": "hi"', '"messages": [{"role": "user", "content": "hi"}]')
+    err = _assert_error(await client.post(path, content=raw.encode(), headers={"content-type": "application/json"}),
+                        400, param)
+    assert "lone UTF-16 surrogate" in err["message"], err
+
+
+@pytest.mark.anyio
+async def test_a_surrogate_in_utf8_bytes_or_a_chat_role_is_400(client):
+    err = _assert_error(await client.post("/v1/completions", content=b'{"prompt": "hi", "stop": "\xed\xa0\x80"}',
+                                          headers={"content-type": "application/json"}), 400, "stop")
+    assert err["message"].startswith("stop: not valid text")
+    err = _assert_error(await client.post("/v1/chat/completions", content=b'{"messages": [{"role": "\\ud800"}]}',
+                                          headers={"content-type": "application/json"}), 400, "messages")
+    assert err["message"].startswith("messages.0.role: not valid text")
+
+
+def test_an_error_quoting_any_text_renders():
+    from router.http import _error_response
+    from router.openai_serving import APIError
+
+    r = _error_response(APIError(404, "The model `\ud800` does not exist", "model", "model_not_found"))
+    assert r.status_code == 404 and b"\\ud800" in r.body
+
+
+@pytest.mark.anyio
+async def test_top_logprobs_out_of_range_names_top_logprobs(client):
+    body = {"messages": [{"role": "user", "content": "hi"}], "logprobs": True, "top_logprobs": 2 ** 63}
+    err = _assert_error(await client.post("/v1/chat/completions", json=body), 400, "top_logprobs")
+    assert err["message"].startswith("top_logprobs=9223372036854775808: must be an int in [0, 20]"), err
+
+
+@pytest.mark.anyio
+async def test_an_error_quotes_a_huge_value_cut_short(client):
+    err = _assert_error(await client.post("/v1/completions", json={"prompt": "hi", "n": "9" * 1_000_000}), 400, "n")
+    assert len(err["message"]) < 500 and "1000002 characters" in err["message"], err["message"][:300]
+    err = _assert_error(await client.post("/v1/chat/completions", json={
+        "messages": [{"role": "user", "content": "hi"}], "tool_choice": {"x": "y" * 1_000_000}}), 400, "tool_choice")
+    assert len(err["message"]) < 500
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("field,value", [
+    ("stop", [f"s{i}" for i in range(65)]),  # (200,000 of them with n=128: a 500 after 38 s, the decode worker swamped)
+    ("stop", "x" * 1025),
+    ("stop", ["ok", "x" * 1025]),
+    ("stop_token_ids", [7] * 1025),
+])
+async def test_stop_conditions_past_their_bounds_are_400(client, field, value):
+    body = {"prompt": "hi", "n": 128, field: value}
+    for path in ("/v1/completions", "/generate"):
+        err = _assert_error(await client.post(path, json=body), 400, field)
+        assert "at most" in err["message"], err
+
+
+@pytest.mark.anyio
+async def test_token_ids_too_many_for_the_context_are_refused_before_they_are_read(client):
+    # Refused for their number (64 here), not for the out-of-vocabulary id at the end: the list is not scanned.
+    err = _assert_error(await client.post("/v1/completions", json={"prompt": [7] * 100_000 + [10**9], "echo": True}),
+                        400, "prompt_token_ids")
+    assert err["message"] == "prompt_token_ids: 100001 tokens, must be fewer than max_model_len=64"
+    err = _assert_error(await client.post("/detokenize", json={"tokens": [7] * 65}), 400, "tokens")
+    assert err["message"].startswith("tokens: 65 ids, more than max_model_len=64")
+    assert (await client.post("/detokenize", json={"tokens": [7] * 64})).status_code == 200

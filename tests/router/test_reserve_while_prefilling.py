@@ -24,7 +24,7 @@ from prefill_svc.core import PrefillCore
 from prefill_svc.servicer import PrefillServicer
 from protos.tandem.v1 import (common_pb2, decode_pb2, decode_pb2_grpc, kv_transfer_pb2 as kv, prefill_pb2,
                               prefill_pb2_grpc)
-from router.core import GenerateRequest, RequestError, RouterConfig, RouterCore
+from router.core import AdmissionConfig, GenerateRequest, RequestError, RouterConfig, RouterCore
 from serving.metrics import Metrics
 from serving.rpc import add_health_and_reflection, new_server, set_serving
 
@@ -68,7 +68,8 @@ class Stack:
     """A prefill instance, `decodes` decode instances and a RouterCore over them, in this process. The router polls
     once, at start: its view of the decode instances' load stays what it was then."""
 
-    def __init__(self, engines, decodes: int):
+    def __init__(self, engines, decodes: int, admission: AdmissionConfig = AdmissionConfig()):
+        self.admission = admission
         self.pcore = PrefillCore(engines[0], Metrics("random:tiny", "prefill"), default_kv_timeout_s=5)
         self.dcores = [DecodeCore(e, Metrics("random:tiny", "decode")) for e in engines[1:1 + decodes]]
         self.servers, self.channels = [], []
@@ -95,7 +96,7 @@ class Stack:
         self.dstubs = [decode_pb2_grpc.DecodeStub(ch) for ch in self.channels[1:]]
         self.router = await RouterCore.create(RouterConfig(
             prefill_addrs=[self.paddr], decode_addrs=self.daddrs, model="random:tiny", max_model_len=1024,
-            kv_transfer_timeout_s=5, poll_interval_s=3600))
+            kv_transfer_timeout_s=5, poll_interval_s=3600), admission=self.admission)
 
     async def stop(self) -> None:
         await self.router.close()
@@ -117,9 +118,9 @@ class Stack:
         return loads
 
 
-def run(engines, scenario, decodes: int = 1):
+def run(engines, scenario, decodes: int = 1, admission: AdmissionConfig = AdmissionConfig()):
     async def main():
-        stack = Stack(engines, decodes)
+        stack = Stack(engines, decodes, admission)
         await stack.start()
         try:
             return await scenario(stack)
@@ -164,7 +165,9 @@ def test_the_prompt_reaches_prefill_before_the_reservation_answers(engines, expe
     assert "prefill.in" in events and "decode.reserved" in events
 
 
-def test_a_refusal_after_the_prefill_started_fails_the_request_and_frees_both_sides(engines, hops):
+def test_a_refusal_after_the_prefill_started_waits_for_room_then_fails_and_frees_both_sides(engines, hops):
+    # The decode instance has no room: the request waits for some (router/admission.py), trying again under new
+    # ids, reservation first (no prefill is wasted on them), and is refused once --queue-timeout has passed.
     async def scenario(stack):
         held = await hold(stack.dstubs[0])  # after the router's poll: it still sees an empty instance
         with pytest.raises(RequestError) as ei:
@@ -179,13 +182,15 @@ def test_a_refusal_after_the_prefill_started_fails_the_request_and_frees_both_si
         held.cancel()
         return ei.value, during, decode_load, await stack.idle()
 
-    err, prefill_load, decode_load, loads = run(engines, scenario)
-    assert err.code == "resource_exhausted", err.message
-    assert "no decode instance has room for 100 prompt tokens" in err.message
+    err, prefill_load, decode_load, loads = run(engines, scenario, admission=AdmissionConfig(queue_timeout_s=1.0))
+    assert err.code == "resource_exhausted" and err.retry_after_s >= 1, err.message
+    assert "no decode instance has room for 100 prompt tokens" in err.message and "--queue-timeout" in err.message
     assert prefill_load.num_used_blocks == 0 and prefill_load.num_tracked_requests == 0
     assert decode_load.num_used_blocks == 63 and decode_load.num_tracked_requests == 1  # the hold alone
     assert clean(loads), loads
     assert "prefill.in" in hops("b") and "decode.reserved" in hops("b")  # prefill had started; decode refused
+    retry = hops("b.r1")  # the first of the tries: the head is woken every ROOM_RETRY_S (0.25 s) of the 1 s
+    assert "decode.reserved" in retry and "prefill.in" not in retry, retry
 
 
 def test_a_refusal_falls_over_to_the_next_decode_under_a_new_id(engines, expected, hops):
