@@ -76,6 +76,17 @@ def test_admission_flags_go_to_the_router_only():
     assert commands("--colocated", "--queue-timeout", "5")["router"][9:11] == ["--queue-timeout", "5"]
 
 
+def test_migration_flags_go_to_the_router_only_and_only_when_given():
+    cmds = commands("--migration-limit", "0", "--migration-timeout", "5")
+    router = cmds["router"]
+    assert router[router.index("--migration-limit"):][:4] == ["--migration-limit", "0", "--migration-timeout", "5"]
+    assert not any("--migration-limit" in cmd for name, cmd in cmds.items() if name != "router")
+    assert not any(flag in commands()["router"] for flag in ("--migration-limit", "--migration-timeout"))
+    # The launcher's own: what it does when a worker exits (restart by default); never passed on.
+    assert build_parser().parse_args([]).on_worker_exit == "restart"
+    assert not any("--on-worker-exit" in cmd for cmd in commands("--on-worker-exit", "stop").values())
+
+
 def test_each_command_parses_with_its_roles_own_parser():
     from decode_svc.server import build_parser as decode_parser
     from prefill_svc.server import build_parser as prefill_parser
