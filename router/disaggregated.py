@@ -238,13 +238,14 @@ class DisaggregatedBackend(Backend):
         return call, inst, resp.first_token
 
     def _lost(self, e: grpc.aio.AioRpcError, inst: Instance) -> Exception:
-        """What a failed call to inst raises: Lost (taking inst out of rotation when it is unreachable) when
-        another instance may finish the stream, else the RequestError for the client."""
+        """What a failed call to inst raises: Lost (taking inst out of rotation, until a poll finds it again, when it
+        is unreachable or ended the call itself) when another instance may finish the stream, else the
+        RequestError for the client."""
         lost = lost_or_error(e, inst.role, f"{inst.role} {inst.address}: ")
         if lost is None:
             return _rpc_error(e, inst)
-        if lost.reason == f"{inst.role}_unavailable" and e.code() == grpc.StatusCode.UNAVAILABLE:
-            (self.prefill if inst.role == "prefill" else self.decode).mark_down(inst, e.details() or "unavailable")
+        if lost.reason == f"{inst.role}_unavailable":
+            (self.prefill if inst.role == "prefill" else self.decode).mark_down(inst, e.details() or e.code().name)
         return lost
 
     async def _reserve_and_prefill(self, rid: str, prompt: list[int], params_msg, timeout_ms: int,
