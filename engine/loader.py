@@ -108,9 +108,11 @@ def _from_dir(spec: str, name: str, path: Path) -> ResolvedModel:
     config = AutoConfig.from_pretrained(path, local_files_only=True)
     _check_architecture(spec, config)
     from engine.quant import fp8_checkpoint
+    from engine.quant_w4 import w4_checkpoint
 
     try:
         fp8_checkpoint(config)  # an unsupported quantization_config fails here, before any weight is read
+        w4_checkpoint(config)
     except ValueError as e:
         raise ValueError(f"model={spec!r}: {e}") from None
     if not any(path.glob("*.safetensors")):
@@ -297,10 +299,14 @@ def load_weights(model: torch.nn.Module, resolved: ResolvedModel, *, device: tor
                 where[key] = f
     tie = _tie_word_embeddings(resolved.config) or _LM_HEAD not in where
     _set_tied(model, tie)
-    from engine.quant import FP8_DTYPE, checkpoint_scale, fp8_checkpoint, prepare_fp8_checkpoint
+    from engine.quant import checkpoint_scale, fp8_checkpoint, prepare_fp8_checkpoint, quantization_config_dict
+    from engine.quant_w4 import finalize_w4_linears, prepare_w4_checkpoint, w4_checkpoint
 
     fp8 = fp8_checkpoint(resolved.config)
     fp8_linears = prepare_fp8_checkpoint(model, fp8, device) if fp8 is not None else {}
+    w4 = w4_checkpoint(resolved.config)
+    # 4-bit linears become shells of their format's tensors (repacked once their layer is filled, below)
+    w4_linears = prepare_w4_checkpoint(model, w4, set(where)) if w4 is not None else {}
     names = set(_params(model))
     expected = names - ({_LM_HEAD} if tie else set())
     present = {k for k in where if not k.endswith(_IGNORED_SUFFIXES) and not (tie and k == _LM_HEAD)}
@@ -336,21 +342,28 @@ def load_weights(model: torch.nn.Module, resolved: ResolvedModel, *, device: tor
                     mismatched.append(f"{key}: checkpoint {shape} vs model {tuple(param.shape)}")
                     continue
                 value = sf.get_tensor(key)
-                if (value.dtype == FP8_DTYPE) != (param.dtype == FP8_DTYPE):  # never cast into or out of fp8
+                if _dtype_kind(value.dtype) != _dtype_kind(param.dtype):  # never cast into or out of fp8 or ints
                     wrong_dtype.append(f"{key}: checkpoint {str(value.dtype).removeprefix('torch.')} vs model "
                                        f"{str(param.dtype).removeprefix('torch.')}")
                     continue
                 param.copy_(value)  # casts to the param's dtype, moves to its device
             del named, param, value  # the layer's 16-bit linears are freed as after_layer replaces them
-            if layer is not None and after_layer is not None:
+            if layer is None:
+                continue
+            if w4_linears:
+                if missing or mismatched or wrong_dtype:
+                    continue  # the shells' tensors are not all there: the error below names them
+                finalize_w4_linears(layer)  # the checkpoint's 4-bit form -> the kernels' layout
+            if after_layer is not None:
                 after_layer(layer)
     if wrong_dtype:
+        qc = quantization_config_dict(resolved.config)
         raise ValueError(
             f"model={resolved.spec!r}: checkpoint in {resolved.weights_dir} stores tensors in another format than "
-            f"its config.json says (quantization_config quant_method={fp8.quant_method if fp8 is not None else None!r}): "
+            f"its config.json says (quantization_config quant_method={qc.get('quant_method') if qc else None!r}): "
             f"{_short(sorted(wrong_dtype))}; fp8 (float8_e4m3fn) weights load only into the linears the "
             "quantization_config makes fp8 (quant_method 'fp8' or 'compressed-tensors', not in its ignore list), and "
-            "those need fp8 tensors"
+            "those need fp8 tensors; packed 4-bit (int32) tensors only into those it stores in 4 bits"
         )
     if missing or unexpected or mismatched or duplicated:
         raise ValueError(
@@ -359,6 +372,13 @@ def load_weights(model: torch.nn.Module, resolved: ResolvedModel, *, device: tor
             f"{f' duplicated={_short(duplicated)}' if duplicated else ''}; "
             "check that the model's config matches the checkpoint's config.json"
         )
+
+
+def _dtype_kind(dtype: torch.dtype) -> str:
+    """What load_weights never casts between: fp8, other floats, integers (packed 4-bit weights, g_idx)."""
+    from engine.quant import FP8_DTYPE
+
+    return "fp8" if dtype == FP8_DTYPE else "float" if dtype.is_floating_point else "int"
 
 
 def _decoder_layers(model: torch.nn.Module) -> torch.nn.ModuleList | None:
@@ -424,10 +444,12 @@ def build_model(resolved: ResolvedModel, dtype: torch.dtype, device: torch.devic
     from engine.model import LlamaForCausalLM, build_cos_sin_cache
     from engine.quant import Fp8Linear, check_online_fp8, check_quantization, fp8_checkpoint, prepare_fp8_checkpoint
     from engine.quant import quantize_linears
+    from engine.quant_w4 import check_checkpoint_quantization
 
     check_quantization(quantization)
     device = torch.device(device)
     config = resolved.config
+    check_checkpoint_quantization(quantization, config if resolved.weights_dir is not None else None, resolved.spec)
     torch.manual_seed(seed)
     with torch.device("meta"):
         model = LlamaForCausalLM(config)
@@ -442,7 +464,7 @@ def build_model(resolved: ResolvedModel, dtype: torch.dtype, device: torch.devic
         prepare_fp8_checkpoint(model, fp8, device)  # checks the device, then swaps in shells (on meta)
     # An fp8 checkpoint decides which linears are fp8 (quantize_model's rule); one that keeps every linear in 16 bits
     # is quantized online like any other when asked.
-    online = quantization is not None and not any(isinstance(m, Fp8Linear) for m in model.model.layers.modules())
+    online = quantization == "fp8" and not any(isinstance(m, Fp8Linear) for m in model.model.layers.modules())
     if online:
         check_online_fp8(model, device, dtype)  # before any weight is read
     hooks = [quantize_linears] if online else []
