@@ -13,7 +13,9 @@ a half-written dir; later starts only read the cache.
 
 Our model uses HuggingFace parameter names exactly, so `load_weights` copies checkpoint tensors by name. A checkpoint
 stored in fp8 (config.json's quantization_config: vLLM's `fp8` or `compressed-tensors`, engine/quant.py) is read
-as it is: its fp8 linears become Fp8Linear modules first, then weights and scales load by name like the rest.
+as it is: its fp8 linears become Fp8Linear modules first, then weights and scales load by name like the rest. A
+4-bit one (AWQ, GPTQ, compressed-tensors pack-quantized: engine/quant_w4.py) likewise: its linears become shells of
+the format's own tensors, filled by name, and each decoder layer's are repacked into W4Linear once it is filled.
 
 `build_model` is the engine's way in: the model is built on the meta device, and each parameter is allocated once,
 in its final dtype (fp8 for an fp8 checkpoint's linears), when load_weights reaches its group: the embeddings,
@@ -427,7 +429,8 @@ def build_model(resolved: ResolvedModel, dtype: torch.dtype, device: torch.devic
     dtype (vLLM's rule), never in float32 unless `dtype` is float32.
 
     1. the module tree is built on the meta device (no memory, no init) and cast to `dtype` there; an fp8
-       checkpoint's linears become Fp8Linear shells there too, so their 16-bit form never exists;
+       checkpoint's linears become Fp8Linear shells there too (a 4-bit checkpoint's, shells of its format's tensors,
+       in load_weights), so their 16-bit form never exists; `quantization` must agree with the checkpoint;
     2. load_weights allocates and fills the embeddings, norm and lm_head, then one decoder layer at a time;
        with `quantization` ('fp8', online) each layer is quantized as soon as it is filled, so the peak is the fp8
        model plus one layer's 16-bit weights (per output channel scales: quantizing q/k/v before fusing them gives
