@@ -57,6 +57,7 @@ RANDOM_PREFIX = "random:"
 DEFAULT_RANDOM_SEED = 0
 _CONVERSION_VERSION = 2  # bump when the converted output changes, so old caches are not reused
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
+_QUANTIZER_CONFIG_FILES = ("quantize_config.json", "quant_config.json")  # AutoGPTQ's, AutoAWQ's (engine/quant_w4.py)
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 _EMBED = "model.embed_tokens.weight"
 _LM_HEAD = "lm_head.weight"
@@ -109,6 +110,7 @@ def resolve_model(spec: str) -> ResolvedModel:
 def _from_dir(spec: str, name: str, path: Path) -> ResolvedModel:
     config = AutoConfig.from_pretrained(path, local_files_only=True)
     _check_architecture(spec, config)
+    _read_quantizer_config(config, path)
     from engine.quant import fp8_checkpoint
     from engine.quant_w4 import w4_checkpoint
 
@@ -124,6 +126,21 @@ def _from_dir(spec: str, name: str, path: Path) -> ResolvedModel:
         )
     has_tokenizer = any((path / f).is_file() for f in _TOKENIZER_FILES)
     return ResolvedModel(spec, name, config, path, path if has_tokenizer else None, None)
+
+
+def _read_quantizer_config(config: PretrainedConfig, path: Path) -> None:
+    """AutoGPTQ (quantize_config.json) and AutoAWQ (quant_config.json) keep their settings beside config.json in
+    checkpoints that transformers did not write: where config.json has no quantization_config, that file is it (its
+    quant_method, when it names none, is AWQ's where AutoAWQ's own keys are there, else GPTQ's)."""
+    if getattr(config, "quantization_config", None) is not None:
+        return
+    for file in _QUANTIZER_CONFIG_FILES:
+        if (path / file).is_file():
+            qc = json.loads((path / file).read_text())
+            if "quant_method" not in qc:
+                qc["quant_method"] = "awq" if {"w_bit", "zero_point", "version"} & set(qc) else "gptq"
+            config.quantization_config = qc
+            return
 
 
 def _check_architecture(spec: str, config: PretrainedConfig) -> None:

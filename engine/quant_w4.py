@@ -372,11 +372,10 @@ def check_w4_shape(name: str, scheme: W4Scheme, n: int, k: int) -> None:
 
 def _unpack_along_last(packed: torch.Tensor, order: tuple[int, ...]) -> torch.Tensor:
     """int32 [R, C/8] -> uint8 [R, C]: nibble i of word c holds column 8c + order[i]."""
-    shifts = torch.arange(0, 32, 4, dtype=torch.int32, device=packed.device)
-    nibbles = (packed[..., None] >> shifts) & 0xF  # [R, C/8, 8] by nibble
-    out = torch.empty_like(nibbles)
-    out[..., list(order)] = nibbles
-    return out.reshape(packed.shape[0], -1).to(torch.uint8)
+    out = torch.empty(*packed.shape, PACK, dtype=torch.uint8, device=packed.device)  # [R, C/8, 8]
+    for i in range(PACK):
+        out[..., order[i]] = ((packed >> (4 * i)) & 0xF).to(torch.uint8)
+    return out.reshape(packed.shape[0], -1)
 
 
 def _narrow_scales(s: torch.Tensor) -> torch.Tensor:

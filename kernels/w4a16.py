@@ -47,19 +47,22 @@ _INTERPRET = interpreting()  # read once: triton.jit read it when the kernels be
 
 
 def pack_w4(q: torch.Tensor) -> torch.Tensor:
-    """q [K, N] integers in 0..15 (any integer dtype) -> qweight int32 [K / 8, N], 8 consecutive rows per word."""
+    """q [K, N] integers in 0..15 (any integer dtype) -> qweight int32 [K / 8, N], 8 consecutive rows per word.
+    One nibble row at a time: the load's temporaries stay near a byte per weight."""
     K, N = q.shape
     assert K % PACK == 0, f"K={K} is not a multiple of {PACK}"
-    shifts = torch.arange(0, 32, 4, dtype=torch.int64, device=q.device)  # [8]
-    words = (q.to(torch.int64).reshape(K // PACK, PACK, N) << shifts[None, :, None]).sum(dim=1)  # [K/8, N] < 2^32
+    words = torch.zeros(K // PACK, N, dtype=torch.int64, device=q.device)  # < 2^32
+    for j in range(PACK):
+        words |= q[j::PACK].to(torch.int64) << (4 * j)  # rows 8i + j
     return (words - ((words >> 31) << 32)).to(torch.int32)  # the same 32 bits as a signed int32
 
 
 def unpack_w4(qweight: torch.Tensor) -> torch.Tensor:
     """qweight int32 [K / 8, N] -> q uint8 [K, N] (pack_w4's inverse)."""
-    shifts = torch.arange(0, 32, 4, dtype=torch.int32, device=qweight.device)
-    q = (qweight[:, None, :] >> shifts[None, :, None]) & 0xF  # [K/8, 8, N]
-    return q.reshape(-1, qweight.shape[1]).to(torch.uint8)
+    q = torch.empty(qweight.shape[0], PACK, qweight.shape[1], dtype=torch.uint8, device=qweight.device)
+    for j in range(PACK):
+        q[:, j] = ((qweight >> (4 * j)) & 0xF).to(torch.uint8)  # row 8i + j
+    return q.reshape(-1, qweight.shape[1])
 
 
 def dequantize_w4_ref(qweight: torch.Tensor, scales: torch.Tensor, qzeros: torch.Tensor | None) -> torch.Tensor:

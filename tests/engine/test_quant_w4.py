@@ -541,3 +541,23 @@ def test_fp8_kv_cache_on_4_bit_smollm2(smollm2_dir, tmp_path):
                                           add_special_tokens=False).input_ids)
     agree, rel = teacher_forced([logits["auto"]], [logits["fp8"]])
     assert agree >= 0.9 and rel < 0.12, (agree, rel)
+
+
+@pytest.mark.parametrize("fmt, file, own", [
+    ("gptq", "quantize_config.json", {"bits": 4, "group_size": 32, "damp_percent": 0.01, "desc_act": False,
+                                      "static_groups": False, "sym": True, "true_sequential": True,
+                                      "model_name_or_path": None, "model_file_base_name": "model"}),
+    ("awq", "quant_config.json", {"zero_point": True, "q_group_size": 32, "w_bit": 4, "version": "GEMM"}),
+])
+def test_quantizer_config_file_beside_config_json(checkpoints, tmp_path, fmt, file, own):
+    """AutoGPTQ's quantize_config.json and AutoAWQ's quant_config.json (their own keys, no quant_method) stand for a
+    quantization_config that config.json lacks: the same model loads."""
+    d = shutil.copytree(checkpoints[fmt], tmp_path / fmt)
+    config = json.loads((d / "config.json").read_text())
+    config.pop("quantization_config")
+    (d / "config.json").write_text(json.dumps(config))
+    (d / file).write_text(json.dumps(own))
+    got = LLM(str(d), **KW)
+    assert isinstance(got.engine.runner.model.model.layers[0].mlp.down_proj, W4Linear)
+    torch.testing.assert_close(step_logits(got, PROBE), step_logits(LLM(str(checkpoints[fmt]), **KW), PROBE),
+                               rtol=0, atol=0)
