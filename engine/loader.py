@@ -331,6 +331,8 @@ def load_weights(model: torch.nn.Module, resolved: ResolvedModel, *, device: tor
     present = {k for k in where if not k.endswith(_IGNORED_SUFFIXES) and not (tie and k == _LM_HEAD)}
     missing = sorted(expected - present)
     unexpected = sorted(present - names)
+    if w4_linears:  # GPTQ-for-LLaMa wrote an all-zero bias for linears that have none: skipped, as vLLM does
+        unexpected = [k for k in unexpected if not _zero_bias(k, w4_linears, where)]
     mismatched: list[str] = []
     wrong_dtype: list[str] = []
     with contextlib.ExitStack() as stack, torch.no_grad():
@@ -391,6 +393,17 @@ def load_weights(model: torch.nn.Module, resolved: ResolvedModel, *, device: tor
             f"{f' duplicated={_short(duplicated)}' if duplicated else ''}; "
             "check that the model's config matches the checkpoint's config.json"
         )
+
+
+def _zero_bias(key: str, linears: dict, where: dict[str, Path]) -> bool:
+    """`key` is the bias of one of `linears` (which has none in the model) and every value of it is zero."""
+    module, _, attr = key.rpartition(".")
+    if attr != "bias" or module not in linears:
+        return False
+    from safetensors import safe_open
+
+    with safe_open(str(where[key]), framework="pt", device="cpu") as sf:
+        return not bool(sf.get_tensor(key).any())
 
 
 def _dtype_kind(dtype: torch.dtype) -> str:

@@ -561,3 +561,23 @@ def test_quantizer_config_file_beside_config_json(checkpoints, tmp_path, fmt, fi
     assert isinstance(got.engine.runner.model.model.layers[0].mlp.down_proj, W4Linear)
     torch.testing.assert_close(step_logits(got, PROBE), step_logits(LLM(str(checkpoints[fmt]), **KW), PROBE),
                                rtol=0, atol=0)
+
+
+def test_all_zero_bias_of_a_biasless_linear_is_skipped(checkpoints, tmp_path):
+    """GPTQ-for-LLaMa stored a zero bias for every 4-bit linear, Llama's included (which have none): those load as
+    nothing (vLLM skips them too); a bias that is not all zero is still an unexpected tensor."""
+    from safetensors.torch import load_file, save_file
+
+    d = shutil.copytree(checkpoints["gptq"], tmp_path / "gptq")
+    tensors = load_file(str(d / "model.safetensors"))
+    for i in range(3):
+        for m in LAYER_LINEARS:
+            tensors[f"model.layers.{i}.{m}.bias"] = torch.zeros(tensors[f"model.layers.{i}.{m}.scales"].shape[1],
+                                                                dtype=torch.float16)
+    save_file(tensors, str(d / "model.safetensors"))
+    torch.testing.assert_close(step_logits(LLM(str(d), **KW), PROBE), step_logits(LLM(str(checkpoints["gptq"]), **KW),
+                                                                               PROBE), rtol=0, atol=0)
+    tensors["model.layers.2.mlp.down_proj.bias"][3] = 0.5
+    save_file(tensors, str(d / "model.safetensors"))
+    with pytest.raises(ValueError, match=r"unexpected=\['model.layers.2.mlp.down_proj.bias'\]"):
+        LLM(str(d), **KW)
