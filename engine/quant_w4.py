@@ -315,10 +315,16 @@ class W4Linear(nn.Module):
                              f"(desc_act / g_idx, {self.in_features} inputs) would need its own input order; serve "
                              "an act-order checkpoint with tensor_parallel_size=1")
         g = self.group_size
-        if start % g or end % g:
+        if self.scales.shape[0] == 1:  # one group per row (per channel): every shard keeps its scales whole
+            if (end - start) % MIN_GROUP or start % PACK:
+                raise ValueError(f"tensor_parallel_size > 1: a row-parallel shard of inputs [{start}, {end}) of a "
+                                 f"4-bit linear must start at a multiple of {PACK} and hold a multiple of {MIN_GROUP}")
+            groups = lambda t: None if t is None else t.clone()  # noqa: E731
+        elif start % g or end % g:
             raise ValueError(f"tensor_parallel_size > 1: a row-parallel shard of inputs [{start}, {end}) of a 4-bit "
                              f"linear splits its groups of {g} inputs; the shards must hold whole groups")
-        groups = lambda t: None if t is None else t[start // g:end // g].clone()  # noqa: E731
+        else:
+            groups = lambda t: None if t is None else t[start // g:end // g].clone()  # noqa: E731
         return W4Linear(self.qweight[start // PACK:end // PACK].clone(), groups(self.scales), groups(self.qzeros),
                         None, None if self.bias is None else self.bias.clone())
 

@@ -321,6 +321,9 @@ def test_fused_shards_and_tensor_parallel_pieces():
     torch.testing.assert_close(parts, whole(x), rtol=1e-5, atol=1e-5)
     with pytest.raises(ValueError, match=r"splits its groups of 16 inputs"):
         whole.columns(0, 24)
+    channel = linear(24, True, torch.float16, g=64, bias=False)  # one group per row: the shards keep its scales
+    parts = channel.columns(0, 32)(x[:, :32]) + channel.columns(32, 64)(x[:, 32:])
+    torch.testing.assert_close(parts, channel(x), rtol=1e-5, atol=1e-5)
     acted = W4Linear(whole.qweight, whole.scales, whole.qzeros, torch.randperm(64).to(torch.int32), None)
     with pytest.raises(ValueError, match=r"act order .* tensor_parallel_size=1"):
         acted.columns(0, 32)
