@@ -8,7 +8,7 @@ import torch
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 DTYPE_ALIASES = {"fp32": "float32", "float": "float32", "half": "float16", "fp16": "float16", "bf16": "bfloat16"}
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
-QUANTIZATION_METHODS = ("fp8",)
+QUANTIZATION_METHODS = ("fp8", "awq", "gptq", "compressed-tensors")
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")  # engine/model.py runs these
 # The linears engine/model.py fuses (fuse_projections), by their names inside a decoder layer: fused -> shards in order.
 FUSED_LINEARS = {"self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
@@ -53,7 +53,7 @@ class ModelConfig:
     max_prefill_cudagraph_tokens: int = 1024
     """Steps with prompt tokens, up to this many tokens in all, replay as CUDA graphs padded to a captured size (0: eagerly). A short prompt's prefill is bound by the host's kernel launches, not the GPU."""
     quantization: str | None = None
-    """Quantize the layers' linear weights at load (vLLM's flag): fp8 (e4m3, a scale per output channel; activations quantized per token; fp8 GEMMs need sm >= 89). Default: none; a checkpoint stored in fp8 (config.json's quantization_config) is detected and needs no flag."""
+    """Quantize the layers' linear weights at load (vLLM's flag): fp8 (e4m3, a scale per output channel; activations quantized per token; fp8 GEMMs need sm >= 89); awq, gptq, compressed-tensors name a checkpoint's own format (4-bit weights load as they are). Default: none; a quantized checkpoint (config.json's quantization_config) is detected and needs no flag."""
 
     def __post_init__(self) -> None:
         if self.max_model_len is not None and self.max_model_len < 1:

@@ -13,7 +13,9 @@ a half-written dir; later starts only read the cache.
 
 Our model uses HuggingFace parameter names exactly, so `load_weights` copies checkpoint tensors by name. A checkpoint
 stored in fp8 (config.json's quantization_config: vLLM's `fp8` or `compressed-tensors`, engine/quant.py) is read
-as it is: its fp8 linears become Fp8Linear modules first, then weights and scales load by name like the rest.
+as it is: its fp8 linears become Fp8Linear modules first, then weights and scales load by name like the rest. A
+4-bit one (AWQ, GPTQ, compressed-tensors pack-quantized: engine/quant_w4.py) likewise: its linears become shells of
+the format's own tensors, filled by name, and each decoder layer's are repacked into W4Linear once it is filled.
 
 `build_model` is the engine's way in: the model is built on the meta device, and each parameter is allocated once,
 in its final dtype (fp8 for an fp8 checkpoint's linears), when load_weights reaches its group: the embeddings,
@@ -55,6 +57,7 @@ RANDOM_PREFIX = "random:"
 DEFAULT_RANDOM_SEED = 0
 _CONVERSION_VERSION = 2  # bump when the converted output changes, so old caches are not reused
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
+_QUANTIZER_CONFIG_FILES = ("quantize_config.json", "quant_config.json")  # AutoGPTQ's, AutoAWQ's (engine/quant_w4.py)
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 _EMBED = "model.embed_tokens.weight"
 _LM_HEAD = "lm_head.weight"
@@ -107,10 +110,13 @@ def resolve_model(spec: str) -> ResolvedModel:
 def _from_dir(spec: str, name: str, path: Path) -> ResolvedModel:
     config = AutoConfig.from_pretrained(path, local_files_only=True)
     _check_architecture(spec, config)
+    _read_quantizer_config(config, path)
     from engine.quant import fp8_checkpoint
+    from engine.quant_w4 import w4_checkpoint
 
     try:
         fp8_checkpoint(config)  # an unsupported quantization_config fails here, before any weight is read
+        w4_checkpoint(config)
     except ValueError as e:
         raise ValueError(f"model={spec!r}: {e}") from None
     if not any(path.glob("*.safetensors")):
@@ -120,6 +126,21 @@ def _from_dir(spec: str, name: str, path: Path) -> ResolvedModel:
         )
     has_tokenizer = any((path / f).is_file() for f in _TOKENIZER_FILES)
     return ResolvedModel(spec, name, config, path, path if has_tokenizer else None, None)
+
+
+def _read_quantizer_config(config: PretrainedConfig, path: Path) -> None:
+    """AutoGPTQ (quantize_config.json) and AutoAWQ (quant_config.json) keep their settings beside config.json in
+    checkpoints that transformers did not write: where config.json has no quantization_config, that file is it (its
+    quant_method, when it names none, is AWQ's where AutoAWQ's own keys are there, else GPTQ's)."""
+    if getattr(config, "quantization_config", None) is not None:
+        return
+    for file in _QUANTIZER_CONFIG_FILES:
+        if (path / file).is_file():
+            qc = json.loads((path / file).read_text())
+            if "quant_method" not in qc:
+                qc["quant_method"] = "awq" if {"w_bit", "zero_point", "version"} & set(qc) else "gptq"
+            config.quantization_config = qc
+            return
 
 
 def _check_architecture(spec: str, config: PretrainedConfig) -> None:
@@ -297,15 +318,21 @@ def load_weights(model: torch.nn.Module, resolved: ResolvedModel, *, device: tor
                 where[key] = f
     tie = _tie_word_embeddings(resolved.config) or _LM_HEAD not in where
     _set_tied(model, tie)
-    from engine.quant import FP8_DTYPE, checkpoint_scale, fp8_checkpoint, prepare_fp8_checkpoint
+    from engine.quant import checkpoint_scale, fp8_checkpoint, prepare_fp8_checkpoint, quantization_config_dict
+    from engine.quant_w4 import finalize_w4_linears, prepare_w4_checkpoint, w4_checkpoint
 
     fp8 = fp8_checkpoint(resolved.config)
     fp8_linears = prepare_fp8_checkpoint(model, fp8, device) if fp8 is not None else {}
+    w4 = w4_checkpoint(resolved.config)
+    # 4-bit linears become shells of their format's tensors (repacked once their layer is filled, below)
+    w4_linears = prepare_w4_checkpoint(model, w4, set(where)) if w4 is not None else {}
     names = set(_params(model))
     expected = names - ({_LM_HEAD} if tie else set())
     present = {k for k in where if not k.endswith(_IGNORED_SUFFIXES) and not (tie and k == _LM_HEAD)}
     missing = sorted(expected - present)
     unexpected = sorted(present - names)
+    if w4_linears:  # GPTQ-for-LLaMa wrote an all-zero bias for linears that have none: skipped, as vLLM does
+        unexpected = [k for k in unexpected if not _zero_bias(k, w4_linears, where)]
     mismatched: list[str] = []
     wrong_dtype: list[str] = []
     with contextlib.ExitStack() as stack, torch.no_grad():
@@ -336,21 +363,28 @@ def load_weights(model: torch.nn.Module, resolved: ResolvedModel, *, device: tor
                     mismatched.append(f"{key}: checkpoint {shape} vs model {tuple(param.shape)}")
                     continue
                 value = sf.get_tensor(key)
-                if (value.dtype == FP8_DTYPE) != (param.dtype == FP8_DTYPE):  # never cast into or out of fp8
+                if _dtype_kind(value.dtype) != _dtype_kind(param.dtype):  # never cast into or out of fp8 or ints
                     wrong_dtype.append(f"{key}: checkpoint {str(value.dtype).removeprefix('torch.')} vs model "
                                        f"{str(param.dtype).removeprefix('torch.')}")
                     continue
                 param.copy_(value)  # casts to the param's dtype, moves to its device
             del named, param, value  # the layer's 16-bit linears are freed as after_layer replaces them
-            if layer is not None and after_layer is not None:
+            if layer is None:
+                continue
+            if w4_linears:
+                if missing or mismatched or wrong_dtype:
+                    continue  # the shells' tensors are not all there: the error below names them
+                finalize_w4_linears(layer)  # the checkpoint's 4-bit form -> the kernels' layout
+            if after_layer is not None:
                 after_layer(layer)
     if wrong_dtype:
+        qc = quantization_config_dict(resolved.config)
         raise ValueError(
             f"model={resolved.spec!r}: checkpoint in {resolved.weights_dir} stores tensors in another format than "
-            f"its config.json says (quantization_config quant_method={fp8.quant_method if fp8 is not None else None!r}): "
+            f"its config.json says (quantization_config quant_method={qc.get('quant_method') if qc else None!r}): "
             f"{_short(sorted(wrong_dtype))}; fp8 (float8_e4m3fn) weights load only into the linears the "
             "quantization_config makes fp8 (quant_method 'fp8' or 'compressed-tensors', not in its ignore list), and "
-            "those need fp8 tensors"
+            "those need fp8 tensors; packed 4-bit (int32) tensors only into those it stores in 4 bits"
         )
     if missing or unexpected or mismatched or duplicated:
         raise ValueError(
@@ -359,6 +393,24 @@ def load_weights(model: torch.nn.Module, resolved: ResolvedModel, *, device: tor
             f"{f' duplicated={_short(duplicated)}' if duplicated else ''}; "
             "check that the model's config matches the checkpoint's config.json"
         )
+
+
+def _zero_bias(key: str, linears: dict, where: dict[str, Path]) -> bool:
+    """`key` is the bias of one of `linears` (which has none in the model) and every value of it is zero."""
+    module, _, attr = key.rpartition(".")
+    if attr != "bias" or module not in linears:
+        return False
+    from safetensors import safe_open
+
+    with safe_open(str(where[key]), framework="pt", device="cpu") as sf:
+        return not bool(sf.get_tensor(key).any())
+
+
+def _dtype_kind(dtype: torch.dtype) -> str:
+    """What load_weights never casts between: fp8, other floats, integers (packed 4-bit weights, g_idx)."""
+    from engine.quant import FP8_DTYPE
+
+    return "fp8" if dtype == FP8_DTYPE else "float" if dtype.is_floating_point else "int"
 
 
 def _decoder_layers(model: torch.nn.Module) -> torch.nn.ModuleList | None:
@@ -407,7 +459,8 @@ def build_model(resolved: ResolvedModel, dtype: torch.dtype, device: torch.devic
     dtype (vLLM's rule), never in float32 unless `dtype` is float32.
 
     1. the module tree is built on the meta device (no memory, no init) and cast to `dtype` there; an fp8
-       checkpoint's linears become Fp8Linear shells there too, so their 16-bit form never exists;
+       checkpoint's linears become Fp8Linear shells there too (a 4-bit checkpoint's, shells of its format's tensors,
+       in load_weights), so their 16-bit form never exists; `quantization` must agree with the checkpoint;
     2. load_weights allocates and fills the embeddings, norm and lm_head, then one decoder layer at a time;
        with `quantization` ('fp8', online) each layer is quantized as soon as it is filled, so the peak is the fp8
        model plus one layer's 16-bit weights (per output channel scales: quantizing q/k/v before fusing them gives
@@ -424,10 +477,12 @@ def build_model(resolved: ResolvedModel, dtype: torch.dtype, device: torch.devic
     from engine.model import LlamaForCausalLM, build_cos_sin_cache
     from engine.quant import Fp8Linear, check_online_fp8, check_quantization, fp8_checkpoint, prepare_fp8_checkpoint
     from engine.quant import quantize_linears
+    from engine.quant_w4 import check_checkpoint_quantization
 
     check_quantization(quantization)
     device = torch.device(device)
     config = resolved.config
+    check_checkpoint_quantization(quantization, config if resolved.weights_dir is not None else None, resolved.spec)
     torch.manual_seed(seed)
     with torch.device("meta"):
         model = LlamaForCausalLM(config)
@@ -442,7 +497,7 @@ def build_model(resolved: ResolvedModel, dtype: torch.dtype, device: torch.devic
         prepare_fp8_checkpoint(model, fp8, device)  # checks the device, then swaps in shells (on meta)
     # An fp8 checkpoint decides which linears are fp8 (quantize_model's rule); one that keeps every linear in 16 bits
     # is quantized online like any other when asked.
-    online = quantization is not None and not any(isinstance(m, Fp8Linear) for m in model.model.layers.modules())
+    online = quantization == "fp8" and not any(isinstance(m, Fp8Linear) for m in model.model.layers.modules())
     if online:
         check_online_fp8(model, device, dtype)  # before any weight is read
     hooks = [quantize_linears] if online else []

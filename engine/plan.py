@@ -4,7 +4,8 @@
     weights     = parameters counted from the config * bytes of --dtype
                   (--quantization fp8, or a checkpoint stored in fp8: the layers' linear weights at 1 byte, plus a
                   float32 scale per output channel and, for static activation scales, one per fused linear; linears
-                  the checkpoint's quantization_config ignores stay in --dtype)
+                  the checkpoint's quantization_config ignores stay in --dtype; a 4-bit checkpoint's linears at half
+                  a byte, plus a 16-bit scale and, where stored, a 1-byte zero point per group and output)
     KV / token  = 2 (K and V) * layers * kv_heads * head_dim * bytes of --kv-cache-dtype
     blocks      = (usable - weights) // (block_size * KV / token)
     tokens      = blocks * block_size
@@ -74,7 +75,8 @@ class Plan:
     max_num_seqs_at_max_len: int
     """Sequences of max_model_len tokens whose KV fits at once."""
     quantization: str | None = None
-    """The weights' quantization (None or 'fp8': --quantization fp8, or a checkpoint stored in fp8)."""
+    """The weights' quantization (None; 'fp8': --quantization fp8, or a checkpoint stored in fp8; a 4-bit
+    checkpoint's quant_method: 'awq', 'gptq', 'compressed-tensors')."""
 
     @property
     def fits(self) -> bool:
@@ -137,8 +139,22 @@ def weight_bytes_of(config: PretrainedConfig, dtype: str, quantization: str | No
     linears as above plus a float32 input scale per fused linear where its scales are static, the linears it
     ignores in `dtype`."""
     from engine.quant import Fp8Scheme, fp8_checkpoint
+    from engine.quant_w4 import w4_checkpoint
 
     total = count_params(config) * _DTYPE_BYTES[dtype]
+    w4 = w4_checkpoint(config)
+    if w4 is not None:
+        if quantization not in (None, w4.quant_method):
+            raise ValueError(f"quantization={quantization!r}: the checkpoint stores 4-bit weights: must be None or "
+                             f"{w4.quant_method!r}")
+        for i in range(config.num_hidden_layers):
+            for (n, k), name in zip(linear_shapes(config), _LAYER_LINEARS):
+                scheme = w4.scheme(f"model.layers.{i}.{FUSED_LINEARS.get(name, (name,))[0]}")
+                if scheme is not None:  # engine/quant_w4.py's W4Linear: packed q, 16-bit scales, uint8 zeros
+                    groups = scheme.groups(k) * n
+                    total += n * k // 2 - n * k * _DTYPE_BYTES[dtype] + 2 * groups + (groups if scheme.zero_points
+                                                                                        else 0)
+        return total
     if quantization not in (None, "fp8"):
         raise ValueError(f"quantization={quantization!r}: must be one of None, fp8")
     checkpoint = fp8_checkpoint(config)
@@ -196,8 +212,14 @@ def plan(
         )
     wdtype = str(resolve_dtype(dtype, config, torch.device("cuda"))).removeprefix("torch.")  # sized for a GPU
     kvdtype = _resolve_kv_dtype(kv_cache_dtype, wdtype)
-    if quantization is None and getattr(config, "quantization_config", None) is not None:
-        quantization = "fp8"  # resolve_model accepts no other quantization_config than an fp8 checkpoint's
+    if getattr(config, "quantization_config", None) is not None:
+        from engine.quant_w4 import w4_checkpoint
+
+        w4 = w4_checkpoint(config)  # resolve_model accepts 4-bit and fp8 checkpoints only
+        if w4 is not None:
+            quantization = quantization or w4.quant_method  # weight_bytes_of checks a --quantization given
+        elif quantization is None:
+            quantization = "fp8"
     kv_elem = _KV_DTYPE_BYTES.get(kvdtype) or _DTYPE_BYTES[kvdtype]
     num_params = count_params(config)
     weight_bytes = weight_bytes_of(config, wdtype, quantization)
@@ -220,12 +242,18 @@ def _gib(n: int) -> str:
     return f"{n / 2**30:,.2f} GiB"
 
 
+def _quantized_label(quantization: str | None) -> str:
+    if quantization is None:
+        return ""
+    return ", layer linears fp8" if quantization == "fp8" else f", layer linears 4-bit ({quantization})"
+
+
 def format_plan(p: Plan) -> str:
     kv_elem = p.kv_bytes_per_token // (2 * p.num_layers * p.num_kv_heads * p.head_dim)
     rows = [
         ("model", f"{p.model} ({p.architecture})"),
         ("parameters", f"{p.num_params:,}"),
-        (f"weights ({p.dtype}{', layer linears fp8' if p.quantization else ''})",
+        (f"weights ({p.dtype}{_quantized_label(p.quantization)})",
          f"{p.weight_bytes:,} B = {_gib(p.weight_bytes)}"),
         (f"KV bytes per token ({p.kv_cache_dtype})",
          f"{p.kv_bytes_per_token:,} = 2 x {p.num_layers} layers x {p.num_kv_heads} kv heads x {p.head_dim} head_dim "
@@ -263,7 +291,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--block-size", default=str(CacheConfig.block_size), help="tokens per KV block")
     parser.add_argument("--quantization", default=ModelConfig.quantization,
                         help="fp8: the layers' linear weights in fp8 (as the engine's flag; a checkpoint stored in fp8 "
-                             "is sized as fp8 without it)")
+                             "or 4 bits is sized as it loads without it)")
     return parser
 
 

@@ -29,7 +29,8 @@ fp8 scheme) need no flag: `fp8_checkpoint(config)` reads the format, and `prepar
 Fp8Linear of its shape before any tensor is copied, so the checkpoint's weight, weight_scale (and input_scale) load
 by name (gpt-fast's quantize.py pattern). A per-tensor weight_scale is broadcast to every output channel, so fusing
 q/k/v or gate/up keeps each shard's own scale exactly; a static input_scale (one per tensor) replaces the per-token
-scales, the largest of a fused group's shards serving the group, as vLLM does.
+scales, the largest of a fused group's shards serving the group, as vLLM does. 4-bit checkpoints (awq, gptq,
+compressed-tensors pack-quantized) are engine/quant_w4.py's.
 """
 from __future__ import annotations
 
@@ -221,13 +222,14 @@ def quantize_linears(module: nn.Module) -> None:
 
 @torch.no_grad()
 def quantize_model(model: nn.Module, method: str | None) -> nn.Module:
-    """Replaces every nn.Linear of model.model.layers by its quantized form, in place; None leaves the model as is,
-    and so does a model loaded from an fp8 checkpoint or already quantized as it loaded (engine/loader.py
-    build_model: its quantization_config chose which linears are fp8: those it left in 16 bits stay so). Before or
-    after fuse_projections() alike: each output channel has its own scale, so quantizing the shards one by one and
-    concatenating them gives the fused linear's quantization exactly."""
+    """Replaces every nn.Linear of model.model.layers by its quantized form, in place (method 'fp8'); None and the
+    4-bit methods (checkpoints loaded as they are) leave the model as is, and so does a model loaded from an fp8
+    checkpoint or already quantized as it loaded (engine/loader.py build_model: its quantization_config chose which
+    linears are fp8: those it left in 16 bits stay so). Before or after fuse_projections() alike: each output channel
+    has its own scale, so quantizing the shards one by one and concatenating them gives the fused linear's
+    quantization exactly."""
     check_quantization(method)
-    if method is None:
+    if method != "fp8":  # awq, gptq, compressed-tensors: checkpoints loaded as they are (engine/quant_w4.py)
         return model
     layers = model.model.layers
     if any(isinstance(module, Fp8Linear) for module in layers.modules()):
@@ -249,6 +251,8 @@ def quantize_model(model: nn.Module, method: str | None) -> nn.Module:
 # Checkpoints stored in fp8
 
 FP8_CHECKPOINT_METHODS = ("fp8", "compressed-tensors")
+W4_CHECKPOINT_METHODS = ("awq", "gptq")  # 4-bit, as compressed-tensors' pack-quantized is: engine/quant_w4.py
+_CT_PACKED = "pack-quantized"
 _CT_FORMATS = ("float-quantized", "naive-quantized")  # compressed-tensors formats that store fp8 values as they are
 _FUSED_INTO = {shard: fused for fused, shards in FUSED_LINEARS.items() for shard in shards}
 
@@ -285,23 +289,38 @@ def _matches(name: str, patterns: tuple[str, ...]) -> bool:
     return any(p == name or p == "Linear" or (p.startswith("re:") and re.match(p[3:], name)) for p in patterns)
 
 
-def fp8_checkpoint(config) -> Fp8Checkpoint | None:
-    """The fp8 format of a checkpoint, read from its config's quantization_config; None when it has none. Anything
-    else (another quant_method, block-wise scales, fp8 weights with 16-bit activations, ...) raises ValueError naming
-    the config field."""
+def quantization_config_dict(config) -> dict | None:
+    """config.json's quantization_config as a dict (transformers may have parsed it into its own config class)."""
     qc = getattr(config, "quantization_config", None)
+    if qc is None or isinstance(qc, dict):
+        return qc
+    return qc.to_dict()
+
+
+def fp8_checkpoint(config) -> Fp8Checkpoint | None:
+    """The fp8 format of a checkpoint, read from its config's quantization_config; None when it has none, or when it
+    is a 4-bit one (engine/quant_w4.py reads those). Anything else (another quant_method, block-wise scales, fp8
+    weights with 16-bit activations, ...) raises ValueError naming the config field."""
+    qc = quantization_config_dict(config)
     if qc is None:
         return None
-    if not isinstance(qc, dict):
-        qc = qc.to_dict()
     method = qc.get("quant_method")
     if method == "fp8":
         return _vllm_fp8(qc)
+    if method in W4_CHECKPOINT_METHODS:
+        return None
     if method == "compressed-tensors":
+        formats = {g.get("format") or qc.get("format") for g in (qc.get("config_groups") or {}).values()}
+        if formats == {_CT_PACKED}:
+            return None  # 4-bit weights (W4A16)
+        if _CT_PACKED in formats:
+            raise ValueError(f"quantization_config.config_groups: formats {sorted(map(str, formats))} mix packed "
+                             "4-bit weights with others; Tandem loads one weight format per checkpoint")
         return _compressed_tensors(qc)
-    raise ValueError(f"quantization_config.quant_method={method!r}: Tandem loads only fp8 checkpoints, quant_method "
-                     f"{' or '.join(map(repr, FP8_CHECKPOINT_METHODS))} (with an fp8 scheme); serve the 16-bit "
-                     "checkpoint instead, with --quantization fp8 for fp8 weights")
+    raise ValueError(f"quantization_config.quant_method={method!r}: Tandem loads fp8 checkpoints (quant_method "
+                     f"{' or '.join(map(repr, FP8_CHECKPOINT_METHODS))} with an fp8 scheme) and 4-bit ones (awq, "
+                     "gptq, compressed-tensors pack-quantized); serve the 16-bit checkpoint instead, with "
+                     "--quantization fp8 for fp8 weights")
 
 
 def _vllm_fp8(qc: dict) -> Fp8Checkpoint:

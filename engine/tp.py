@@ -7,7 +7,9 @@ each. Embeddings, norms and lm_head stay replicated. Each rank's KV cache then h
 
 fp8 linears (engine/quant.py's Fp8Linear) split the same way: a column-parallel piece takes its output channels'
 fp8 rows, scales and bias; a row-parallel piece takes its input columns of the fp8 weight and keeps every output
-channel's scale whole. A checkpoint's static input_scale is one per tensor, so every rank keeps it. With dynamic
+channel's scale whole. 4-bit linears (engine/quant_w4.py's W4Linear) likewise: a column-parallel piece takes its
+outputs' packed columns, scales and zero points, a row-parallel one whole groups of inputs (act order is refused
+above one rank). A checkpoint's static input_scale is one per tensor, so every rank keeps it. With dynamic
 activation scales a row-parallel piece quantizes its own slice of each token (vLLM does the same): its scales come
 from that slice's amax, so tp > 1 differs from tp = 1 by that rounding (tests/engine/test_tp.py). Online fp8
 (`--quantization fp8`) quantizes before the split, load -> quantize_model -> shard_model -> fuse_projections, so the
@@ -28,10 +30,13 @@ from torch import nn
 
 from engine.model import Linear, LlamaForCausalLM
 from engine.quant import Fp8Linear, check_fp8_shape
+from engine.quant_w4 import W4Linear
 
 
 def _rows(linear: nn.Module, start: int, end: int) -> nn.Module:
     """The column-parallel piece of `linear`: output channels [start, end), with their scales and bias."""
+    if isinstance(linear, W4Linear):
+        return linear.rows(start, end)
     if isinstance(linear, Fp8Linear):
         if linear.weight.is_cuda:
             check_fp8_shape(f"a column-parallel shard of {linear.out_features} rows", end - start, linear.in_features)
@@ -51,6 +56,8 @@ def _columns(linear: nn.Module, start: int, end: int) -> nn.Module:
     """The row-parallel piece of `linear`: input features [start, end); an fp8 piece keeps every output channel's
     scale (each rank's partial sums share it)."""
     assert linear.bias is None, "row-parallel layers of this family carry no bias"
+    if isinstance(linear, W4Linear):
+        return linear.columns(start, end)
     if isinstance(linear, Fp8Linear):
         if linear.weight.is_cuda:
             check_fp8_shape(f"a row-parallel shard of {linear.in_features} columns", linear.out_features, end - start)

@@ -511,15 +511,23 @@ def _group(qc: dict) -> dict:
     return qc["config_groups"]["group_0"]
 
 
+def _mix_formats(qc: dict) -> None:
+    """group_0 in the packed 4-bit format, a copy of it as group_1 in fp8's."""
+    _group(qc)["format"] = "pack-quantized"
+    qc["config_groups"]["group_1"] = {**_group(qc), "format": "float-quantized"}
+
+
 @pytest.mark.parametrize("method, edit, message", [
-    ("fp8", lambda qc: qc.update(quant_method="gptq"),
-     r"quantization_config.quant_method='gptq': Tandem loads only fp8 checkpoints"),
+    ("fp8", lambda qc: qc.update(quant_method="bitsandbytes"),
+     r"quantization_config.quant_method='bitsandbytes': Tandem loads fp8 checkpoints"),
     ("fp8", lambda qc: qc.update(weight_block_size=[128, 128]),
      r"quantization_config.weight_block_size=\[128, 128\]: block-wise fp8 scales \(weight_scale_inv"),
     ("fp8", lambda qc: qc.pop("activation_scheme"),
      r"quantization_config.activation_scheme=None: must be 'dynamic' or 'static'"),
-    ("compressed-tensors", lambda qc: qc.update(format="pack-quantized"),
-     r"quantization_config.config_groups.group_0.format='pack-quantized': must be one of float-quantized"),
+    ("compressed-tensors", lambda qc: qc.update(format="pack-quantized"),  # fp8 args in a 4-bit format
+     r"quantization_config.config_groups.group_0.weights.num_bits=8: Tandem loads 4-bit weights only"),
+    ("compressed-tensors", lambda qc: _mix_formats(qc),
+     r"config_groups: formats \['float-quantized', 'pack-quantized'\] mix packed 4-bit weights with others"),
     ("compressed-tensors", lambda qc: _group(qc)["weights"].update(strategy="block"),
      r"group_0.weights.strategy='block': must be 'channel' or 'tensor'"),
     ("compressed-tensors", lambda qc: _group(qc)["weights"].update(num_bits=4, type="int"),

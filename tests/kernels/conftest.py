@@ -22,7 +22,7 @@ if not ON_CUDA:
         import importlib
 
         for name in ("kernels._checks", "kernels.activation", "kernels.kv_write", "kernels.norm",
-                     "kernels.paged_attention", "kernels.rotary", "kernels.gemv", "kernels.quant_fp8",
+                     "kernels.paged_attention", "kernels.rotary", "kernels.gemv", "kernels.quant_fp8", "kernels.w4a16",
                      "kernels"):
             if name in sys.modules:
                 importlib.reload(sys.modules[name])

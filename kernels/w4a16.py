@@ -1,0 +1,452 @@
+"""4-bit weights, 16-bit activations (W4A16): y[M, N] = x[M, K] @ W[K, N] (+ bias), W dequantized inside the kernel.
+
+Every 4-bit checkpoint format (AWQ, GPTQ, compressed-tensors: engine/quant_w4.py) is repacked at load into the one
+layout these kernels read, for a weight of K inputs, N outputs and groups of G consecutive inputs (G divides K):
+  qweight  int32 [K / 8, N]  nibble j (bits 4j..4j+3) of qweight[i, n] holds q[8i + j, n], unsigned 0..15
+  scales   [K / G, N]        float16, bfloat16 or float32 (the checkpoint's values, exactly)
+  qzeros   uint8 [K / G, N]  zero points, or None: 8 for every group (symmetric formats)
+  perm     int32 [K]         or None: row r of W multiplies input column perm[r] (act order, sorted into groups)
+  W[r, n] = (q[r, n] - z[r // G, n]) * s[r // G, n],    y[m, n] = sum_r x[m, perm[r]] * W[r, n]
+qweight is packed along K, N contiguous: a tile of W is BLOCK_K / 8 rows of int32 words, each row one coalesced
+read, and 8 consecutive inputs of one output share a word. Each K step stays inside one group (BLOCK_K divides G),
+so its scale and zero point are one row [BLOCK_N] and the scale multiplies the step's partial sum once:
+acc += (x_tile @ (q - z)_tile) * s. q - z (integers in [-16, 15]) is exact in any float dtype, so the products are
+x's own values times small integers and the only roundings are float32 sums and one multiply per group.
+
+Two kernels:
+  gemv  M <= GEMV_MAX_M rows (decode): every weight is read once and used for M rows. Program (n tile, K split)
+        unpacks a [BLOCK_K / 8, 8, BLOCK_N] slab in registers and reduces it against each row of x with FMAs;
+        split-K (split_k > 1) sums the K ranges deterministically: each split writes a float32 partial, the last
+        program of an N tile to take a ticket (kernels/gemv.py's counters) adds them in split order and writes y.
+  gemm  any M (prefill): [BLOCK_M, BLOCK_N] tiles, the unpacked [BLOCK_K, BLOCK_N] tile of (q - z) in x's dtype
+        fed to tl.dot (the tensor cores; float32 x, and the interpreter, take an exact float32 dot).
+Both read x through perm when there is one (act order): no separate gather.
+
+`w4a16_ref` is the contract: dequantize W in float32, multiply in float32, round once. The launchers check shapes,
+dtypes and strides; configs are heuristics until an H200 sweep fills a table (bench/w4a16_gemm.py).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels._checks import FLOAT_DTYPES, check_out, check_same_device, check_tensor, interpreting, sm_count
+from kernels.gemv import COUNTERS_PER_DEVICE, INTERPRETER_SMS, _counters
+
+PACK = 8  # 4-bit values per int32 word
+GEMV_MAX_M = 16  # rows the GEMV takes (its FMA loop is unrolled per row); the GEMM takes any M
+SCALE_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+_INTERPRET = interpreting()  # read once: triton.jit read it when the kernels below were decorated
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The layout and the reference
+
+
+def pack_w4(q: torch.Tensor) -> torch.Tensor:
+    """q [K, N] integers in 0..15 (any integer dtype) -> qweight int32 [K / 8, N], 8 consecutive rows per word.
+    One nibble row at a time: the load's temporaries stay near a byte per weight."""
+    K, N = q.shape
+    assert K % PACK == 0, f"K={K} is not a multiple of {PACK}"
+    words = torch.zeros(K // PACK, N, dtype=torch.int64, device=q.device)  # < 2^32
+    for j in range(PACK):
+        words |= q[j::PACK].to(torch.int64) << (4 * j)  # rows 8i + j
+    return (words - ((words >> 31) << 32)).to(torch.int32)  # the same 32 bits as a signed int32
+
+
+def unpack_w4(qweight: torch.Tensor) -> torch.Tensor:
+    """qweight int32 [K / 8, N] -> q uint8 [K, N] (pack_w4's inverse)."""
+    q = torch.empty(qweight.shape[0], PACK, qweight.shape[1], dtype=torch.uint8, device=qweight.device)
+    for j in range(PACK):
+        q[:, j] = ((qweight >> (4 * j)) & 0xF).to(torch.uint8)  # row 8i + j
+    return q.reshape(-1, qweight.shape[1])
+
+
+def dequantize_w4_ref(qweight: torch.Tensor, scales: torch.Tensor, qzeros: torch.Tensor | None) -> torch.Tensor:
+    """W float32 [K, N] = (q - z) * s, the group of row r being r // (K / num_groups); z = 8 without qzeros."""
+    q = unpack_w4(qweight).to(torch.float32)  # [K, N]
+    group = q.shape[0] // scales.shape[0]
+    z = qzeros.to(torch.float32) if qzeros is not None else torch.full_like(scales, 8, dtype=torch.float32)
+    return (q - z.repeat_interleave(group, dim=0)) * scales.to(torch.float32).repeat_interleave(group, dim=0)
+
+
+def w4a16_ref(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, qzeros: torch.Tensor | None,
+              bias: torch.Tensor | None = None, perm: torch.Tensor | None = None) -> torch.Tensor:
+    """x [M, K] @ dequantize_w4_ref(...) [K, N] (+ bias) -> [M, N] in x.dtype: float32 products and sums, rounded
+    once. With perm, row r of W multiplies x[:, perm[r]]."""
+    xf = x.to(torch.float32)
+    if perm is not None:
+        xf = xf[:, perm.long()]
+    y = xf @ dequantize_w4_ref(qweight, scales, qzeros)
+    if bias is not None:
+        y = y + bias.to(torch.float32)
+    return y.to(x.dtype)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Configs
+
+
+def _pow2_divisor(n: int, cap: int) -> int:
+    """The largest power of two <= cap that divides n."""
+    return min(n & -n, cap)
+
+
+@dataclass(frozen=True)
+class W4GemvConfig:
+    """One launch shape of the W4A16 GEMV."""
+
+    block_n: int = 64
+    """Outputs per program; a power of two."""
+    block_k: int = 128
+    """Inputs per loop step; a power of two >= 8 that divides the group size."""
+    split_k: int = 1
+    """Programs sharing one N tile's K range (deterministic last-program reduction when > 1)."""
+    num_warps: int = 4
+    num_stages: int = 2
+
+    def __post_init__(self) -> None:
+        for name in ("block_n", "block_k", "num_warps"):
+            v = getattr(self, name)
+            if v < 1 or v & (v - 1):
+                raise ValueError(f"{name}={v}: must be a power of two")
+        if self.block_k < PACK:
+            raise ValueError(f"block_k={self.block_k}: must be >= {PACK}")
+        if self.split_k < 1:
+            raise ValueError(f"split_k={self.split_k}: must be >= 1")
+
+    def short(self) -> str:
+        return f"gemv/n{self.block_n}/k{self.block_k}/s{self.split_k}/w{self.num_warps}/st{self.num_stages}"
+
+
+@dataclass(frozen=True)
+class W4GemmConfig:
+    """One launch shape of the W4A16 GEMM."""
+
+    block_m: int = 64
+    """Rows of x per program; a power of two >= 16 (tensor-core tile)."""
+    block_n: int = 128
+    """Outputs per program; a power of two >= 16."""
+    block_k: int = 64
+    """Inputs per loop step; a power of two >= 16 that divides the group size."""
+    num_warps: int = 4
+    num_stages: int = 3
+    unpack: str = "reshape"
+    """How the [BLOCK_K, BLOCK_N] tile of q is read: 'reshape' (each int32 word once, unpacked to [BLOCK_K / 8, 8,
+    BLOCK_N] and reshaped) or 'gather' (each word loaded for each of its 8 rows, from L1)."""
+
+    def __post_init__(self) -> None:
+        for name in ("block_m", "block_n", "block_k", "num_warps"):
+            v = getattr(self, name)
+            if v < 1 or v & (v - 1):
+                raise ValueError(f"{name}={v}: must be a power of two")
+        for name in ("block_m", "block_n", "block_k"):
+            if getattr(self, name) < 16:
+                raise ValueError(f"{name}={getattr(self, name)}: must be >= 16 (tensor-core tile)")
+        if self.unpack not in ("reshape", "gather"):
+            raise ValueError(f"unpack={self.unpack!r}: must be 'reshape' or 'gather'")
+
+    def short(self) -> str:
+        return (f"gemm/m{self.block_m}/n{self.block_n}/k{self.block_k}/w{self.num_warps}/st{self.num_stages}/"
+                f"{self.unpack}")
+
+
+def default_gemv_config(M: int, N: int, K: int, group_size: int, num_sms: int = INTERPRETER_SMS) -> W4GemvConfig:
+    """Row tiles small enough that the grid fills every SM a few times over, split-K where N alone cannot."""
+    block_k = _pow2_divisor(group_size, 128)
+    block_n = 64
+    target = 4 * num_sms
+    tiles = triton.cdiv(N, block_n)
+    while block_n > 16 and tiles < target:
+        block_n //= 2
+        tiles = triton.cdiv(N, block_n)
+    split_k = 1
+    if tiles < target:
+        split_k = max(1, min(triton.cdiv(target, tiles), K // (4 * block_k)))
+    return W4GemvConfig(block_n=block_n, block_k=block_k, split_k=split_k)
+
+
+def default_gemm_config(M: int, N: int, K: int, group_size: int) -> W4GemmConfig:
+    block_m = 16 if M <= 16 else 32 if M <= 32 else 64 if M <= 64 else 128
+    block_k = _pow2_divisor(group_size, 64)
+    return W4GemmConfig(block_m=block_m, block_n=128, block_k=block_k, num_warps=8 if block_m == 128 else 4)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Kernels
+
+
+@triton.jit
+def _w4a16_gemv_kernel(
+    x_ptr,  # [M, K] (rows strided, K contiguous)
+    qw_ptr,  # [K // 8, N] int32, contiguous
+    s_ptr,  # [K // G, N] float16 / bfloat16 / float32, contiguous
+    z_ptr,  # [K // G, N] uint8 zero points, contiguous (only when HAS_ZEROS)
+    perm_ptr,  # [K] int32 input column of each row of W (only when HAS_PERM)
+    bias_ptr,  # [N] (only when HAS_BIAS)
+    y_ptr,  # [M, N]
+    part_ptr,  # [num_splits, M, N] float32 partial sums (only when SPLIT)
+    count_ptr,  # [>= cdiv(N, BLOCK_N)] int32 tickets, 0 between launches (only when SPLIT)
+    M, N, K, group_size,
+    stride_xm, stride_ym,
+    k_per_split,  # K columns per split, a multiple of BLOCK_K
+    BLOCK_M: tl.constexpr,  # >= M, a power of two
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,  # divides group_size and k_per_split
+    SPLIT: tl.constexpr,
+    HAS_ZEROS: tl.constexpr,
+    HAS_PERM: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+):
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N] outputs
+    # Outputs past N read output N-1 again instead of masking (the loads stay unmasked); the stores drop them.
+    rn_c = tl.minimum(rn, N - 1)
+    rm = tl.arange(0, BLOCK_M)
+    ri = tl.arange(0, BLOCK_K // 8)  # [BLOCK_K / 8] packed rows of a step
+    rj = tl.arange(0, 8)  # [8] nibbles of a word
+    shifts = rj * 4
+    k_lo = pid_k * k_per_split
+    k_hi = tl.minimum(k_lo + k_per_split, K)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(k_lo, k_hi, BLOCK_K):
+        rows = (k0 // 8 + ri).to(tl.int64)
+        packed = tl.load(qw_ptr + rows[:, None] * N + rn_c[None, :], eviction_policy="evict_first")  # [BK/8, BN]
+        q = (packed[:, None, :] >> shifts[None, :, None]) & 0xF  # [BK/8, 8, BN]: input k0 + 8i + j
+        g_off = (k0 // group_size).to(tl.int64) * N + rn_c  # [BLOCK_N] this step's group row
+        s = tl.load(s_ptr + g_off).to(tl.float32)
+        if HAS_ZEROS:
+            w = (q - tl.load(z_ptr + g_off).to(tl.int32)[None, None, :]).to(tl.float32)
+        else:
+            w = (q - 8).to(tl.float32)
+        kk = k0 + ri[:, None] * 8 + rj[None, :]  # [BK/8, 8] rows of W
+        if HAS_PERM:
+            cols = tl.load(perm_ptr + kk)
+        else:
+            cols = kk
+        for m in tl.static_range(BLOCK_M):
+            # rows past M repeat row M-1 (dropped at the store)
+            xm = tl.load(x_ptr + tl.minimum(M - 1, m) * stride_xm + cols, eviction_policy="evict_last")
+            p = tl.sum(tl.sum(xm.to(tl.float32)[:, :, None] * w, axis=1), axis=0) * s  # [BLOCK_N]
+            if BLOCK_M == 1:
+                acc += p[None, :]
+            else:
+                acc = tl.where(rm[:, None] == m, acc + p[None, :], acc)
+
+    out_mask = (rm < M)[:, None] & (rn < N)[None, :]  # [BLOCK_M, BLOCK_N]
+    y_ptrs = y_ptr + rm.to(tl.int64)[:, None] * stride_ym + rn[None, :]
+    if SPLIT:
+        num_splits = tl.num_programs(1)
+        tile = rm.to(tl.int64)[:, None] * N + rn[None, :]  # offsets inside one [M, N] partial
+        split_stride = (tl.zeros((), dtype=tl.int64) + M) * N
+        tl.store(part_ptr + pid_k * split_stride + tile, acc, mask=out_mask)
+        tl.debug_barrier()  # every thread's partial is written before the ticket releases them (CTA, then GPU)
+        ticket = tl.atomic_add(count_ptr + pid_n, 1, sem="acq_rel", scope="gpu")
+        tl.debug_barrier()
+        if ticket == num_splits - 1:  # the last program of this N tile: all partials are visible
+            total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            for sp in range(0, num_splits):  # in split order, whichever program came last
+                total += tl.load(part_ptr + sp * split_stride + tile, mask=out_mask, other=0.0, cache_modifier=".cg")
+            if HAS_BIAS:
+                total += tl.load(bias_ptr + rn_c).to(tl.float32)[None, :]
+            tl.store(y_ptrs, total.to(y_ptr.dtype.element_ty), mask=out_mask)
+            tl.atomic_xchg(count_ptr + pid_n, 0, sem="relaxed", scope="gpu")  # ready for the next launch
+    else:
+        if HAS_BIAS:
+            acc += tl.load(bias_ptr + rn_c).to(tl.float32)[None, :]
+        tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=out_mask)
+
+
+@triton.jit
+def _w4a16_gemm_kernel(
+    x_ptr,  # [M, K] (rows strided, K contiguous)
+    qw_ptr,  # [K // 8, N] int32, contiguous
+    s_ptr,  # [K // G, N], contiguous
+    z_ptr,  # [K // G, N] uint8, contiguous (only when HAS_ZEROS)
+    perm_ptr,  # [K] int32 (only when HAS_PERM)
+    bias_ptr,  # [N] (only when HAS_BIAS)
+    y_ptr,  # [M, N]
+    M, N, K, group_size,
+    stride_xm, stride_ym,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,  # divides group_size
+    UNPACK_RESHAPE: tl.constexpr,  # read each word once and reshape [BK/8, 8, BN] -> [BK, BN]; else 8 loads of it
+    HAS_ZEROS: tl.constexpr,
+    HAS_PERM: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    DOT_FP32: tl.constexpr,  # float32 operands, exact products: float32 x, and the interpreter (its bf16 dot is wrong)
+):
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rm_c = tl.minimum(rm, M - 1)  # rows and outputs past the ends repeat the last (dropped at the store)
+    rn_c = tl.minimum(rn, N - 1)
+    rk = tl.arange(0, BLOCK_K)
+    x_rows = x_ptr + rm_c.to(tl.int64)[:, None] * stride_xm  # [BLOCK_M, 1]
+    if UNPACK_RESHAPE:
+        ri = tl.arange(0, BLOCK_K // 8)
+        shifts = tl.arange(0, 8) * 4
+    else:
+        shifts_k = ((rk % 8) * 4)[:, None]  # [BLOCK_K, 1] nibble of each row in its word
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        kk = k0 + rk  # [BLOCK_K] rows of W
+        if HAS_PERM:
+            cols = tl.load(perm_ptr + kk)
+        else:
+            cols = kk
+        x = tl.load(x_rows + cols[None, :])  # [BLOCK_M, BLOCK_K]
+        if UNPACK_RESHAPE:
+            rows = (k0 // 8 + ri).to(tl.int64)
+            packed = tl.load(qw_ptr + rows[:, None] * N + rn_c[None, :])  # [BK/8, BN]
+            q = tl.reshape((packed[:, None, :] >> shifts[None, :, None]) & 0xF, (BLOCK_K, BLOCK_N))
+        else:
+            packed = tl.load(qw_ptr + (kk // 8).to(tl.int64)[:, None] * N + rn_c[None, :])  # [BK, BN], 8 per word
+            q = (packed >> shifts_k) & 0xF
+        g_off = (k0 // group_size).to(tl.int64) * N + rn_c
+        s = tl.load(s_ptr + g_off).to(tl.float32)  # [BLOCK_N]
+        if HAS_ZEROS:
+            w = q - tl.load(z_ptr + g_off).to(tl.int32)[None, :]  # [BLOCK_K, BLOCK_N] in [-16, 15]
+        else:
+            w = q - 8
+        if DOT_FP32:
+            part = tl.dot(x.to(tl.float32), w.to(tl.float32), input_precision="ieee")
+        else:
+            part = tl.dot(x, w.to(x.dtype))  # integers in [-16, 15]: exact in bf16 and fp16
+        acc += part * s[None, :]
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + rn_c).to(tl.float32)[None, :]
+    mask = (rm < M)[:, None] & (rn < N)[None, :]
+    tl.store(y_ptr + rm.to(tl.int64)[:, None] * stride_ym + rn[None, :], acc.to(y_ptr.dtype.element_ty), mask=mask)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Launchers
+
+
+def _check_operands(x, qweight, scales, qzeros, bias, perm) -> tuple[int, int, int, int]:
+    """Shapes, dtypes, strides and devices of the operands; returns (M, N, K, group_size)."""
+    check_tensor("x", x, ndim=2, dtypes=FLOAT_DTYPES)
+    M, K = x.shape
+    if K % PACK:
+        raise ValueError(f"x: K={K} is not a multiple of {PACK} (the 4-bit layout packs 8 inputs per word)")
+    check_tensor("qweight", qweight, ndim=2, dtypes=(torch.int32,), shape=(K // PACK, None))
+    N = qweight.shape[1]
+    check_tensor("scales", scales, ndim=2, dtypes=SCALE_DTYPES, shape=(None, N))
+    num_groups = scales.shape[0]
+    if num_groups < 1 or K % num_groups:
+        raise ValueError(f"scales: {num_groups} groups do not divide K={K}")
+    group_size = K // num_groups
+    tensors = dict(x=x, qweight=qweight, scales=scales)
+    for name, t in (("qweight", qweight), ("scales", scales)):
+        if not t.is_contiguous():
+            raise ValueError(f"{name}: strides {t.stride()}, the kernel needs it contiguous")
+    if qzeros is not None:
+        check_tensor("qzeros", qzeros, ndim=2, dtypes=(torch.uint8,), shape=(num_groups, N))
+        if not qzeros.is_contiguous():
+            raise ValueError(f"qzeros: strides {qzeros.stride()}, the kernel needs it contiguous")
+        tensors["qzeros"] = qzeros
+    if bias is not None:
+        check_tensor("bias", bias, ndim=1, dtypes=FLOAT_DTYPES, shape=(N,))
+        tensors["bias"] = bias
+    if perm is not None:
+        check_tensor("perm", perm, ndim=1, dtypes=(torch.int32,), shape=(K,))
+        tensors["perm"] = perm
+    check_same_device(**tensors)
+    return M, N, K, group_size
+
+
+def w4a16_gemv_triton(
+    x: torch.Tensor,  # [M, K], M <= GEMV_MAX_M
+    qweight: torch.Tensor,  # [K / 8, N] int32
+    scales: torch.Tensor,  # [K / G, N]
+    qzeros: torch.Tensor | None = None,  # [K / G, N] uint8
+    bias: torch.Tensor | None = None,  # [N]
+    perm: torch.Tensor | None = None,  # [K] int32
+    *,
+    out: torch.Tensor | None = None,  # [M, N] in x.dtype
+    config: W4GemvConfig | None = None,
+) -> torch.Tensor:
+    """w4a16_ref for at most GEMV_MAX_M rows. No host sync, no data-dependent allocation: capturable in a CUDA graph
+    (after one split launch outside the capture has made the ticket counters)."""
+    M, N, K, group_size = _check_operands(x, qweight, scales, qzeros, bias, perm)
+    if M > GEMV_MAX_M:
+        raise ValueError(f"x: {M} rows, the GEMV takes at most GEMV_MAX_M={GEMV_MAX_M} (use w4a16_gemm_triton)")
+    if out is None:
+        out = torch.empty((M, N), dtype=x.dtype, device=x.device)
+    else:
+        check_out("out", out, (M, N), x.dtype, x.device)
+    if M == 0 or N == 0:
+        return out
+    cfg = config or default_gemv_config(M, N, K, group_size, sm_count(x.device, INTERPRETER_SMS))
+    if group_size % cfg.block_k:
+        raise ValueError(f"config: block_k={cfg.block_k} does not divide the group size {group_size}")
+    tiles = triton.cdiv(N, cfg.block_n)
+    k_per_split = triton.cdiv(triton.cdiv(K, cfg.split_k), cfg.block_k) * cfg.block_k
+    num_splits = triton.cdiv(K, k_per_split)  # <= split_k: no empty splits
+    if num_splits > 1:
+        if tiles > COUNTERS_PER_DEVICE:
+            raise ValueError(f"qweight: N={N} makes {tiles} tiles of {cfg.block_n}, split-K takes at most "
+                             f"{COUNTERS_PER_DEVICE} (use split_k=1 or a larger block_n)")
+        part = torch.empty((num_splits, M, N), dtype=torch.float32, device=x.device)
+        counters = _counters(x.device)
+    else:
+        part = counters = out  # unused
+    _w4a16_gemv_kernel[(tiles, num_splits)](
+        x, qweight, scales, qzeros if qzeros is not None else qweight, perm if perm is not None else qweight,
+        bias if bias is not None else out, out, part, counters,
+        M, N, K, group_size, x.stride(0), out.stride(0), k_per_split,
+        BLOCK_M=triton.next_power_of_2(M), BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT=num_splits > 1,
+        HAS_ZEROS=qzeros is not None, HAS_PERM=perm is not None, HAS_BIAS=bias is not None,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+    return out
+
+
+def w4a16_gemm_triton(
+    x: torch.Tensor,  # [M, K]
+    qweight: torch.Tensor,  # [K / 8, N] int32
+    scales: torch.Tensor,  # [K / G, N]
+    qzeros: torch.Tensor | None = None,  # [K / G, N] uint8
+    bias: torch.Tensor | None = None,  # [N]
+    perm: torch.Tensor | None = None,  # [K] int32
+    *,
+    out: torch.Tensor | None = None,  # [M, N] in x.dtype
+    config: W4GemmConfig | None = None,
+) -> torch.Tensor:
+    """w4a16_ref for any number of rows, on the tensor cores. No host sync: capturable in a CUDA graph."""
+    M, N, K, group_size = _check_operands(x, qweight, scales, qzeros, bias, perm)
+    if out is None:
+        out = torch.empty((M, N), dtype=x.dtype, device=x.device)
+    else:
+        check_out("out", out, (M, N), x.dtype, x.device)
+    if M == 0 or N == 0:
+        return out
+    cfg = config or default_gemm_config(M, N, K, group_size)
+    if group_size % cfg.block_k:
+        raise ValueError(f"config: block_k={cfg.block_k} does not divide the group size {group_size}")
+    grid = (triton.cdiv(M, cfg.block_m), triton.cdiv(N, cfg.block_n))
+    _w4a16_gemm_kernel[grid](
+        x, qweight, scales, qzeros if qzeros is not None else qweight, perm if perm is not None else qweight,
+        bias if bias is not None else out, out,
+        M, N, K, group_size, x.stride(0), out.stride(0),
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, UNPACK_RESHAPE=cfg.unpack == "reshape",
+        HAS_ZEROS=qzeros is not None, HAS_PERM=perm is not None, HAS_BIAS=bias is not None,
+        DOT_FP32=x.dtype == torch.float32 or _INTERPRET,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+    return out
+
+
+def w4a16_triton(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, qzeros: torch.Tensor | None = None,
+                 bias: torch.Tensor | None = None, perm: torch.Tensor | None = None) -> torch.Tensor:
+    """The GEMV for at most GEMV_MAX_M rows, the GEMM above that (default configs)."""
+    if x.shape[0] <= GEMV_MAX_M:
+        return w4a16_gemv_triton(x, qweight, scales, qzeros, bias, perm)
+    return w4a16_gemm_triton(x, qweight, scales, qzeros, bias, perm)
