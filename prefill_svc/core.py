@@ -60,8 +60,8 @@ def handoff_text(first_text: str, params) -> str:
     leaves incomplete shows as U+FFFD. Decode's `commit_prefilled` sees the same token in a running request, whose
     incremental detokenizer holds such a character back until a later token completes it, and which, with stop
     strings, holds back `stop_holdback` characters more (they could start a stop string). Prefill must hold back the
-    same characters, or they would reach the client twice (tests/prefill_svc/test_prefill_service.py checks this
-    against the engine's own running request)."""
+    same characters, or they would reach the client twice (tests/prefill_svc/test_resumed_requests.py: the streamed
+    text equals the offline engine's)."""
     text = first_text.rstrip("\ufffd")
     return text[:max(0, len(text) - stop_holdback(params))]
 

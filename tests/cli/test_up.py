@@ -163,7 +163,7 @@ def _tandem_up(*extra: str) -> tuple[subprocess.Popen, dict[str, int]]:
 
 
 def test_a_dead_child_stops_the_others_and_tandem_up_fails():
-    """Under --on-worker-exit stop (the default restarts a worker: tests/e2e/test_migration.py)."""
+    """Under --on-worker-exit stop (the default restarts a worker: tests/e2e/test_migration_e2e.py)."""
     proc, pids = _tandem_up("--on-worker-exit", "stop")
     try:
         os.kill(pids["decode-0"], signal.SIGKILL)
