@@ -9,7 +9,11 @@
    where to connect.
 4. Ctrl-C or SIGTERM: the router is stopped first (it finishes open responses), then the workers; a child that does
    not exit within --stop-timeout seconds is killed. Exit status 0.
-   If any child exits on its own, the rest are stopped the same way and `tandem up` exits 1.
+5. A worker that exits on its own once the stack is ready is started again (--on-worker-exit restart, the default,
+   as compose.yaml's `restart: unless-stopped`; at most _MAX_RESTARTS times in _RESTART_WINDOW_S): meanwhile the
+   router moves its streams to the other workers and routes around it, and takes it back at the first health
+   poll after it answers. `continue` leaves it stopped, `stop` stops the rest too. Any other exit (the router,
+   or a worker before the stack was ready) stops the rest the same way as Ctrl-C, and `tandem up` exits 1.
 
 `--colocated` starts the router alone, running one engine for both phases (`tandem router --colocated`): the
 non-disaggregated baseline, behind the same APIs and ports.
@@ -39,7 +43,7 @@ import torch
 from engine.args import EngineArgs, add_engine_args
 from router.grpc_server import DEFAULT_MAX_MESSAGE_BYTES, MAX_MESSAGE_FLAG
 from router.admission import admission_flags
-from router.server import add_router_args
+from router.server import OPTIONAL_ROUTER_FLAGS, add_router_args
 from serving.auth import ENV_API_KEY, add_api_key_args
 from serving.config import WorkerConfig
 from serving.tls import TlsConfig, add_tls_args, tls_flags
@@ -50,6 +54,11 @@ DEFAULT_WORKER_PORT = 50060
 DEFAULT_METRICS_PORT = 9100
 # What a child gets beyond its shutdown grace to exit before SIGKILL (the server's own stop and the engine's close).
 _STOP_MARGIN_S = 5.0
+# --on-worker-exit restart: a worker restarted this many times within this window is failing for good (a bad disk, a
+# GPU gone): the stack stops instead of restarting it in a loop.
+_MAX_RESTARTS = 5
+_RESTART_WINDOW_S = 600.0
+ON_WORKER_EXIT = ("restart", "continue", "stop")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -70,6 +79,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--shutdown-grace", type=float, default=None,
                    help="on Ctrl-C/SIGTERM: seconds the requests in flight get to finish, passed to the router and "
                         f"every worker (default: their own, {WorkerConfig.shutdown_grace_s:g} s for workers)")
+    p.add_argument("--on-worker-exit", choices=ON_WORKER_EXIT, default=ON_WORKER_EXIT[0],
+                   help="when a worker exits on its own after the stack is ready: restart it (the router moves its "
+                        "streams elsewhere meanwhile), continue without it, or stop everything (default: "
+                        f"{ON_WORKER_EXIT[0]})")
     p.add_argument("--stop-timeout", type=float, default=None,
                    help="seconds a child gets to exit before SIGKILL (default: its shutdown grace + "
                         f"{_STOP_MARGIN_S:g} s, so a draining worker is not killed mid-drain)")
@@ -110,7 +123,12 @@ def _process_flags(ns: argparse.Namespace) -> list[str]:
 def _router_only_flags(ns: argparse.Namespace) -> list[str]:
     """The router's own flags of add_router_args beyond its ports and policy, where given (else its defaults)."""
     given = ns.max_grpc_message_bytes != DEFAULT_MAX_MESSAGE_BYTES
-    return [MAX_MESSAGE_FLAG, str(ns.max_grpc_message_bytes)] if given else []
+    out = [MAX_MESSAGE_FLAG, str(ns.max_grpc_message_bytes)] if given else []
+    for dest, (flag, default) in OPTIONAL_ROUTER_FLAGS.items():
+        value = getattr(ns, dest)
+        if value != default:
+            out += [flag, f"{value:g}" if isinstance(value, float) else str(value)]
+    return out
 
 
 def stop_timeout(ns: argparse.Namespace) -> float:
@@ -271,18 +289,41 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGINT, _raise_stop)
     status = 0
     env = os.environ if ns.api_key is None else {**os.environ, ENV_API_KEY: ns.api_key}
+    restarts: dict[str, list[float]] = {}  # worker -> when it was restarted
+
+    def start(name: str) -> None:
+        # `tandem` may not be on PATH (a venv not activated): run the same entry point with this interpreter.
+        cmd = cmds[name]
+        children[name] = subprocess.Popen([sys.executable, "-m", "cli", *cmd[1:]], env=env,
+                                          start_new_session=True, preexec_fn=_die_with_parent)
+        print(f"tandem up: started {name} (pid {children[name].pid}): {' '.join(cmd)}", flush=True)
+
     try:
-        for name, cmd in cmds.items():
-            # `tandem` may not be on PATH (a venv not activated): run the same entry point with this interpreter.
-            children[name] = subprocess.Popen([sys.executable, "-m", "cli", *cmd[1:]], env=env,
-                                              start_new_session=True, preexec_fn=_die_with_parent)
-            print(f"tandem up: started {name} (pid {children[name].pid}): {' '.join(cmd)}", flush=True)
+        for name in cmds:
+            start(name)
         ready, deadline = False, time.monotonic() + ns.ready_timeout
         while True:
             dead = [(name, p.returncode) for name, p in children.items() if p.poll() is not None]
-            if dead:
-                name, code = dead[0]
-                print(f"tandem up: {name} exited with status {code}; stopping the rest", file=sys.stderr, flush=True)
+            fatal = None
+            for name, code in dead:
+                now = time.monotonic()
+                recent = [t for t in restarts.get(name, []) if now - t < _RESTART_WINDOW_S]
+                if name == "router" or not ready or ns.on_worker_exit == "stop" or len(recent) >= _MAX_RESTARTS:
+                    fatal = fatal or (name, code, len(recent))
+                elif ns.on_worker_exit == "restart":
+                    print(f"tandem up: {name} exited with status {code}; restarting it (the router routes around "
+                          "it meanwhile)", file=sys.stderr, flush=True)
+                    restarts[name] = [*recent, now]
+                    start(name)
+                else:
+                    print(f"tandem up: {name} exited with status {code}; going on without it "
+                          "(--on-worker-exit continue)", file=sys.stderr, flush=True)
+                    del children[name]
+            if fatal is not None:
+                name, code, n = fatal
+                why = f" after {n} restarts in {_RESTART_WINDOW_S:.0f} s" if n >= _MAX_RESTARTS else ""
+                print(f"tandem up: {name} exited with status {code}{why}; stopping the rest", file=sys.stderr,
+                      flush=True)
                 status = 1
                 break
             if not ready:

@@ -29,6 +29,12 @@ The life of a request inside a decode instance:
 5. Failures: the deadline passing before the commit, a bad or broken transfer, or the router cancelling the call
    all end the Decode stream; its `finally` aborts the request in the engine, which frees the reservation or the
    running request's blocks. Nothing else holds blocks.
+
+A resumed request (the router moved its stream off a failed instance) carries the output tokens it already sent
+(`prior_output_token_ids`): the reservation and the transfer cover prompt + those tokens, and the committed token is
+the one after them. With `prefill_locally` (the router's fallback when no prefill instance is reachable) there is no
+reservation: the request goes straight into this engine (`engine.add_request`, the prior tokens too), which computes
+its prompt itself, and the stream carries every token from the first one; a transfer for it is refused.
 """
 from __future__ import annotations
 
@@ -91,14 +97,18 @@ class DecodeCore(WorkerCore):
         self._arrivals: dict[str, asyncio.Future] = {}  # event loop: transfers waiting for their Decode call
 
     # ---- engine thread ----------------------------------------------------------------------------------------
-    def _reserve(self, engine, rid: str, prompt: list[int], params) -> tuple[list[int] | None, int]:
+    def _reserve(self, engine, rid: str, prompt: list[int], params, prior: list[int]) -> tuple[list[int] | None, int]:
         """The reserved block ids (None: no room) and how many leading ones already hold this prompt's KV."""
-        ids = engine.reserve_prefilled(rid, prompt, params)
+        ids = engine.reserve_prefilled(rid, prompt, params, prior_output_token_ids=prior)
         hop(rid, "decode.reserved")
         if ids is None:
             return None, 0
         self._live.add(rid)
         return ids, engine.reused_prefix_blocks(rid)
+
+    def _add_local(self, engine, rid: str, prompt: list[int], params, prior: list[int]) -> None:
+        hop(rid, "decode.added_locally")
+        engine.add_request(rid, prompt, params, prior_output_token_ids=prior)
 
     def _write(self, engine, rid: str, fn: Callable[[torch.Tensor], None]) -> None:
         if rid not in self._live:
@@ -158,30 +168,38 @@ class DecodeCore(WorkerCore):
         self.worker.submit(self._end, rid)
 
     async def decode(self, request_id: str, prompt: list[int], params_msg: common_pb2.SamplingParams,
-                     kv_timeout_s: float | None):
-        """Yields DecodeResponse messages: Reserved, then the deltas after the first token."""
+                     kv_timeout_s: float | None, prior: list[int] = (), prefill_locally: bool = False):
+        """Yields DecodeResponse messages: Reserved, then the deltas after the first token (prefill_locally: every
+        delta, no Reserved). prior: the output tokens a resumed request already sent."""
         self.check_request_id(request_id)
         kv_timeout_s = self.kv_timeout(kv_timeout_s)
         if request_id in self._reqs:
             raise ServiceError(grpc.StatusCode.ALREADY_EXISTS, f"request_id={request_id!r}: already in flight")
         hop(request_id, "decode.in")
         params = sampling_from_proto(params_msg, n=1)
-        d = _Dec(request_id, len(prompt), kv_timeout_s, time.monotonic(),
-                 asyncio.get_running_loop().create_future())
+        prior = list(prior)
+        self.check_prior(prompt, prior, params)
+        kv_tokens = len(prompt) + len(prior)  # what the transfer covers: prompt and prior outputs
+        d = _Dec(request_id, kv_tokens, kv_timeout_s, time.monotonic(), asyncio.get_running_loop().create_future())
         self._reqs[request_id] = d
         arrival = self._arrivals.pop(request_id, None)
         if arrival is not None and not arrival.done():
             arrival.set_result(d)
         try:
-            d.block_ids, d.num_reused = await self.worker.call(self._reserve, request_id, prompt, params)
-            d.reserved.set_result(d.block_ids is not None)
-            if d.block_ids is None:
-                raise ServiceError(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                                   f"decode has no room for {len(prompt)} prompt tokens "
-                                   f"({cdiv(len(prompt), self.block_size)} blocks) now; try another instance")
-            d.timer = asyncio.get_running_loop().call_later(d.timeout_s, self._expire, request_id)
-            hop(request_id, "decode.yield")
-            yield decode_pb2.DecodeResponse(reserved=decode_pb2.Reserved(num_blocks=len(d.block_ids)))
+            if prefill_locally:
+                d.reserved.set_result(False)  # a transfer for this id finds no reservation
+                d.committed = True
+                await self.worker.call(self._add_local, request_id, prompt, params, prior)
+            else:
+                d.block_ids, d.num_reused = await self.worker.call(self._reserve, request_id, prompt, params, prior)
+                d.reserved.set_result(d.block_ids is not None)
+                if d.block_ids is None:
+                    raise ServiceError(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                       f"decode has no room for {kv_tokens} prompt tokens "
+                                       f"({cdiv(kv_tokens, self.block_size)} blocks) now; try another instance")
+                d.timer = asyncio.get_running_loop().call_later(d.timeout_s, self._expire, request_id)
+                hop(request_id, "decode.yield")
+                yield decode_pb2.DecodeResponse(reserved=decode_pb2.Reserved(num_blocks=len(d.block_ids)))
             while True:
                 item = await d.out.get()
                 if isinstance(item, Exception):

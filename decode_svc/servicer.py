@@ -27,7 +27,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
     async def Decode(self, request, context):
         timeout = request.kv_transfer_timeout_ms / 1000 if request.kv_transfer_timeout_ms else None
         async for resp in self.core.decode(request.request_id, list(request.prompt_token_ids), request.params,
-                                           timeout):
+                                           timeout, list(request.prior_output_token_ids), request.prefill_locally):
             yield resp
 
     @grpc_method

@@ -5,6 +5,9 @@ The life of a request inside a prefill instance:
    (`OutgoingTransfer.negotiate`, kv_transfer/sender.py: CUDA IPC on the same host, else gRPC bytes; one handshake
    per decode instance) and queues
    the prompt in the engine with max_tokens=1 and kv_hold=True (the engine keeps the blocks after the first token).
+   A resumed request (the router moved its stream off a failed instance) comes with the k output tokens it already
+   sent: the engine prefills prompt + those tokens (the prompt often from its prefix cache), with max_tokens=k+1,
+   and the KV transferred covers prompt + prior tokens; everything below says "prompt" for both.
    It queues it without waiting (`submit`: an error comes back through the request's `first` future) and does
    nothing else until the first output: the event loop stays off the GIL while the engine thread steps.
 2. The engine thread runs chunked prefill, batching chunks of many prompts under the token budget. After each step
@@ -53,11 +56,14 @@ log = logging.getLogger("tandem.prefill")
 
 def handoff_text(first_text: str, params) -> str:
     """The first token's text as an unfinished request shows it. Prefill's engine request ends at the first token
-    (max_tokens=1), so it releases all of its text; decode's `commit_prefilled` sees the same token in a running
-    request and, as every running request with stop strings does, holds back `stop_holdback` characters (they could
-    start a stop string) and releases them with a later delta. Prefill must hold back the same characters, or they
-    would reach the client twice."""
-    return first_text[:max(0, len(first_text) - stop_holdback(params))]
+    (max_tokens = 1 + the prior outputs), so it releases all of its text, decoded whole: a character the token
+    leaves incomplete shows as U+FFFD. Decode's `commit_prefilled` sees the same token in a running request, whose
+    incremental detokenizer holds such a character back until a later token completes it, and which, with stop
+    strings, holds back `stop_holdback` characters more (they could start a stop string). Prefill must hold back the
+    same characters, or they would reach the client twice (tests/prefill_svc/test_resumed_requests.py: the streamed
+    text equals the offline engine's)."""
+    text = first_text.rstrip("\ufffd")
+    return text[:max(0, len(text) - stop_holdback(params))]
 
 
 @dataclass
@@ -104,17 +110,17 @@ class PrefillCore(WorkerCore):
             await ch.close()
 
     # ---- engine thread ----------------------------------------------------------------------------------------
-    def _add(self, engine, rid: str, prompt: list[int], params, path: int | None) -> None:
+    def _add(self, engine, rid: str, prompt: list[int], params, path: int | None, prior: list[int]) -> None:
         """Queued without a future (`submit`): the loop is not woken while the step that follows runs; an error
         reaches the request's `first` future."""
         hop(rid, "prefill.added")
         try:
-            engine.add_request(rid, prompt, params, kv_hold=True)
+            engine.add_request(rid, prompt, params, kv_hold=True, prior_output_token_ids=prior)
         except Exception as exc:  # noqa: BLE001 - e.g. a prompt the engine refuses: that request fails
             self.worker.loop.call_soon_threadsafe(self._fail_first, rid, exc)
             return
         if path is not None:
-            self._tx[rid] = _Tx(len(prompt), path)
+            self._tx[rid] = _Tx(len(prompt) + len(prior), path)
 
     def _end(self, engine, rid: str) -> None:
         self._tx.pop(rid, None)
@@ -201,8 +207,9 @@ class PrefillCore(WorkerCore):
                              f"(--decode-allowlist: {', '.join(sorted(self.decode_allowlist))})")
 
     async def prefill(self, request_id: str, prompt: list[int], params_msg: common_pb2.SamplingParams,
-                      decode_address: str, kv_timeout_s: float | None):
-        """Yields PrefillResponse messages: FirstToken, then TransferDone when a decode target took the KV."""
+                      decode_address: str, kv_timeout_s: float | None, prior: list[int] = ()):
+        """Yields PrefillResponse messages: FirstToken, then TransferDone when a decode target took the KV.
+        prior: the output tokens a resumed request already sent (FirstToken is the one after them)."""
         self.check_request_id(request_id)
         if decode_address:
             self.check_decode_address(decode_address)
@@ -210,30 +217,35 @@ class PrefillCore(WorkerCore):
         if request_id in self._reqs:
             raise ServiceError(grpc.StatusCode.ALREADY_EXISTS, f"request_id={request_id!r}: already in flight")
         params = sampling_from_proto(params_msg, n=1)  # validates the request's own parameters
-        first_params = sampling_from_proto(params_msg, n=1, max_tokens=1, min_tokens=min(params.min_tokens, 1))
+        prior = list(prior)
+        self.check_prior(prompt, prior, params)
+        k = len(prior)  # the engine request ends at the token after the prior ones, which all count
+        first_params = sampling_from_proto(params_msg, n=1, max_tokens=k + 1, min_tokens=min(params.min_tokens, k + 1))
         hop(request_id, "prefill.in")
         loop = asyncio.get_running_loop()
-        r = _Req(request_id, len(prompt), time.monotonic(), loop.create_future())
+        kv_tokens = len(prompt) + k  # what the KV covers (the first new token has none yet)
+        r = _Req(request_id, kv_tokens, time.monotonic(), loop.create_future())
         self._reqs[request_id] = r
         try:
             if decode_address:
                 r.tx = asyncio.Queue()
                 r.blocks_queued = loop.create_future()
-                r.transfer = OutgoingTransfer(self.sender, request_id, len(prompt), decode_address, kv_timeout_s,
+                r.transfer = OutgoingTransfer(self.sender, request_id, kv_tokens, decode_address, kv_timeout_s,
                                               self.path_metrics)
                 await r.transfer.negotiate(decode_pb2_grpc.DecodeStub(self._channel(decode_address)))
             # Nothing else runs on this loop for the request until its first token (or its first chunk's blocks):
             # the engine thread's step does not share the GIL with loop work (submit, not call; the transfer opens
             # after the step).
-            self.worker.submit(self._add, request_id, prompt, first_params, r.transfer.path if r.transfer else None)
+            self.worker.submit(self._add, request_id, prompt, first_params, r.transfer.path if r.transfer else None,
+                               prior)
             out = await r.first  # raises when the engine refused the prompt or the transfer failed before
             if out.finish_reason == "abort":
                 raise ServiceError(grpc.StatusCode.INTERNAL, "the engine aborted the request (model step failed)")
             t_first = time.monotonic()
             self.metrics.time_to_first_token_seconds.observe(t_first - r.arrival)
-            self.metrics.prompt_tokens.inc(len(prompt))
-            done = (out.finish_reason != "length" or params.max_tokens == 1
-                    or len(prompt) + 1 >= self.max_model_len)
+            self.metrics.prompt_tokens.inc(kv_tokens)
+            done = (out.finish_reason != "length" or params.max_tokens == k + 1
+                    or kv_tokens + 1 >= self.max_model_len)
             delta = delta_to_proto(out)
             if not done:  # the request goes on in decode: the first token is not the last
                 delta.finish_reason = common_pb2.FINISH_REASON_UNSPECIFIED

@@ -15,7 +15,8 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
     async def Prefill(self, request, context):
         timeout = request.kv_transfer_timeout_ms / 1000 if request.kv_transfer_timeout_ms else None
         async for resp in self.core.prefill(request.request_id, list(request.prompt_token_ids), request.params,
-                                            request.decode_address, timeout):
+                                            request.decode_address, timeout,
+                                            list(request.prior_output_token_ids)):
             yield resp
 
     @grpc_method

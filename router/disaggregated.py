@@ -19,6 +19,11 @@ The life of a sub-request in here (`serve_one`):
 4. Cancelling `serve_one` (the core's consumer went away) cancels both RPCs; cancelled RPCs abort the request on
    both services, which frees its blocks. A failure raises RequestError ("unavailable" or "internal", or the
    instance's own code and message).
+5. A failure of an instance rather than of the request (a decode or prefill instance gone, a transfer failed, the
+   health poll lost the decode instance) ends the attempt, not the stream: router/migration.py moves it, and the
+   next attempt (steps 1-3 again, as `<id>.m<n>`) carries the tokens already sent (prior_output_token_ids) and
+   continues the same client stream. With no prefill instance healthy, an attempt asks a decode instance to
+   prefill locally (`_attempt_local`) instead.
 """
 from __future__ import annotations
 
@@ -33,11 +38,13 @@ from engine.config import SchedulerConfig
 from engine.sampling_params import SamplingParams
 from engine.utils import cdiv
 from protos.tandem.v1 import decode_pb2, prefill_pb2
-from router.backend import Backend, GenerateDelta, NoRoom, RequestError, invalid_argument
+from router.backend import Backend, NoRoom, RequestError, invalid_argument
 from router.instances import Instance, InstancePool
+from router.migration import Lost, Migration, Stream, lost_or_error
 from serving.config import KvTransferConfig
-from serving.convert import finish_from_proto, logprobs_from_proto, sampling_to_proto
+from serving.convert import sampling_to_proto
 from serving.hops import hop
+from serving.metrics import Metrics
 from serving.tls import TlsConfig
 
 log = logging.getLogger("tandem.router.disaggregated")
@@ -63,10 +70,19 @@ class RouterConfig:
     """Seconds between health polls of each instance."""
     tls: TlsConfig | None = None
     """This router's identity for mutual TLS to the instances (None: plaintext)."""
+    migration_limit: int = 3
+    """How many times one sub-request may move to another instance after the one serving it failed
+    (router/migration.py); past it the client gets the error. 0: never moved."""
+    migration_timeout_s: float = 30.0
+    """How long a moving sub-request may wait for a healthy decode instance to take it, in seconds."""
 
     def __post_init__(self) -> None:
         if self.kv_transfer_timeout_s <= 0:
             raise ValueError(f"kv_transfer_timeout_s={self.kv_transfer_timeout_s}: must be > 0")
+        if self.migration_limit < 0:
+            raise ValueError(f"migration_limit={self.migration_limit}: must be >= 0 (0: never move a request)")
+        if self.migration_timeout_s <= 0:
+            raise ValueError(f"migration_timeout_s={self.migration_timeout_s}: must be > 0")
 
 
 _CODES = {grpc.StatusCode.INVALID_ARGUMENT: "invalid_argument", grpc.StatusCode.RESOURCE_EXHAUSTED:
@@ -97,6 +113,8 @@ class DisaggregatedBackend(Backend):
         self.cfg = cfg
         self.prefill = InstancePool("prefill", list(cfg.prefill_addrs), cfg.policy, cfg.poll_interval_s, tls=cfg.tls)
         self.decode = InstancePool("decode", list(cfg.decode_addrs), cfg.policy, cfg.poll_interval_s, tls=cfg.tls)
+        self.migration = Migration(cfg.migration_limit, cfg.migration_timeout_s, Metrics(served_name, "router"),
+                                   self.decode.wait_healthy, lambda: bool(self.decode.healthy()))
 
     @classmethod
     async def create(cls, cfg: RouterConfig) -> "DisaggregatedBackend":
@@ -115,7 +133,9 @@ class DisaggregatedBackend(Backend):
         await asyncio.gather(self.prefill.start(), self.decode.start())
 
     def ready(self) -> bool:
-        return bool(self.prefill.healthy()) and bool(self.decode.healthy())
+        """A decode instance is healthy, and a prefill instance is (or was once: while none is, decode instances
+        prefill locally)."""
+        return bool(self.decode.healthy()) and (bool(self.prefill.healthy()) or self.prefill.ever_healthy)
 
     def default_max_concurrent(self) -> int:
         return SchedulerConfig.max_num_seqs * len(self.decode.instances)
@@ -125,9 +145,11 @@ class DisaggregatedBackend(Backend):
 
     async def serve_one(self, rid: str, index: int, prompt: list[int], params: SamplingParams,
                         queue: asyncio.Queue) -> None:
+        if params.max_tokens is None:  # "up to the context": resolved here, the wire has no None
+            params = replace(params, max_tokens=self.max_model_len - len(prompt))
         try:
-            await self._serve_one(rid, index, prompt, params, queue)
-        except grpc.aio.AioRpcError as e:  # one that _serve_one did not name an instance for
+            await self.migration.serve(Stream(rid, index, prompt, params, queue), self._attempt)
+        except grpc.aio.AioRpcError as e:  # one that _attempt did not name an instance for
             raise RequestError(_CODES.get(e.code(), "internal"), None, e.details() or e.code().name) from None
 
     def _room_likely(self, inst: Instance, prompt: list[int]) -> bool:
@@ -143,12 +165,13 @@ class DisaggregatedBackend(Backend):
         return load.num_total_blocks - load.num_used_blocks >= 2 * need
 
     async def _open_decode(self, inst: Instance, rid: str, prompt: list[int], params_msg, timeout_ms: int,
-                           exhausted: list[str]):
+                           exhausted: list[str], prior: list[int]):
         """Opens a Decode call on inst and reads its Reserved answer. Returns the call, or None when inst has no
         room (its address goes to `exhausted`) or is unreachable (it leaves the rotation)."""
         hop(rid, "router.reserve_sent")
         call = inst.stub.Decode(decode_pb2.DecodeRequest(request_id=rid, prompt_token_ids=prompt,
-                                                         params=params_msg, kv_transfer_timeout_ms=timeout_ms))
+                                                         params=params_msg, kv_transfer_timeout_ms=timeout_ms,
+                                                         prior_output_token_ids=prior))
         try:
             first = await call.read()
         except grpc.aio.AioRpcError as e:
@@ -171,47 +194,62 @@ class DisaggregatedBackend(Backend):
         return call
 
     async def _reserve(self, rid: str, prompt: list[int], params_msg, timeout_ms: int, order: list[Instance],
-                       exhausted: list[str]):
+                       exhausted: list[str], prior: list[int]):
         """Opens a Decode call on the first instance of `order` with room; returns (call, instance)."""
         for inst in order:
-            call = await self._open_decode(inst, rid, prompt, params_msg, timeout_ms, exhausted)
+            call = await self._open_decode(inst, rid, prompt, params_msg, timeout_ms, exhausted, prior)
             if call is not None:
                 return call, inst
         if exhausted:
             raise NoRoom(f"no decode instance has room for {len(prompt)} prompt tokens (tried {', '.join(exhausted)})")
         raise RequestError("unavailable", None, "no healthy decode instance")
 
-    async def _first_token(self, rid: str, prompt: list[int], params_msg, decode_address: str, timeout_ms: int):
-        """Sends the prompt to the first reachable prefill instance; returns (call, instance, FirstToken)."""
-        for inst in self.prefill.ordered(prompt):
-            hop(rid, "router.prefill_sent")
-            call = inst.stub.Prefill(prefill_pb2.PrefillRequest(
-                request_id=rid, prompt_token_ids=prompt, params=params_msg, decode_address=decode_address,
-                kv_transfer_timeout_ms=timeout_ms))
-            self.prefill.sent(inst, prompt)
-            inst.inflight += 1
-            inst.inflight_tokens += len(prompt)
-            try:
-                resp = await call.read()
-            except grpc.aio.AioRpcError as e:
-                if e.code() == grpc.StatusCode.UNAVAILABLE and "kv transfer" not in (e.details() or ""):
-                    self.prefill.mark_down(inst, e.details() or "unavailable")
-                    continue
-                raise _rpc_error(e, inst) from None
-            except BaseException:
-                call.cancel()
-                raise
-            finally:
-                inst.inflight -= 1
-                inst.inflight_tokens -= len(prompt)
-            hop(rid, "router.first_token")
-            if resp is grpc.aio.EOF or not resp.HasField("first_token"):
-                call.cancel()
-                raise RequestError("internal", None, f"prefill {inst.address}: no FirstToken answer")
-            return call, inst, resp.first_token
-        raise RequestError("unavailable", None, "no healthy prefill instance")
+    async def _first_token(self, rid: str, prompt: list[int], params_msg, decode_address: str, timeout_ms: int,
+                           prior: list[int]):
+        """Sends the prompt (and the prior tokens of a moved stream) to the policy's prefill instance; returns
+        (call, instance, FirstToken). An instance that fails raises Lost (a new attempt gets a new reservation
+        too: this one's transfer may have been open)."""
+        order = self.prefill.ordered(prompt)
+        if not order:
+            raise RequestError("unavailable", None, "no healthy prefill instance")
+        inst = order[0]
+        hop(rid, "router.prefill_sent")
+        call = inst.stub.Prefill(prefill_pb2.PrefillRequest(
+            request_id=rid, prompt_token_ids=prompt, params=params_msg, decode_address=decode_address,
+            kv_transfer_timeout_ms=timeout_ms, prior_output_token_ids=prior))
+        work = len(prompt) + len(prior)
+        self.prefill.sent(inst, prompt)
+        inst.inflight += 1
+        inst.inflight_tokens += work
+        try:
+            resp = await call.read()
+        except grpc.aio.AioRpcError as e:
+            raise self._lost(e, inst) from None
+        except BaseException:
+            call.cancel()
+            raise
+        finally:
+            inst.inflight -= 1
+            inst.inflight_tokens -= work
+        hop(rid, "router.first_token")
+        if resp is grpc.aio.EOF or not resp.HasField("first_token"):
+            call.cancel()
+            raise RequestError("internal", None, f"prefill {inst.address}: no FirstToken answer")
+        return call, inst, resp.first_token
 
-    async def _reserve_and_prefill(self, rid: str, prompt: list[int], params_msg, timeout_ms: int):
+    def _lost(self, e: grpc.aio.AioRpcError, inst: Instance) -> Exception:
+        """What a failed call to inst raises: Lost (taking inst out of rotation, until a poll finds it again, when it
+        is unreachable or ended the call itself) when another instance may finish the stream, else the
+        RequestError for the client."""
+        lost = lost_or_error(e, inst.role, f"{inst.role} {inst.address}: ")
+        if lost is None:
+            return _rpc_error(e, inst)
+        if lost.reason == f"{inst.role}_unavailable":
+            (self.prefill if inst.role == "prefill" else self.decode).mark_down(inst, e.details() or e.code().name)
+        return lost
+
+    async def _reserve_and_prefill(self, rid: str, prompt: list[int], params_msg, timeout_ms: int,
+                                   prior: list[int]):
         """A decode reservation and the prefill that transfers its KV there: (Decode call, decode instance, Prefill
         call, prefill instance, FirstToken). On an error, every call it opened is cancelled (freeing what it held).
 
@@ -223,11 +261,13 @@ class DisaggregatedBackend(Backend):
         still hold `rid` for a moment)."""
         order = self.decode.ordered()
         exhausted: list[str] = []
-        if order and self._room_likely(order[0], prompt):
+        if order and self._room_likely(order[0], prompt + prior):
             dinst = order.pop(0)
             # Tasks start in order: the Prefill call (the first token's path) goes out before the Decode call.
-            prefill = asyncio.create_task(self._first_token(rid, prompt, params_msg, dinst.address, timeout_ms))
-            reserve = asyncio.create_task(self._open_decode(dinst, rid, prompt, params_msg, timeout_ms, exhausted))
+            prefill = asyncio.create_task(self._first_token(rid, prompt, params_msg, dinst.address, timeout_ms,
+                                                            prior))
+            reserve = asyncio.create_task(self._open_decode(dinst, rid, prompt, params_msg, timeout_ms, exhausted,
+                                                            prior))
             try:
                 dcall = await reserve
             except BaseException:
@@ -244,66 +284,101 @@ class DisaggregatedBackend(Backend):
                 return dcall, dinst, pcall, pinst, ft
             await _cancel(prefill)
             rid = f"{rid}.2"
-        dcall, dinst = await self._reserve(rid, prompt, params_msg, timeout_ms, order, exhausted)
+        dcall, dinst = await self._reserve(rid, prompt, params_msg, timeout_ms, order, exhausted, prior)
         try:
-            pcall, pinst, ft = await self._first_token(rid, prompt, params_msg, dinst.address, timeout_ms)
+            pcall, pinst, ft = await self._first_token(rid, prompt, params_msg, dinst.address, timeout_ms, prior)
         except BaseException:
             dcall.cancel()
             raise
         return dcall, dinst, pcall, pinst, ft
 
-    async def _serve_one(self, rid: str, index: int, prompt: list[int], params: SamplingParams,
-                         queue: asyncio.Queue) -> None:
-        if params.max_tokens is None:  # "up to the context": resolved here, the wire has no None
-            params = replace(params, max_tokens=self.max_model_len - len(prompt))
-        params_msg = sampling_to_proto(params)
+    async def _attempt(self, s: Stream, rid: str) -> None:
+        """One attempt at the rest of stream s, as request id rid: a reservation, a prefill, the decode stream
+        (steps 1-3 of the module docstring). Returns once the stream finished; raises Lost when an instance
+        failed it (router/migration.py moves it), RequestError when the request did."""
+        prior = list(s.sent)
+        k = len(prior)
+        params_msg = sampling_to_proto(s.params)
+        if not self.prefill.healthy():
+            return await self._attempt_local(s, rid, prior, params_msg)
         timeout_ms = int(self.cfg.kv_transfer_timeout_s * 1000)
-        needs_decode = params.max_tokens != 1 and len(prompt) + 1 < self.max_model_len
+        needs_decode = s.params.max_tokens != k + 1 and len(s.prompt) + k + 1 < self.max_model_len
         dcall = pcall = drain = None
         dinst = None
         try:
             if needs_decode:
-                dcall, dinst, pcall, pinst, ft = await self._reserve_and_prefill(rid, prompt, params_msg, timeout_ms)
-                dinst.inflight += 1
+                dcall, dinst, pcall, pinst, ft = await self._reserve_and_prefill(rid, s.prompt, params_msg,
+                                                                                 timeout_ms, prior)
             else:
-                pcall, pinst, ft = await self._first_token(rid, prompt, params_msg, "", timeout_ms)
-            d = ft.delta
-            reason = finish_from_proto(d.finish_reason)
-            if dcall is None and reason is None:  # cannot happen: prefill ends a request without a decode target
-                reason = "length"
-            queue.put_nowait(GenerateDelta(index, list(d.token_ids), d.text, logprobs_from_proto(d.logprobs), reason,
-                                           len(prompt), 1))
-            if reason is not None:
+                pcall, pinst, ft = await self._first_token(rid, s.prompt, params_msg, "", timeout_ms, prior)
+            # (without a decode target the prefill's token is the last: "length" if it said nothing)
+            if s.put(ft.delta, None if dcall is not None else "length") is not None:
                 return
             drain = asyncio.create_task(self._drain(pcall, pinst, dcall))
-            completion = 1
-            while (resp := await dcall.read()) is not grpc.aio.EOF:  # read(): the first answer was read() too
-                if not resp.HasField("delta"):
-                    continue
-                d = resp.delta
-                completion += len(d.token_ids)
-                reason = finish_from_proto(d.finish_reason)
-                queue.put_nowait(GenerateDelta(index, list(d.token_ids), d.text, logprobs_from_proto(d.logprobs),
-                                               reason, len(prompt), completion))
-                if reason is not None:
-                    return
-            raise RequestError("internal", None, f"decode {dinst.address}: stream ended before the request finished")
-        except grpc.aio.AioRpcError as e:
-            if drain is not None and drain.done() and drain.exception() is not None:
-                raise drain.exception() from None
-            raise _rpc_error(e, dinst) from None
-        except asyncio.CancelledError:
-            if drain is not None and drain.done() and not drain.cancelled() and drain.exception() is not None:
-                raise drain.exception() from None
-            raise
+            await self._follow(s, dinst, dcall, drain)
         finally:
-            if dinst is not None:
-                dinst.inflight -= 1
             for call in (dcall, pcall):
                 if call is not None:
                     call.cancel()
             if drain is not None:
                 drain.cancel()
+
+    async def _attempt_local(self, s: Stream, rid: str, prior: list[int], params_msg) -> None:
+        """An attempt without a prefill instance: the policy's decode instance prefills the prompt (and the prior
+        tokens) itself and streams every token."""
+        for dinst in self.decode.ordered():
+            hop(rid, "router.local_prefill_sent")
+            call = dinst.stub.Decode(decode_pb2.DecodeRequest(
+                request_id=rid, prompt_token_ids=s.prompt, params=params_msg, prior_output_token_ids=prior,
+                prefill_locally=True))
+            try:
+                return await self._follow(s, dinst, call, None)
+            except Lost:
+                if len(s.sent) == len(prior) and not dinst.healthy:  # unreachable before any token: the next one
+                    continue
+                raise
+            finally:
+                call.cancel()
+        raise RequestError("unavailable", None, "no healthy decode instance")
+
+    async def _follow(self, s: Stream, dinst: Instance, dcall, drain: asyncio.Task | None) -> None:
+        """Puts dcall's deltas on s until the finish. A broken stream, one that ends early, or dinst lost by the
+        health poll raises Lost; a failed prefill drain (which cancels dcall) raises its own error."""
+        lost_why: list[str] = []
+
+        def lost(why: str) -> None:  # the health poll lost dinst
+            lost_why.append(why)
+            dcall.cancel()
+
+        def drained():
+            if drain is not None and drain.done() and not drain.cancelled() and drain.exception() is not None:
+                return drain.exception()
+            return None
+
+        dinst.inflight += 1
+        dinst.streams.add(lost)
+        try:
+            while (resp := await dcall.read()) is not grpc.aio.EOF:  # read(): the first answer was read() too
+                if resp.HasField("delta") and s.put(resp.delta) is not None:
+                    return
+            raise Lost("decode_unavailable", RequestError(
+                "unavailable", None, f"decode {dinst.address}: stream ended before the request finished"))
+        except grpc.aio.AioRpcError as e:
+            if (err := drained()) is not None:
+                raise err from None
+            raise self._lost(e, dinst) from None
+        except asyncio.CancelledError:
+            if asyncio.current_task().cancelling():  # the consumer went away
+                raise
+            if (err := drained()) is not None:
+                raise err from None
+            if lost_why:
+                raise Lost("decode_unhealthy", RequestError(
+                    "unavailable", None, f"decode {dinst.address}: {lost_why[0]}")) from None
+            raise
+        finally:
+            dinst.streams.discard(lost)
+            dinst.inflight -= 1
 
     async def _drain(self, pcall, pinst: Instance, dcall) -> None:
         """Reads the prefill stream to its end (TransferDone); a failure there cancels the decode stream."""
@@ -316,7 +391,7 @@ class DisaggregatedBackend(Backend):
         except grpc.aio.AioRpcError as e:
             if e.code() == grpc.StatusCode.CANCELLED:
                 return
-            err = _rpc_error(e, pinst)
+            err = self._lost(e, pinst)
             dcall.cancel()
             raise err from None
 

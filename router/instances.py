@@ -2,6 +2,10 @@
 
 Every `poll_interval_s` each instance gets a grpc.health.v1 Check for its service and a GetLoad; an instance that
 fails either (or that a request found unreachable, `mark_down`) leaves the rotation until a poll succeeds again.
+An instance that answers NOT_SERVING (draining) only stops getting new requests; one that fails `LOST_AFTER_POLLS`
+polls in a row without answering at all is lost: the streams this router has on it are told (`Instance.streams`)
+and move elsewhere (router/migration.py). A restarted instance is back in rotation at the first poll after it
+answers (the channels' reconnect backoff is capped below the poll interval: serving/rpc.py).
 
 Policies (`--policy`):
 - round_robin: healthy instances in turn.
@@ -20,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import grpc
@@ -39,6 +44,10 @@ DEFAULT_INDEX_BLOCKS = 1 << 16  # an instance's prefix index before its GetLoad 
 _SERVICES = {"prefill": prefill_pb2.DESCRIPTOR.services_by_name["Prefill"].full_name,
              "decode": decode_pb2.DESCRIPTOR.services_by_name["Decode"].full_name}
 _STUBS = {"prefill": prefill_pb2_grpc.PrefillStub, "decode": decode_pb2_grpc.DecodeStub}
+# Polls in a row that get no answer (an RPC error: refused, reset, timed out) before the streams on an instance move:
+# one poll that times out on a busy host moves nothing; a hung or partitioned instance loses its streams after about
+# two poll intervals plus the poll timeout. (A killed one breaks its streams at once: they move without waiting.)
+LOST_AFTER_POLLS = 2
 
 
 @dataclass(eq=False)
@@ -54,6 +63,9 @@ class Instance:
     inflight_tokens: int = 0  # their prompt tokens (prefill)
     refused: bool = False  # decode: refused a reservation for room since the last poll
     last_error: str = ""
+    failed_polls: int = 0  # polls in a row that got no answer
+    # This router's streams on the instance: each callback is called (with why) when the instance is lost.
+    streams: set[Callable[[str], None]] = field(default_factory=set)
     prefixes: PrefixIndex = field(default_factory=lambda: PrefixIndex(DEFAULT_INDEX_BLOCKS))  # cache_aware
 
     @property
@@ -95,6 +107,8 @@ class InstancePool:
             self.instances.append(Instance(self.role, a, ch, _STUBS[self.role](ch), health_codec.check_callable(ch)))
         self._rr = itertools.count()
         self._task: asyncio.Task | None = None
+        self._up: list[asyncio.Future] = []  # wait_healthy's waiters, woken when an instance turns healthy
+        self.ever_healthy = False  # some instance answered a poll once
 
     async def start(self) -> None:
         await self.poll_once()
@@ -125,14 +139,26 @@ class InstancePool:
                 raise RuntimeError(f"health status {status} (1 = SERVING)")
             inst.load = await inst.stub.GetLoad(common_pb2.GetLoadRequest(), timeout=self.poll_timeout_s)
         except Exception as e:  # noqa: BLE001
-            msg = e.code().name if isinstance(e, grpc.aio.AioRpcError) else str(e)
+            unanswered = isinstance(e, grpc.aio.AioRpcError)
+            msg = e.code().name if unanswered else str(e)
             if inst.healthy:
                 log.warning("%s %s is down: %s", self.role, inst.address, msg)
             inst.healthy, inst.last_error = False, msg
+            inst.failed_polls = inst.failed_polls + 1 if unanswered else 0
+            if inst.failed_polls >= LOST_AFTER_POLLS and inst.streams:
+                log.warning("%s %s: %d polls unanswered (%s); moving its %d stream(s)", self.role, inst.address,
+                            inst.failed_polls, msg, len(inst.streams))
+                for lost in list(inst.streams):
+                    lost(f"{inst.failed_polls} health polls unanswered ({msg})")
             return
         if not inst.healthy:
             log.info("%s %s is up", self.role, inst.address)
-        inst.healthy, inst.last_error, inst.refused = True, "", False
+        inst.healthy, inst.last_error, inst.refused, inst.failed_polls = True, "", False, 0
+        self.ever_healthy = True
+        waiters, self._up = self._up, []
+        for w in waiters:
+            if not w.done():
+                w.set_result(None)
 
     def mark_down(self, inst: Instance, reason: str) -> None:
         if inst.healthy:
@@ -141,6 +167,22 @@ class InstancePool:
 
     def healthy(self) -> list[Instance]:
         return [i for i in self.instances if i.healthy]
+
+    async def wait_healthy(self, timeout_s: float) -> bool:
+        """Whether some instance is healthy, waiting up to timeout_s for a poll to find one."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        while not self.healthy():
+            left = deadline - loop.time()
+            if left <= 0:
+                return False
+            up = loop.create_future()
+            self._up.append(up)
+            try:
+                await asyncio.wait_for(up, left)
+            except TimeoutError:
+                pass
+        return True
 
     def ordered(self, prompt: list[int] | None = None) -> list[Instance]:
         """Healthy instances, the policy's first choice first (the others are fallbacks, in order). prompt: the

@@ -63,6 +63,19 @@ def add_router_args(p: argparse.ArgumentParser) -> None:
                    help="gRPC request messages larger than this are refused, RESOURCE_EXHAUSTED (the workers' "
                         f"internal limit is larger: KV blocks; default: {DEFAULT_MAX_MESSAGE_BYTES})")
     add_admission_args(p)
+    p.add_argument("--migration-limit", type=int, default=RouterConfig.migration_limit,
+                   help="how many times one request may move to another instance when the one serving it fails "
+                        "(its stream continues, token-exact, router/migration.py); past it the client gets the "
+                        f"error; 0: never (default: {RouterConfig.migration_limit})")
+    p.add_argument("--migration-timeout", type=float, default=RouterConfig.migration_timeout_s,
+                   help="seconds a moving request may wait for a healthy decode instance to take it (default: "
+                        f"{RouterConfig.migration_timeout_s:g})")
+
+
+# The router flags `tandem up` passes on only when they differ from their defaults (compose.yaml leaves them out):
+# namespace attribute -> (flag, default).
+OPTIONAL_ROUTER_FLAGS = {"migration_limit": ("--migration-limit", RouterConfig.migration_limit),
+                         "migration_timeout": ("--migration-timeout", RouterConfig.migration_timeout_s)}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -157,7 +170,8 @@ async def serve(ns: argparse.Namespace, prefill: list[str], decode: list[str], t
         else:
             core = await RouterCore.create(RouterConfig(
                 prefill_addrs=prefill, decode_addrs=decode, policy=ns.policy, model=ns.model,
-                served_model_name=ns.served_model_name, max_model_len=ns.max_model_len, tls=tls), limits, admission)
+                served_model_name=ns.served_model_name, max_model_len=ns.max_model_len, tls=tls,
+                migration_limit=ns.migration_limit, migration_timeout_s=ns.migration_timeout), limits, admission)
     except BaseException:
         http_sock.close()
         raise

@@ -55,7 +55,15 @@ kv_transfer_tail_seconds = Histogram(
 kv_transfer_failures = Counter("tandem:kv_transfer_failures",
                                "KV transfers that failed (deadline, layout mismatch, peer gone, cancelled).", LABELS)
 
+request_migrations = Counter(
+    "tandem:request_migrations",
+    "Router: streams moved to another instance after the one serving them failed, by reason (decode_unavailable: "
+    "the decode stream broke or ended early; decode_unhealthy: the health poll lost the decode instance; "
+    "prefill_unavailable: the prefill instance failed; kv_transfer: the transfer between them failed or missed its "
+    "deadline).", LABELS + ("reason",))
+
 FINISHED_REASONS = ("stop", "length", "abort")
+MIGRATION_REASONS = ("decode_unavailable", "decode_unhealthy", "prefill_unavailable", "kv_transfer")
 ROLES = ("router", "prefill", "decode", "colocated")
 
 
@@ -82,6 +90,8 @@ class Metrics:
         self.kv_transfer_seconds = kv_transfer_seconds.labels(**lv)
         self.kv_transfer_tail_seconds = kv_transfer_tail_seconds.labels(**lv)
         self.kv_transfer_failures = kv_transfer_failures.labels(**lv)
+        # Every reason's series exists from the start (at 0), so a dashboard's rate() is 0, not "no data".
+        self.request_migrations = {r: request_migrations.labels(reason=r, **lv) for r in MIGRATION_REASONS}
 
     def observe_step(self, stats) -> None:
         """One engine step's gauges and counters from an `EngineStats` snapshot (its counters are totals)."""

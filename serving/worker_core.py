@@ -73,6 +73,24 @@ class WorkerCore:
                              f"{self.max_kv_timeout_s * 1000:.0f} (this worker's --max-kv-transfer-timeout)")
         return requested_s
 
+    def check_prior(self, prompt: list[int], prior: list[int], params) -> None:
+        """A resumed request's prior_output_token_ids (the router moved its stream off a failed instance), checked on
+        the loop before anything is dialled or queued: fewer than max_tokens (and the context's room after the
+        prompt), each inside the vocabulary. The engine checks them again (and whether the request had already
+        stopped on them)."""
+        if not prior:
+            return
+        room = self.max_model_len - len(prompt)
+        limit = room if params.max_tokens is None else min(room, params.max_tokens)
+        if len(prior) >= limit:
+            raise ValueError(f"prior_output_token_ids: {len(prior)} tokens, must be fewer than "
+                             f"{'max_tokens' if limit == params.max_tokens else 'max_model_len - the prompt'}="
+                             f"{limit} (they count towards it and the request must have a token left to generate)")
+        bad = next((t for t in prior if not 0 <= t < self.vocab_size), None)
+        if bad is not None:
+            raise ValueError(f"prior_output_token_ids: token id {bad} is outside the vocabulary [0, "
+                             f"{self.vocab_size})")
+
     def check_token(self, field: str, token_id: int) -> None:
         if not 0 <= token_id < self.vocab_size:
             raise ValueError(f"{field}={token_id}: outside the vocabulary [0, {self.vocab_size})")

@@ -76,6 +76,17 @@ def test_admission_flags_go_to_the_router_only():
     assert commands("--colocated", "--queue-timeout", "5")["router"][9:11] == ["--queue-timeout", "5"]
 
 
+def test_migration_flags_go_to_the_router_only_and_only_when_given():
+    cmds = commands("--migration-limit", "0", "--migration-timeout", "5")
+    router = cmds["router"]
+    assert router[router.index("--migration-limit"):][:4] == ["--migration-limit", "0", "--migration-timeout", "5"]
+    assert not any("--migration-limit" in cmd for name, cmd in cmds.items() if name != "router")
+    assert not any(flag in commands()["router"] for flag in ("--migration-limit", "--migration-timeout"))
+    # The launcher's own: what it does when a worker exits (restart by default); never passed on.
+    assert build_parser().parse_args([]).on_worker_exit == "restart"
+    assert not any("--on-worker-exit" in cmd for cmd in commands("--on-worker-exit", "stop").values())
+
+
 def test_each_command_parses_with_its_roles_own_parser():
     from decode_svc.server import build_parser as decode_parser
     from prefill_svc.server import build_parser as prefill_parser
@@ -127,12 +138,12 @@ def _alive(pid: int) -> bool:
     return state != "Z"
 
 
-def _tandem_up() -> tuple[subprocess.Popen, dict[str, int]]:
+def _tandem_up(*extra: str) -> tuple[subprocess.Popen, dict[str, int]]:
     """`tandem up` with random:tiny on free ports, once it says it is ready; and its children's pids by name."""
     base = _free_base(6)
     proc = subprocess.Popen([sys.executable, "-m", "cli", "up", "--model", "random:tiny", "--http-port",
                              str(base), "--grpc-port", str(base + 1), "--worker-port", str(base + 2),
-                             "--metrics-port", str(base + 4)],
+                             "--metrics-port", str(base + 4), *extra],
                             cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             env={**os.environ, "PYTHONUNBUFFERED": "1"})
     lines, pids = [], {}
@@ -152,7 +163,8 @@ def _tandem_up() -> tuple[subprocess.Popen, dict[str, int]]:
 
 
 def test_a_dead_child_stops_the_others_and_tandem_up_fails():
-    proc, pids = _tandem_up()
+    """Under --on-worker-exit stop (the default restarts a worker: tests/e2e/test_migration_e2e.py)."""
+    proc, pids = _tandem_up("--on-worker-exit", "stop")
     try:
         os.kill(pids["decode-0"], signal.SIGKILL)
         rest = proc.communicate(timeout=60)[0]

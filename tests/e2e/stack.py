@@ -19,7 +19,8 @@ READY_TIMEOUT_S = 240
 class Stack:
     """`tandem up` as a child process; its output (and its children's) is kept in `lines`."""
 
-    def __init__(self, *args: str, prefill: int = 1, decode: int = 2, scheme: str = "http"):
+    def __init__(self, *args: str, prefill: int = 1, decode: int = 2, scheme: str = "http",
+                 env: dict[str, str] | None = None):
         base = free_port_block(2 + 2 * (prefill + decode))
         self.http = f"{scheme}://127.0.0.1:{base}"
         self.grpc = f"127.0.0.1:{base + 1}"
@@ -33,7 +34,7 @@ class Stack:
         # every process blocked on a full pipe)
         self.proc = subprocess.Popen(self.argv, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                      errors="backslashreplace",
-                                     env={**os.environ, "PYTHONUNBUFFERED": "1"})
+                                     env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})})
         self.lines: list[str] = []
         self.ready = threading.Event()
         threading.Thread(target=self._read, daemon=True).start()

@@ -1,8 +1,9 @@
 """A hostile peer inside the mesh, end to end (`tandem up`: real router, prefill and decode processes): while
 legitimate streams run through the router, a peer talks to the workers' ports directly and sends a forged commit
-with a token outside the vocabulary, oversized transfer deadlines, a decode address the prefill may not reach, and
-ids and addresses too long to log. Each forged request fails alone with INVALID_ARGUMENT naming the field; the
-legitimate streams produce the tokens an undisturbed offline run gives; no block stays held."""
+with a token outside the vocabulary, oversized transfer deadlines, a decode address the prefill may not reach,
+ids and addresses too long to log, and a resumed request's prior tokens outside the vocabulary or too many. Each
+forged request fails alone with INVALID_ARGUMENT naming the field; the legitimate streams produce the tokens an
+undisturbed offline run gives; no block stays held."""
 from __future__ import annotations
 
 import asyncio
@@ -95,6 +96,12 @@ async def _hostile(stack, layout) -> dict:
         out["long address"] = await _code(first(prefill.Prefill(prefill_req(decode_address="x" * 5000 + ":1"))))
         out["long id"] = await _code(first(decode.Decode(decode_pb2.DecodeRequest(
             request_id="i" * 5000, prompt_token_ids=[3] * 20))))
+        # A resumed request's prior tokens (a moved stream's), forged: outside the vocabulary, or too many.
+        out["prior vocab"] = await _code(first(decode.Decode(decode_pb2.DecodeRequest(
+            request_id="evil-prior", prompt_token_ids=[3] * 20, params=common_pb2.SamplingParams(max_tokens=8),
+            prior_output_token_ids=[5, 10**6], prefill_locally=True))))
+        out["prior length"] = await _code(first(prefill.Prefill(prefill_req(
+            decode_address=_addr(stack, "decode-0"), prior_output_token_ids=[5] * 100_000))))
         loads = [await decode.GetLoad(common_pb2.GetLoadRequest()), await prefill.GetLoad(common_pb2.GetLoadRequest())]
         return {**out, "loads": loads}
 
@@ -122,7 +129,9 @@ def test_forged_messages_fail_alone_and_legit_streams_are_exact(stack, tiny):
                        ("prefill timeout", "kv_transfer_timeout_ms=4000000000: must be at most"),
                        ("foreign decode", "decode_address='127.0.0.2:9': not a decode instance this prefill may"),
                        ("long address", "decode_address: 5002 characters, must be at most 256"),
-                       ("long id", "request_id: 5000 characters, must be at most 256")):
+                       ("long id", "request_id: 5000 characters, must be at most 256"),
+                       ("prior vocab", "prior_output_token_ids: token id 1000000 is outside the vocabulary"),
+                       ("prior length", "prior_output_token_ids: 100000 tokens, must be fewer than max_tokens=8")):
         code, msg = hostile[key]
         assert code == bad and msg.startswith(field), (key, msg)
     # The forgeries hold nothing (legitimate requests may still be finishing: only blocks beyond theirs count).

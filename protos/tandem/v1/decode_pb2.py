@@ -17,7 +17,7 @@ from protos.tandem.v1 import common_pb2 as tandem_dot_v1_dot_common__pb2
 from protos.tandem.v1 import kv_transfer_pb2 as tandem_dot_v1_dot_kv__transfer__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16tandem/v1/decode.proto\x12\ttandem.v1\x1a\x16tandem/v1/common.proto\x1a\x1btandem/v1/kv_transfer.proto\"\x88\x01\n\rDecodeRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12)\n\x06params\x18\x03 \x01(\x0b\x32\x19.tandem.v1.SamplingParams\x12\x1e\n\x16kv_transfer_timeout_ms\x18\x04 \x01(\r\"i\n\x0e\x44\x65\x63odeResponse\x12\'\n\x08reserved\x18\x01 \x01(\x0b\x32\x13.tandem.v1.ReservedH\x00\x12&\n\x05\x64\x65lta\x18\x02 \x01(\x0b\x32\x15.tandem.v1.TokenDeltaH\x00\x42\x06\n\x04kind\"\x1e\n\x08Reserved\x12\x12\n\nnum_blocks\x18\x01 \x01(\r2\x9e\x02\n\x06\x44\x65\x63ode\x12?\n\x06\x44\x65\x63ode\x12\x18.tandem.v1.DecodeRequest\x1a\x19.tandem.v1.DecodeResponse0\x01\x12\x46\n\nTransferKv\x12\x1c.tandem.v1.KvTransferMessage\x1a\x18.tandem.v1.KvTransferAck(\x01\x12L\n\x0bKvHandshake\x12\x1d.tandem.v1.KvHandshakeRequest\x1a\x1e.tandem.v1.KvHandshakeResponse\x12=\n\x07GetLoad\x12\x19.tandem.v1.GetLoadRequest\x1a\x17.tandem.v1.InstanceLoadBI\n\rdev.tandem.v1P\x01Z6github.com/tandem-llm/tandem/protos/tandem/v1;tandemv1b\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16tandem/v1/decode.proto\x12\ttandem.v1\x1a\x16tandem/v1/common.proto\x1a\x1btandem/v1/kv_transfer.proto\"\xc1\x01\n\rDecodeRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12)\n\x06params\x18\x03 \x01(\x0b\x32\x19.tandem.v1.SamplingParams\x12\x1e\n\x16kv_transfer_timeout_ms\x18\x04 \x01(\r\x12\x1e\n\x16prior_output_token_ids\x18\x05 \x03(\x05\x12\x17\n\x0fprefill_locally\x18\x06 \x01(\x08\"i\n\x0e\x44\x65\x63odeResponse\x12\'\n\x08reserved\x18\x01 \x01(\x0b\x32\x13.tandem.v1.ReservedH\x00\x12&\n\x05\x64\x65lta\x18\x02 \x01(\x0b\x32\x15.tandem.v1.TokenDeltaH\x00\x42\x06\n\x04kind\"\x1e\n\x08Reserved\x12\x12\n\nnum_blocks\x18\x01 \x01(\r2\x9e\x02\n\x06\x44\x65\x63ode\x12?\n\x06\x44\x65\x63ode\x12\x18.tandem.v1.DecodeRequest\x1a\x19.tandem.v1.DecodeResponse0\x01\x12\x46\n\nTransferKv\x12\x1c.tandem.v1.KvTransferMessage\x1a\x18.tandem.v1.KvTransferAck(\x01\x12L\n\x0bKvHandshake\x12\x1d.tandem.v1.KvHandshakeRequest\x1a\x1e.tandem.v1.KvHandshakeResponse\x12=\n\x07GetLoad\x12\x19.tandem.v1.GetLoadRequest\x1a\x17.tandem.v1.InstanceLoadBI\n\rdev.tandem.v1P\x01Z6github.com/tandem-llm/tandem/protos/tandem/v1;tandemv1b\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -26,11 +26,11 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['DESCRIPTOR']._loaded_options = None
   _globals['DESCRIPTOR']._serialized_options = b'\n\rdev.tandem.v1P\001Z6github.com/tandem-llm/tandem/protos/tandem/v1;tandemv1'
   _globals['_DECODEREQUEST']._serialized_start=91
-  _globals['_DECODEREQUEST']._serialized_end=227
-  _globals['_DECODERESPONSE']._serialized_start=229
-  _globals['_DECODERESPONSE']._serialized_end=334
-  _globals['_RESERVED']._serialized_start=336
-  _globals['_RESERVED']._serialized_end=366
-  _globals['_DECODE']._serialized_start=369
-  _globals['_DECODE']._serialized_end=655
+  _globals['_DECODEREQUEST']._serialized_end=284
+  _globals['_DECODERESPONSE']._serialized_start=286
+  _globals['_DECODERESPONSE']._serialized_end=391
+  _globals['_RESERVED']._serialized_start=393
+  _globals['_RESERVED']._serialized_end=423
+  _globals['_DECODE']._serialized_start=426
+  _globals['_DECODE']._serialized_end=712
 # @@protoc_insertion_point(module_scope)

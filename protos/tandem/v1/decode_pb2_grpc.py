@@ -63,7 +63,8 @@ class DecodeServicer:
 
     def Decode(self, request, context):
         """Reserve KV blocks for the prompt (RESOURCE_EXHAUSTED when they do not fit: the router tries another
-        instance), answer Reserved, then stream the tokens after the first one once the KV arrived. Cancelling the
+        instance), answer Reserved, then stream the tokens after the first one once the KV arrived (with
+        prefill_locally: no reservation, every token from the first one). Cancelling the
         call aborts the request and frees its blocks; a transfer that misses its deadline fails the call with
         DEADLINE_EXCEEDED and frees the reservation.
         """

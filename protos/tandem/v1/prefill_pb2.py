@@ -17,7 +17,7 @@ from protos.tandem.v1 import common_pb2 as tandem_dot_v1_dot_common__pb2
 from protos.tandem.v1 import kv_transfer_pb2 as tandem_dot_v1_dot_kv__transfer__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17tandem/v1/prefill.proto\x12\ttandem.v1\x1a\x16tandem/v1/common.proto\x1a\x1btandem/v1/kv_transfer.proto\"\xa1\x01\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12)\n\x06params\x18\x03 \x01(\x0b\x32\x19.tandem.v1.SamplingParams\x12\x16\n\x0e\x64\x65\x63ode_address\x18\x04 \x01(\t\x12\x1e\n\x16kv_transfer_timeout_ms\x18\x05 \x01(\r\"y\n\x0fPrefillResponse\x12,\n\x0b\x66irst_token\x18\x01 \x01(\x0b\x32\x15.tandem.v1.FirstTokenH\x00\x12\x30\n\rtransfer_done\x18\x02 \x01(\x0b\x32\x17.tandem.v1.TransferDoneH\x00\x42\x06\n\x04kind\"h\n\nFirstToken\x12$\n\x05\x64\x65lta\x18\x01 \x01(\x0b\x32\x15.tandem.v1.TokenDelta\x12\x19\n\x11num_prompt_tokens\x18\x02 \x01(\r\x12\x19\n\x11num_cached_tokens\x18\x03 \x01(\r\"\x93\x01\n\x0cTransferDone\x12\x16\n\x0etransfer_bytes\x18\x01 \x01(\x04\x12\x12\n\nnum_blocks\x18\x02 \x01(\r\x12\x18\n\x10transfer_seconds\x18\x03 \x01(\x01\x12\x14\n\x0ctail_seconds\x18\x04 \x01(\x01\x12\'\n\x04path\x18\x05 \x01(\x0e\x32\x19.tandem.v1.KvTransferPath2\x8c\x01\n\x07Prefill\x12\x42\n\x07Prefill\x12\x19.tandem.v1.PrefillRequest\x1a\x1a.tandem.v1.PrefillResponse0\x01\x12=\n\x07GetLoad\x12\x19.tandem.v1.GetLoadRequest\x1a\x17.tandem.v1.InstanceLoadBI\n\rdev.tandem.v1P\x01Z6github.com/tandem-llm/tandem/protos/tandem/v1;tandemv1b\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17tandem/v1/prefill.proto\x12\ttandem.v1\x1a\x16tandem/v1/common.proto\x1a\x1btandem/v1/kv_transfer.proto\"\xc1\x01\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12)\n\x06params\x18\x03 \x01(\x0b\x32\x19.tandem.v1.SamplingParams\x12\x16\n\x0e\x64\x65\x63ode_address\x18\x04 \x01(\t\x12\x1e\n\x16kv_transfer_timeout_ms\x18\x05 \x01(\r\x12\x1e\n\x16prior_output_token_ids\x18\x06 \x03(\x05\"y\n\x0fPrefillResponse\x12,\n\x0b\x66irst_token\x18\x01 \x01(\x0b\x32\x15.tandem.v1.FirstTokenH\x00\x12\x30\n\rtransfer_done\x18\x02 \x01(\x0b\x32\x17.tandem.v1.TransferDoneH\x00\x42\x06\n\x04kind\"h\n\nFirstToken\x12$\n\x05\x64\x65lta\x18\x01 \x01(\x0b\x32\x15.tandem.v1.TokenDelta\x12\x19\n\x11num_prompt_tokens\x18\x02 \x01(\r\x12\x19\n\x11num_cached_tokens\x18\x03 \x01(\r\"\x93\x01\n\x0cTransferDone\x12\x16\n\x0etransfer_bytes\x18\x01 \x01(\x04\x12\x12\n\nnum_blocks\x18\x02 \x01(\r\x12\x18\n\x10transfer_seconds\x18\x03 \x01(\x01\x12\x14\n\x0ctail_seconds\x18\x04 \x01(\x01\x12\'\n\x04path\x18\x05 \x01(\x0e\x32\x19.tandem.v1.KvTransferPath2\x8c\x01\n\x07Prefill\x12\x42\n\x07Prefill\x12\x19.tandem.v1.PrefillRequest\x1a\x1a.tandem.v1.PrefillResponse0\x01\x12=\n\x07GetLoad\x12\x19.tandem.v1.GetLoadRequest\x1a\x17.tandem.v1.InstanceLoadBI\n\rdev.tandem.v1P\x01Z6github.com/tandem-llm/tandem/protos/tandem/v1;tandemv1b\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -26,13 +26,13 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['DESCRIPTOR']._loaded_options = None
   _globals['DESCRIPTOR']._serialized_options = b'\n\rdev.tandem.v1P\001Z6github.com/tandem-llm/tandem/protos/tandem/v1;tandemv1'
   _globals['_PREFILLREQUEST']._serialized_start=92
-  _globals['_PREFILLREQUEST']._serialized_end=253
-  _globals['_PREFILLRESPONSE']._serialized_start=255
-  _globals['_PREFILLRESPONSE']._serialized_end=376
-  _globals['_FIRSTTOKEN']._serialized_start=378
-  _globals['_FIRSTTOKEN']._serialized_end=482
-  _globals['_TRANSFERDONE']._serialized_start=485
-  _globals['_TRANSFERDONE']._serialized_end=632
-  _globals['_PREFILL']._serialized_start=635
-  _globals['_PREFILL']._serialized_end=775
+  _globals['_PREFILLREQUEST']._serialized_end=285
+  _globals['_PREFILLRESPONSE']._serialized_start=287
+  _globals['_PREFILLRESPONSE']._serialized_end=408
+  _globals['_FIRSTTOKEN']._serialized_start=410
+  _globals['_FIRSTTOKEN']._serialized_end=514
+  _globals['_TRANSFERDONE']._serialized_start=517
+  _globals['_TRANSFERDONE']._serialized_end=664
+  _globals['_PREFILL']._serialized_start=667
+  _globals['_PREFILL']._serialized_end=807
 # @@protoc_insertion_point(module_scope)
