@@ -105,18 +105,23 @@ def check(name: str, w: W4, label: str, fn, m: int) -> float:
 
 
 def gemv_candidates(m: int, n: int, group: int) -> list[W4GemvConfig]:
-    splits = (1, 2, 4, 8) if n <= 8192 else (1,)
-    tiles = [(16, 128, 4), (32, 128, 4), (64, 128, 4), (32, 64, 2), (128, 128, 8)]
-    return [W4GemvConfig(bn, bk, s, w, st) for bn, bk, w in tiles for s in splits for st in (1, 2)
-            if group % bk == 0 and (m <= 4 or bn <= 64)]
+    splits = (1, 2, 4) if n > 8192 else (1, 2, 4, 8, 16)
+    tiles = [(64, 128, 4), (128, 128, 4), (256, 128, 8), (128, 64, 4), (256, 64, 4)]
+    return [W4GemvConfig(bn, bk, s, w, 3) for bn, bk, w in tiles for s in splits
+            if group % bk == 0 and (m == 1 or bn <= 128)]
 
 
 def gemm_candidates(m: int, group: int) -> list[W4GemmConfig]:
-    bms = (16, 32) if m <= 32 else (64, 128)
-    tiles = [(bm, bn, bk, w, st) for bm in bms for bn, bk, w, st in
-             ((64, 64, 4, 3), (128, 64, 4, 3), (128, 64, 8, 4), (256, 64, 8, 3), (128, 128, 8, 3), (64, 128, 4, 4))]
-    return [W4GemmConfig(bm, bn, bk, w, st, unpack) for bm, bn, bk, w, st in tiles for unpack in ("reshape", "gather")
-            if group % bk == 0]
+    if m <= 64:
+        bm = 16 if m <= 16 else 32 if m <= 32 else 64
+        tiles = [(bm, bn, bk, 4, st, s) for bn, bk, st in ((64, 64, 4), (128, 64, 3), (128, 128, 3))
+                 for s in (1, 2, 4, 8)]
+    else:
+        tiles = [(128, 64, 64, 4, 4, 1), (128, 64, 128, 4, 3, 1), (256, 64, 64, 8, 3, 1), (128, 128, 64, 4, 4, 1),
+                 (64, 64, 64, 4, 4, 1), (128, 32, 64, 4, 4, 1), (256, 128, 64, 8, 3, 1), (128, 64, 64, 4, 5, 1)]
+        if m <= 512:
+            tiles += [(64, 128, 64, 4, 4, 2), (128, 128, 64, 8, 3, 2)]
+    return [W4GemmConfig(bm, bn, bk, w, st, "reshape", s) for bm, bn, bk, w, st, s in tiles if group % bk == 0]
 
 
 def sweep(name: str, w: W4, copies: list[W4], ms: list[int], prefill: bool) -> list[dict]:
@@ -153,7 +158,9 @@ def sweep(name: str, w: W4, copies: list[W4], ms: list[int], prefill: bool) -> l
         if not timed:
             continue
         best_t, best = min(timed, key=lambda tc: tc[0])
-        default_t = next(t for t, c in timed if c == default)
+        top = sorted(timed, key=lambda tc: tc[0])[:4]
+        print(f"  {name} M={m} top: " + ", ".join(f"{c.short()} {t:.1f}" for t, c in top), flush=True)
+        default_t = next((t for t, c in timed if c == default), float("nan"))
         rows.append(dict(shape=name, m=m, kernel="gemm" if prefill else "gemv", default=default.short(),
                          default_us=default_t, best=best.short(), best_us=best_t))
         print(f"sweep {name:8s} M={m:5d}: default {default.short()} {default_t:8.1f} us, best {best.short()} "
@@ -169,6 +176,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--symmetric", action="store_true", help="no zero points (GPTQ sym, compressed-tensors)")
     p.add_argument("--act-order", action="store_true", help="an input permutation (GPTQ desc_act)")
     p.add_argument("--sweep", action="store_true", help="try candidate configs per shape and M")
+    p.add_argument("--sweep-only", action="store_true", help="check, then sweep (no decode, token, prefill)")
     p.add_argument("--json", help="write the results here")
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
@@ -195,6 +203,17 @@ def main(argv: list[str] | None = None) -> int:
         return 1
 
     results: dict = {"args": vars(args), "decode": [], "prefill": [], "token_ms": {}, "sweep": []}
+    if args.sweep_only:
+        with torch.inference_mode():
+            for name, w in weights.items():
+                copies = [w] + [w.copy() for _ in range(max(1, math.ceil(ROTATION_BYTES / w.bytes(0)) - 1))]
+                results["sweep"] += sweep(name, w, copies, args.decode_m, prefill=False)
+                results["sweep"] += sweep(name, w, copies, args.prefill_m, prefill=True)
+                del copies
+                torch.cuda.empty_cache()
+        if args.json:
+            write_json(args.json, results)
+        return 0
     with torch.inference_mode():
         # 2. decode
         print("\ndecode (us per launch, CUDA graph, weights rotated past the L2)")

@@ -13,17 +13,20 @@ so its scale and zero point are one row [BLOCK_N] and the scale multiplies the s
 acc += (x_tile @ (q - z)_tile) * s. q - z (integers in [-16, 15]) is exact in any float dtype, so the products are
 x's own values times small integers and the only roundings are float32 sums and one multiply per group.
 
-Two kernels:
-  gemv  M <= GEMV_MAX_M rows (decode): every weight is read once and used for M rows. Program (n tile, K split)
-        unpacks a [BLOCK_K / 8, 8, BLOCK_N] slab in registers and reduces it against each row of x with FMAs;
-        split-K (split_k > 1) sums the K ranges deterministically: each split writes a float32 partial, the last
-        program of an N tile to take a ticket (kernels/gemv.py's counters) adds them in split order and writes y.
+One kernel, _w4a16_kernel: output tiles on grid axis 0 (group-M swizzled), K splits on axis 1; split-K
+(split_k > 1) sums the K ranges deterministically: each split writes a float32 partial, the last program of an
+output tile to take a ticket (kernels/gemv.py's counters) adds them in split order and writes y. q - z is made
+without an int->float conversion: the bits 0x4B000000 | q are the float32 2^23 + q, minus (2^23 + z), exactly.
+  gemv  M <= GEMV_MAX_M rows (decode): every packed word is read once for all M rows. One row (MODE 1): the
+        [BLOCK_K / 8, 8, BLOCK_N] slab unpacked in registers, FMAs into a [BLOCK_K / 8, BLOCK_N] accumulator
+        reduced once at the end; 2..16 rows (MODE 2): the rows padded to 16 and one tl.dot per step (16 rows cost
+        what one does); blocks under 16 (tests) loop over the rows with FMAs (MODE 0).
   gemm  any M (prefill): [BLOCK_M, BLOCK_N] tiles, the unpacked [BLOCK_K, BLOCK_N] tile of (q - z) in x's dtype
         fed to tl.dot (the tensor cores; float32 x, and the interpreter, take an exact float32 dot).
 Both read x through perm when there is one (act order): no separate gather.
 
 `w4a16_ref` is the contract: dequantize W in float32, multiply in float32, round once. The launchers check shapes,
-dtypes and strides; configs are heuristics until an H200 sweep fills a table (bench/w4a16_gemm.py).
+dtypes and strides; configs come from an H200 sweep (GEMV_TABLE, default_gemm_config; bench/w4a16_gemm.py).
 """
 from __future__ import annotations
 
@@ -99,14 +102,18 @@ def _pow2_divisor(n: int, cap: int) -> int:
 class W4GemvConfig:
     """One launch shape of the W4A16 GEMV."""
 
-    block_n: int = 64
-    """Outputs per program; a power of two."""
+    block_n: int = 128
+    """Outputs per program; a power of two (>= 16 for mode 'dot')."""
     block_k: int = 128
-    """Inputs per loop step; a power of two >= 8 that divides the group size."""
+    """Inputs per loop step; a power of two >= 8 that divides the group size (>= 16 for mode 'dot')."""
     split_k: int = 1
     """Programs sharing one N tile's K range (deterministic last-program reduction when > 1)."""
     num_warps: int = 4
     num_stages: int = 2
+    mode: str = "auto"
+    """'fma': CUDA-core FMAs (one row: a [BLOCK_K / 8, BLOCK_N] accumulator reduced once at the end; more rows: a
+    loop over them); 'dot': the rows padded to 16 and one tl.dot per step (tensor cores: 16 rows cost one);
+    'auto': 'fma' for one row or blocks under 16, 'dot' otherwise."""
 
     def __post_init__(self) -> None:
         for name in ("block_n", "block_k", "num_warps"):
@@ -117,9 +124,20 @@ class W4GemvConfig:
             raise ValueError(f"block_k={self.block_k}: must be >= {PACK}")
         if self.split_k < 1:
             raise ValueError(f"split_k={self.split_k}: must be >= 1")
+        if self.mode not in ("auto", "fma", "dot"):
+            raise ValueError(f"mode={self.mode!r}: must be 'auto', 'fma' or 'dot'")
+        if self.mode == "dot" and min(self.block_n, self.block_k) < 16:
+            raise ValueError(f"mode='dot': block_n={self.block_n} and block_k={self.block_k} must be >= 16")
+
+    def kernel_mode(self, M: int) -> int:
+        """The kernel's MODE for M rows: 0 FMA over the rows, 1 FMA one row, 2 tl.dot."""
+        if self.mode == "dot" or (self.mode == "auto" and M > 1 and min(self.block_n, self.block_k) >= 16):
+            return 2
+        return 1 if M == 1 else 0
 
     def short(self) -> str:
-        return f"gemv/n{self.block_n}/k{self.block_k}/s{self.split_k}/w{self.num_warps}/st{self.num_stages}"
+        return (f"gemv/{self.mode}/n{self.block_n}/k{self.block_k}/s{self.split_k}/w{self.num_warps}/"
+                f"st{self.num_stages}")
 
 
 @dataclass(frozen=True)
@@ -137,6 +155,10 @@ class W4GemmConfig:
     unpack: str = "reshape"
     """How the [BLOCK_K, BLOCK_N] tile of q is read: 'reshape' (each int32 word once, unpacked to [BLOCK_K / 8, 8,
     BLOCK_N] and reshaped) or 'gather' (each word loaded for each of its 8 rows, from L1)."""
+    split_k: int = 1
+    """Programs sharing one output tile's K range (few row tiles: fills the SMs; deterministic reduction)."""
+    group_m: int = 8
+    """Row tiles per swizzle group: consecutive programs share W's column tiles in the L2."""
 
     def __post_init__(self) -> None:
         for name in ("block_m", "block_n", "block_k", "num_warps"):
@@ -148,39 +170,78 @@ class W4GemmConfig:
                 raise ValueError(f"{name}={getattr(self, name)}: must be >= 16 (tensor-core tile)")
         if self.unpack not in ("reshape", "gather"):
             raise ValueError(f"unpack={self.unpack!r}: must be 'reshape' or 'gather'")
+        if self.split_k < 1 or self.group_m < 1:
+            raise ValueError(f"split_k={self.split_k}, group_m={self.group_m}: must be >= 1")
 
     def short(self) -> str:
         return (f"gemm/m{self.block_m}/n{self.block_n}/k{self.block_k}/w{self.num_warps}/st{self.num_stages}/"
-                f"{self.unpack}")
+                f"{self.unpack}/s{self.split_k}")
+
+
+def _split_for(tiles: int, K: int, block_k: int, num_sms: int, waves: float = 2) -> int:
+    """Splits of K that bring tiles up to about `waves` programs per SM, each split keeping >= 2 steps."""
+    target = int(waves * num_sms)
+    if tiles >= target:
+        return 1
+    return max(1, min(triton.cdiv(target, tiles), K // (2 * block_k)))
+
+
+# H200 sweep (bench/w4a16_gemm.py --sweep, 2026-12-02, group 128, Qwen2.5-7B's fused projections): (N, K) ->
+# (block_n, block_k, split_k) for one row, and for 2..16 rows. Other shapes (tensor-parallel shards, other models)
+# take the heuristic below, which lands near these.
+GEMV_TABLE: dict[tuple[int, int], tuple[tuple[int, int, int], tuple[int, int, int]]] = {
+    (4608, 3584): ((128, 64, 16), (128, 64, 16)),  # qkv
+    (3584, 3584): ((128, 64, 16), (128, 64, 16)),  # o
+    (37888, 3584): ((256, 64, 4), (128, 64, 4)),  # gate_up
+    (3584, 18944): ((128, 128, 16), (128, 64, 16)),  # down
+}
 
 
 def default_gemv_config(M: int, N: int, K: int, group_size: int, num_sms: int = INTERPRETER_SMS) -> W4GemvConfig:
-    """Row tiles small enough that the grid fills every SM a few times over, split-K where N alone cannot."""
-    block_k = _pow2_divisor(group_size, 128)
-    block_n = 64
-    target = 4 * num_sms
-    tiles = triton.cdiv(N, block_n)
-    while block_n > 16 and tiles < target:
-        block_n //= 2
-        tiles = triton.cdiv(N, block_n)
-    split_k = 1
-    if tiles < target:
-        split_k = max(1, min(triton.cdiv(target, tiles), K // (4 * block_k)))
-    return W4GemvConfig(block_n=block_n, block_k=block_k, split_k=split_k)
-
-
-def default_gemm_config(M: int, N: int, K: int, group_size: int) -> W4GemmConfig:
-    block_m = 16 if M <= 16 else 32 if M <= 32 else 64 if M <= 64 else 128
+    """Wide N tiles (each step reads [BLOCK_K / 8, BLOCK_N] words: rows of 512 bytes and more), split-K until the
+    grid covers the SMs about four times (many bytes in flight). One row: FMAs; more: one tl.dot per step."""
+    entry = GEMV_TABLE.get((N, K))
+    if entry is not None and num_sms >= 128:
+        block_n, block_k, split_k = entry[0 if M == 1 else 1]
+        if group_size % block_k == 0:
+            return W4GemvConfig(block_n=block_n, block_k=block_k, split_k=split_k, num_warps=4, num_stages=3)
     block_k = _pow2_divisor(group_size, 64)
-    return W4GemmConfig(block_m=block_m, block_n=128, block_k=block_k, num_warps=8 if block_m == 128 else 4)
+    block_n = 256 if M == 1 and N >= 16384 else 128
+    if block_k < 16:
+        block_n = 64
+    tiles = triton.cdiv(N, block_n)
+    split_k = _split_for(tiles, K, block_k, num_sms, waves=4)
+    if split_k > 1 and tiles > COUNTERS_PER_DEVICE:
+        split_k = 1
+    return W4GemvConfig(block_n=block_n, block_k=block_k, split_k=split_k, num_warps=4, num_stages=3)
+
+
+def default_gemm_config(M: int, N: int, K: int, group_size: int, num_sms: int = INTERPRETER_SMS) -> W4GemmConfig:
+    """From the H200 sweep: past 128 rows [128, 64] tiles, 4 warps, 4 stages (1.3x the [128, 128] / 8 warps tile at
+    every shape); up to 128 rows one or two row tiles, split-K to fill the SMs."""
+    block_k = _pow2_divisor(group_size, 64)
+    if M <= 128:
+        block_m = 16 if M <= 16 else 32 if M <= 32 else 64 if M <= 64 else 128
+        block_n = 128 if block_m <= 64 else 64
+        warps, stages, waves = 4, 3 if block_m <= 64 else 4, 2
+    else:
+        block_m, block_n, warps, stages, waves = 128, 64, 4, 4, 1
+    tiles = triton.cdiv(M, block_m) * triton.cdiv(N, block_n)
+    split_k = _split_for(tiles, K, block_k, num_sms, waves=waves)
+    if split_k > 1 and tiles > COUNTERS_PER_DEVICE:
+        split_k = 1
+    return W4GemmConfig(block_m=block_m, block_n=block_n, block_k=block_k, num_warps=warps, num_stages=stages,
+                        split_k=split_k)
 
 
 # ---------------------------------------------------------------------------------------------------------------
 # Kernels
 
+_MAGIC = tl.constexpr(8388608.0)  # 2^23: float32 bits 0x4B000000 | q (q < 2^23) read as float32 are exactly 2^23 + q
+
 
 @triton.jit
-def _w4a16_gemv_kernel(
+def _w4a16_kernel(
     x_ptr,  # [M, K] (rows strided, K contiguous)
     qw_ptr,  # [K // 8, N] int32, contiguous
     s_ptr,  # [K // G, N] float16 / bfloat16 / float32, contiguous
@@ -189,53 +250,97 @@ def _w4a16_gemv_kernel(
     bias_ptr,  # [N] (only when HAS_BIAS)
     y_ptr,  # [M, N]
     part_ptr,  # [num_splits, M, N] float32 partial sums (only when SPLIT)
-    count_ptr,  # [>= cdiv(N, BLOCK_N)] int32 tickets, 0 between launches (only when SPLIT)
+    count_ptr,  # [>= number of output tiles] int32 tickets, 0 between launches (only when SPLIT)
     M, N, K, group_size,
     stride_xm, stride_ym,
     k_per_split,  # K columns per split, a multiple of BLOCK_K
-    BLOCK_M: tl.constexpr,  # >= M, a power of two
+    BLOCK_M: tl.constexpr,  # rows per program (MODE 0: >= M)
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,  # divides group_size and k_per_split
+    GROUP_M: tl.constexpr,  # row tiles per swizzle group (L2 reuse of W's tiles across row tiles)
+    MODE: tl.constexpr,  # 0: FMA, a loop over the rows; 1: FMA, one row; 2: tl.dot (tensor cores)
+    UNPACK_RESHAPE: tl.constexpr,  # MODE 2: read each word once, reshape [BK/8, 8, BN] -> [BK, BN]; else 8 loads
     SPLIT: tl.constexpr,
     HAS_ZEROS: tl.constexpr,
     HAS_PERM: tl.constexpr,
     HAS_BIAS: tl.constexpr,
+    DOT_FP32: tl.constexpr,  # float32 operands, exact products: float32 x, and the interpreter (its bf16 dot is wrong)
 ):
-    pid_n = tl.program_id(0)
+    # Output tiles on axis 0 (2^31 of them; axis 1 stops at 65535), swizzled in groups of GROUP_M row tiles.
+    pid = tl.program_id(0)
     pid_k = tl.program_id(1)
-    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N] outputs
-    # Outputs past N read output N-1 again instead of masking (the loads stay unmasked); the stores drop them.
+    num_pid_m = tl.cdiv(M, BLOCK_M)
+    num_pid_n = tl.cdiv(N, BLOCK_N)
+    width = GROUP_M * num_pid_n
+    first_m = (pid // width) * GROUP_M
+    group_rows = tl.minimum(num_pid_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % width) % group_rows
+    pid_n = (pid % width) // group_rows
+
+    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    # Rows and outputs past the ends repeat the last (the loads stay unmasked); the stores drop them.
+    rm_c = tl.minimum(rm, M - 1)
     rn_c = tl.minimum(rn, N - 1)
-    rm = tl.arange(0, BLOCK_M)
-    ri = tl.arange(0, BLOCK_K // 8)  # [BLOCK_K / 8] packed rows of a step
-    rj = tl.arange(0, 8)  # [8] nibbles of a word
+    ri = tl.arange(0, BLOCK_K // 8)  # packed rows of a step
+    rj = tl.arange(0, 8)  # nibbles of a word
     shifts = rj * 4
     k_lo = pid_k * k_per_split
     k_hi = tl.minimum(k_lo + k_per_split, K)
+    x_rows = x_ptr + rm_c.to(tl.int64)[:, None] * stride_xm  # [BLOCK_M, 1]
+    if MODE == 1:
+        acc2 = tl.zeros((BLOCK_K // 8, BLOCK_N), dtype=tl.float32)  # reduced over the packed rows at the end
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(k_lo, k_hi, BLOCK_K):
-        rows = (k0 // 8 + ri).to(tl.int64)
-        packed = tl.load(qw_ptr + rows[:, None] * N + rn_c[None, :], eviction_policy="evict_first")  # [BK/8, BN]
-        q = (packed[:, None, :] >> shifts[None, :, None]) & 0xF  # [BK/8, 8, BN]: input k0 + 8i + j
         g_off = (k0 // group_size).to(tl.int64) * N + rn_c  # [BLOCK_N] this step's group row
         s = tl.load(s_ptr + g_off).to(tl.float32)
+        # q - z exactly in float32 without an int->float conversion: (2^23 + q) - (2^23 + z)
         if HAS_ZEROS:
-            w = (q - tl.load(z_ptr + g_off).to(tl.int32)[None, None, :]).to(tl.float32)
+            zf = tl.load(z_ptr + g_off).to(tl.float32) + _MAGIC
         else:
-            w = (q - 8).to(tl.float32)
-        kk = k0 + ri[:, None] * 8 + rj[None, :]  # [BK/8, 8] rows of W
-        if HAS_PERM:
-            cols = tl.load(perm_ptr + kk)
-        else:
-            cols = kk
-        for m in tl.static_range(BLOCK_M):
-            # rows past M repeat row M-1 (dropped at the store)
-            xm = tl.load(x_ptr + tl.minimum(M - 1, m) * stride_xm + cols, eviction_policy="evict_last")
-            p = tl.sum(tl.sum(xm.to(tl.float32)[:, :, None] * w, axis=1), axis=0) * s  # [BLOCK_N]
-            if BLOCK_M == 1:
-                acc += p[None, :]
+            zf = tl.zeros((BLOCK_N,), dtype=tl.float32) + _MAGIC + 8.0
+        if MODE == 2:
+            rk = tl.arange(0, BLOCK_K)
+            kk = k0 + rk
+            if HAS_PERM:
+                cols = tl.load(perm_ptr + kk)
             else:
-                acc = tl.where(rm[:, None] == m, acc + p[None, :], acc)
+                cols = kk
+            x = tl.load(x_rows + cols[None, :])  # [BLOCK_M, BLOCK_K]
+            if UNPACK_RESHAPE:
+                rows = (k0 // 8 + ri).to(tl.int64)
+                packed = tl.load(qw_ptr + rows[:, None] * N + rn_c[None, :])  # [BK/8, BN]
+                q = tl.reshape((packed[:, None, :] >> shifts[None, :, None]) & 0xF, (BLOCK_K, BLOCK_N))
+            else:
+                packed = tl.load(qw_ptr + (kk // 8).to(tl.int64)[:, None] * N + rn_c[None, :])  # 8 loads per word
+                q = (packed >> ((rk % 8) * 4)[:, None]) & 0xF
+            w = (q | 0x4B000000).to(tl.float32, bitcast=True) - zf[None, :]  # [BLOCK_K, BLOCK_N] in [-16, 15]
+            if DOT_FP32:
+                part = tl.dot(x.to(tl.float32), w, input_precision="ieee")
+            else:
+                part = tl.dot(x, w.to(x.dtype))  # integers in [-16, 15]: exact in bf16 and fp16
+            acc += part * s[None, :]
+        else:
+            rows = (k0 // 8 + ri).to(tl.int64)
+            packed = tl.load(qw_ptr + rows[:, None] * N + rn_c[None, :], eviction_policy="evict_first")  # [BK/8, BN]
+            q = (packed[:, None, :] >> shifts[None, :, None]) & 0xF  # [BK/8, 8, BN]: input k0 + 8i + j
+            w = (q | 0x4B000000).to(tl.float32, bitcast=True) - zf[None, None, :]
+            kk = k0 + ri[:, None] * 8 + rj[None, :]  # [BK/8, 8] rows of W
+            if HAS_PERM:
+                cols = tl.load(perm_ptr + kk)
+            else:
+                cols = kk
+            if MODE == 1:
+                xm = tl.load(x_ptr + pid_m.to(tl.int64) * stride_xm + cols).to(tl.float32)  # [BK/8, 8], BLOCK_M = 1
+                acc2 += tl.sum(xm[:, :, None] * w, axis=1) * s[None, :]
+            else:
+                for m in tl.static_range(BLOCK_M):
+                    # rows past M repeat row M-1 (dropped at the store)
+                    xm = tl.load(x_ptr + tl.minimum(M - 1, m) * stride_xm + cols, eviction_policy="evict_last")
+                    p = tl.sum(tl.sum(xm.to(tl.float32)[:, :, None] * w, axis=1), axis=0) * s  # [BLOCK_N]
+                    acc = tl.where(rm[:, None] == m, acc + p[None, :], acc)
+    if MODE == 1:
+        acc += tl.sum(acc2, axis=0)[None, :]
 
     out_mask = (rm < M)[:, None] & (rn < N)[None, :]  # [BLOCK_M, BLOCK_N]
     y_ptrs = y_ptr + rm.to(tl.int64)[:, None] * stride_ym + rn[None, :]
@@ -245,85 +350,20 @@ def _w4a16_gemv_kernel(
         split_stride = (tl.zeros((), dtype=tl.int64) + M) * N
         tl.store(part_ptr + pid_k * split_stride + tile, acc, mask=out_mask)
         tl.debug_barrier()  # every thread's partial is written before the ticket releases them (CTA, then GPU)
-        ticket = tl.atomic_add(count_ptr + pid_n, 1, sem="acq_rel", scope="gpu")
+        ticket = tl.atomic_add(count_ptr + pid, 1, sem="acq_rel", scope="gpu")
         tl.debug_barrier()
-        if ticket == num_splits - 1:  # the last program of this N tile: all partials are visible
+        if ticket == num_splits - 1:  # the last program of this output tile: all partials are visible
             total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
             for sp in range(0, num_splits):  # in split order, whichever program came last
                 total += tl.load(part_ptr + sp * split_stride + tile, mask=out_mask, other=0.0, cache_modifier=".cg")
             if HAS_BIAS:
                 total += tl.load(bias_ptr + rn_c).to(tl.float32)[None, :]
             tl.store(y_ptrs, total.to(y_ptr.dtype.element_ty), mask=out_mask)
-            tl.atomic_xchg(count_ptr + pid_n, 0, sem="relaxed", scope="gpu")  # ready for the next launch
+            tl.atomic_xchg(count_ptr + pid, 0, sem="relaxed", scope="gpu")  # ready for the next launch
     else:
         if HAS_BIAS:
             acc += tl.load(bias_ptr + rn_c).to(tl.float32)[None, :]
         tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=out_mask)
-
-
-@triton.jit
-def _w4a16_gemm_kernel(
-    x_ptr,  # [M, K] (rows strided, K contiguous)
-    qw_ptr,  # [K // 8, N] int32, contiguous
-    s_ptr,  # [K // G, N], contiguous
-    z_ptr,  # [K // G, N] uint8, contiguous (only when HAS_ZEROS)
-    perm_ptr,  # [K] int32 (only when HAS_PERM)
-    bias_ptr,  # [N] (only when HAS_BIAS)
-    y_ptr,  # [M, N]
-    M, N, K, group_size,
-    stride_xm, stride_ym,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,  # divides group_size
-    UNPACK_RESHAPE: tl.constexpr,  # read each word once and reshape [BK/8, 8, BN] -> [BK, BN]; else 8 loads of it
-    HAS_ZEROS: tl.constexpr,
-    HAS_PERM: tl.constexpr,
-    HAS_BIAS: tl.constexpr,
-    DOT_FP32: tl.constexpr,  # float32 operands, exact products: float32 x, and the interpreter (its bf16 dot is wrong)
-):
-    pid_m = tl.program_id(0)
-    pid_n = tl.program_id(1)
-    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    rm_c = tl.minimum(rm, M - 1)  # rows and outputs past the ends repeat the last (dropped at the store)
-    rn_c = tl.minimum(rn, N - 1)
-    rk = tl.arange(0, BLOCK_K)
-    x_rows = x_ptr + rm_c.to(tl.int64)[:, None] * stride_xm  # [BLOCK_M, 1]
-    if UNPACK_RESHAPE:
-        ri = tl.arange(0, BLOCK_K // 8)
-        shifts = tl.arange(0, 8) * 4
-    else:
-        shifts_k = ((rk % 8) * 4)[:, None]  # [BLOCK_K, 1] nibble of each row in its word
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        kk = k0 + rk  # [BLOCK_K] rows of W
-        if HAS_PERM:
-            cols = tl.load(perm_ptr + kk)
-        else:
-            cols = kk
-        x = tl.load(x_rows + cols[None, :])  # [BLOCK_M, BLOCK_K]
-        if UNPACK_RESHAPE:
-            rows = (k0 // 8 + ri).to(tl.int64)
-            packed = tl.load(qw_ptr + rows[:, None] * N + rn_c[None, :])  # [BK/8, BN]
-            q = tl.reshape((packed[:, None, :] >> shifts[None, :, None]) & 0xF, (BLOCK_K, BLOCK_N))
-        else:
-            packed = tl.load(qw_ptr + (kk // 8).to(tl.int64)[:, None] * N + rn_c[None, :])  # [BK, BN], 8 per word
-            q = (packed >> shifts_k) & 0xF
-        g_off = (k0 // group_size).to(tl.int64) * N + rn_c
-        s = tl.load(s_ptr + g_off).to(tl.float32)  # [BLOCK_N]
-        if HAS_ZEROS:
-            w = q - tl.load(z_ptr + g_off).to(tl.int32)[None, :]  # [BLOCK_K, BLOCK_N] in [-16, 15]
-        else:
-            w = q - 8
-        if DOT_FP32:
-            part = tl.dot(x.to(tl.float32), w.to(tl.float32), input_precision="ieee")
-        else:
-            part = tl.dot(x, w.to(x.dtype))  # integers in [-16, 15]: exact in bf16 and fp16
-        acc += part * s[None, :]
-    if HAS_BIAS:
-        acc += tl.load(bias_ptr + rn_c).to(tl.float32)[None, :]
-    mask = (rm < M)[:, None] & (rn < N)[None, :]
-    tl.store(y_ptr + rm.to(tl.int64)[:, None] * stride_ym + rn[None, :], acc.to(y_ptr.dtype.element_ty), mask=mask)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -362,6 +402,34 @@ def _check_operands(x, qweight, scales, qzeros, bias, perm) -> tuple[int, int, i
     return M, N, K, group_size
 
 
+def _launch(x, qweight, scales, qzeros, bias, perm, out, M, N, K, group_size, *, block_m, block_n, block_k,
+            split_k, group_m, mode, unpack_reshape, num_warps, num_stages) -> None:
+    """One launch of _w4a16_kernel: output tiles on grid axis 0, K splits on axis 1."""
+    if group_size % block_k:
+        raise ValueError(f"config: block_k={block_k} does not divide the group size {group_size}")
+    tiles = triton.cdiv(M, block_m) * triton.cdiv(N, block_n)
+    k_per_split = triton.cdiv(triton.cdiv(K, split_k), block_k) * block_k
+    num_splits = triton.cdiv(K, k_per_split)  # <= split_k: no empty splits
+    if num_splits > 1:
+        if tiles > COUNTERS_PER_DEVICE:
+            raise ValueError(f"qweight: N={N} (M={M}) makes {tiles} output tiles, split-K takes at most "
+                             f"{COUNTERS_PER_DEVICE} (use split_k=1 or larger blocks)")
+        part = torch.empty((num_splits, M, N), dtype=torch.float32, device=x.device)
+        counters = _counters(x.device)
+    else:
+        part = counters = out  # unused
+    _w4a16_kernel[(tiles, num_splits)](
+        x, qweight, scales, qzeros if qzeros is not None else qweight, perm if perm is not None else qweight,
+        bias if bias is not None else out, out, part, counters,
+        M, N, K, group_size, x.stride(0), out.stride(0), k_per_split,
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=group_m, MODE=mode,
+        UNPACK_RESHAPE=unpack_reshape, SPLIT=num_splits > 1,
+        HAS_ZEROS=qzeros is not None, HAS_PERM=perm is not None, HAS_BIAS=bias is not None,
+        DOT_FP32=x.dtype == torch.float32 or _INTERPRET,
+        num_warps=num_warps, num_stages=num_stages,
+    )
+
+
 def w4a16_gemv_triton(
     x: torch.Tensor,  # [M, K], M <= GEMV_MAX_M
     qweight: torch.Tensor,  # [K / 8, N] int32
@@ -385,27 +453,11 @@ def w4a16_gemv_triton(
     if M == 0 or N == 0:
         return out
     cfg = config or default_gemv_config(M, N, K, group_size, sm_count(x.device, INTERPRETER_SMS))
-    if group_size % cfg.block_k:
-        raise ValueError(f"config: block_k={cfg.block_k} does not divide the group size {group_size}")
-    tiles = triton.cdiv(N, cfg.block_n)
-    k_per_split = triton.cdiv(triton.cdiv(K, cfg.split_k), cfg.block_k) * cfg.block_k
-    num_splits = triton.cdiv(K, k_per_split)  # <= split_k: no empty splits
-    if num_splits > 1:
-        if tiles > COUNTERS_PER_DEVICE:
-            raise ValueError(f"qweight: N={N} makes {tiles} tiles of {cfg.block_n}, split-K takes at most "
-                             f"{COUNTERS_PER_DEVICE} (use split_k=1 or a larger block_n)")
-        part = torch.empty((num_splits, M, N), dtype=torch.float32, device=x.device)
-        counters = _counters(x.device)
-    else:
-        part = counters = out  # unused
-    _w4a16_gemv_kernel[(tiles, num_splits)](
-        x, qweight, scales, qzeros if qzeros is not None else qweight, perm if perm is not None else qweight,
-        bias if bias is not None else out, out, part, counters,
-        M, N, K, group_size, x.stride(0), out.stride(0), k_per_split,
-        BLOCK_M=triton.next_power_of_2(M), BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT=num_splits > 1,
-        HAS_ZEROS=qzeros is not None, HAS_PERM=perm is not None, HAS_BIAS=bias is not None,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-    )
+    mode = cfg.kernel_mode(M)
+    block_m = max(16, triton.next_power_of_2(M)) if mode == 2 else 1 if mode == 1 else triton.next_power_of_2(M)
+    _launch(x, qweight, scales, qzeros, bias, perm, out, M, N, K, group_size, block_m=block_m, block_n=cfg.block_n,
+            block_k=cfg.block_k, split_k=cfg.split_k, group_m=1, mode=mode, unpack_reshape=True,
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return out
 
 
@@ -420,7 +472,8 @@ def w4a16_gemm_triton(
     out: torch.Tensor | None = None,  # [M, N] in x.dtype
     config: W4GemmConfig | None = None,
 ) -> torch.Tensor:
-    """w4a16_ref for any number of rows, on the tensor cores. No host sync: capturable in a CUDA graph."""
+    """w4a16_ref for any number of rows, on the tensor cores. No host sync: capturable in a CUDA graph (after one
+    split launch outside the capture, as for the GEMV)."""
     M, N, K, group_size = _check_operands(x, qweight, scales, qzeros, bias, perm)
     if out is None:
         out = torch.empty((M, N), dtype=x.dtype, device=x.device)
@@ -428,19 +481,10 @@ def w4a16_gemm_triton(
         check_out("out", out, (M, N), x.dtype, x.device)
     if M == 0 or N == 0:
         return out
-    cfg = config or default_gemm_config(M, N, K, group_size)
-    if group_size % cfg.block_k:
-        raise ValueError(f"config: block_k={cfg.block_k} does not divide the group size {group_size}")
-    grid = (triton.cdiv(M, cfg.block_m), triton.cdiv(N, cfg.block_n))
-    _w4a16_gemm_kernel[grid](
-        x, qweight, scales, qzeros if qzeros is not None else qweight, perm if perm is not None else qweight,
-        bias if bias is not None else out, out,
-        M, N, K, group_size, x.stride(0), out.stride(0),
-        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, UNPACK_RESHAPE=cfg.unpack == "reshape",
-        HAS_ZEROS=qzeros is not None, HAS_PERM=perm is not None, HAS_BIAS=bias is not None,
-        DOT_FP32=x.dtype == torch.float32 or _INTERPRET,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-    )
+    cfg = config or default_gemm_config(M, N, K, group_size, sm_count(x.device, INTERPRETER_SMS))
+    _launch(x, qweight, scales, qzeros, bias, perm, out, M, N, K, group_size, block_m=cfg.block_m,
+            block_n=cfg.block_n, block_k=cfg.block_k, split_k=cfg.split_k, group_m=cfg.group_m, mode=2,
+            unpack_reshape=cfg.unpack == "reshape", num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return out
 
 

@@ -90,6 +90,22 @@ def test_gemm_matches_reference(M, N, K, G):
             assert_close(y, ref)
 
 
+def test_gemm_split_k_and_swizzle_and_gemv_modes():
+    """The GEMM with split-K over several row tiles in swizzle groups (ragged last group), and the GEMV forced into
+    each mode: 'dot' at one row, 'fma' (the row loop) at several."""
+    args = operands(40, 37, 96, 32, True, True, True, seed=11)
+    ref = w4a16_ref(*args)
+    for cfg in (W4GemmConfig(block_m=16, block_n=16, block_k=16, split_k=3, group_m=2),
+                W4GemmConfig(block_m=16, block_n=16, block_k=32, split_k=2, group_m=1, unpack="gather")):
+        y = torch.full((40, 37), float("nan"), device=DEVICE)
+        w4a16_gemm_triton(*args, out=y, config=cfg)
+        assert_close(y, ref)
+    for M, mode in ((1, "dot"), (3, "fma"), (3, "dot")):
+        args = operands(M, 37, 96, 32, True, False, True, seed=12 + M)
+        cfg = W4GemvConfig(block_n=16, block_k=16, split_k=2, mode=mode)
+        assert_close(w4a16_gemv_triton(*args, config=cfg), w4a16_ref(*args))
+
+
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("scale_dtype", [torch.float16, torch.bfloat16, torch.float32])
 def test_half_dtypes(dtype, scale_dtype):
