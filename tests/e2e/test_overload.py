@@ -106,10 +106,11 @@ def test_500_requests_at_once_are_each_served_or_refused_429_within_the_wait():
         for r in served:
             assert r["at"] <= WAIT_S + MARGIN_S, r  # the first token (the stream starts with it)
             assert r["chunks"] == MAX_TOKENS, r
-        # A full queue is refused at once: as soon as the router has read the request (as a too long prompt
-        # beside it is answered; the router does not read the connections in exactly the order they were sent),
-        # never after waiting for anything.
-        assert max(r["at"] for r in full) <= last_read + 2.0, (median([r["at"] for r in full]), last_read)
+        # A full queue is refused at once, never after waiting for room: the refusal names the queue bound, not the
+        # wait, and each came before a queued request could have reached the wait limit (WAIT_S after it was read,
+        # and the burst's last request was read by last_read). How much sooner depends on how busy the machine is,
+        # so the bound is the wait itself.
+        assert max(r["at"] for r in full) < last_read + WAIT_S, (median([r["at"] for r in full]), last_read)
 
         deadline = time.monotonic() + 30
         while True:
