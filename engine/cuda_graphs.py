@@ -27,8 +27,11 @@ from engine.utils import cdiv
 
 log = logging.getLogger(__name__)
 
-# vLLM's sizes: a decode batch pads by at most 7 rows (at batch ~500 the GEMMs are compute-bound: padding costs).
-CAPTURE_SIZES = (1, 2, 4) + tuple(range(8, 513, 8))
+# vLLM's sizes up to 512: a decode batch pads by at most 7 rows (at batch ~500 the GEMMs are compute-bound: padding
+# costs); then every 16 up to 1024, so that --max-num-seqs 1024 (short prompts, an fp8 cache) does not decode its
+# largest batches eagerly, launch-bound on the host. Padding 15 rows at 528+ is under 3%. Only the sizes <=
+# --max-num-seqs are captured.
+CAPTURE_SIZES = (1, 2, 4) + tuple(range(8, 513, 8)) + tuple(range(528, 1025, 16))
 # Steps with prompt tokens: token counts (powers of two, then every 128: at most 25% padding past 256 tokens) ...
 PREFILL_TOKEN_SIZES = (16, 32, 64, 128, 256, 384, 512, 640, 768, 896, 1024, 1280, 1536, 1792, 2048)
 # ... and sequence rows, one or more of them padding (an idle prefill is 1 sequence: 2 rows).
