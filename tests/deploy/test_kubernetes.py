@@ -132,7 +132,7 @@ def test_every_kubernetes_object_is_valid_in_strict_mode(target):
                 continue
             try:
                 kubernetes_validate.validate(obj, version, strict=True)
-            except kubernetes_validate.ValidationError as e:
+            except kubernetes_validate.utils.ValidationError as e:
                 pytest.fail(f"{name}: {obj['kind']}/{obj['metadata']['name']} on Kubernetes {version}: {e.message} "
                             f"at {'/'.join(map(str, e.path))}")
 
