@@ -440,3 +440,57 @@ def test_the_alert_rules_pass_promtool_and_name_metrics_that_exist(monitoring, t
     path.write_text(yaml.safe_dump({"groups": rule["spec"]["groups"]}))
     out = subprocess.run([promtool, "check", "rules", str(path)], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stdout + out.stderr
+
+
+# Synthetic series (one sample a minute) under which each alert fires, for the labels given, and the neighbours that
+# must not: another job down, a decode pod's waiting requests (not the routers' queue), a KV cache at half.
+_SERIES = [
+    ('up{job="tandem-decode", namespace="a", pod="tandem-decode-1", instance="10.0.0.7:9101"}', "0x20"),
+    ('up{job="node-exporter", namespace="a", pod="x", instance="10.0.0.8:9100"}', "0x20"),
+    ('tandem:time_to_first_token_seconds_bucket{role="router", namespace="a", pod="r", le="1"}', "0+0x20"),
+    ('tandem:time_to_first_token_seconds_bucket{role="router", namespace="a", pod="r", le="2.5"}', "0+10x20"),
+    ('tandem:time_to_first_token_seconds_bucket{role="router", namespace="a", pod="r", le="+Inf"}', "0+10x20"),
+    ('tandem:num_requests_waiting{role="router", namespace="a", pod="r"}', "150x20"),
+    ('tandem:num_requests_waiting{role="decode", namespace="b", pod="d"}', "500x20"),
+    ('tandem:kv_cache_usage_perc{role="decode", namespace="a", pod="tandem-decode-0"}', "0.9x20"),
+    ('tandem:kv_cache_usage_perc{role="decode", namespace="a", pod="tandem-decode-1"}', "0.5x20"),
+    ('tandem:kv_transfer_failures_total{role="prefill", namespace="a", pod="tandem-prefill-0"}', "0+1x20"),
+]
+_FIRING = {  # alert -> the labels it fires with at 18 min, and its summary then
+    "TandemInstanceDown": ({"job": "tandem-decode", "namespace": "a", "pod": "tandem-decode-1",
+                            "instance": "10.0.0.7:9101"}, "tandem-decode pod tandem-decode-1 is not answering scrapes"),
+    # (between the 1 s and 2.5 s buckets, all of it: p95 = 1 + 0.95 x 1.5)
+    "TandemHighTimeToFirstToken": ({"namespace": "a"}, "TTFT p95 is 2.425s in a"),
+    "TandemRequestQueueBacklog": ({"namespace": "a"}, "150 requests queued in the routers of a"),
+    "TandemKVCacheNearlyFull": ({"namespace": "a", "pod": "tandem-decode-0"}, "KV cache of tandem-decode-0 is 90% full"),
+    "TandemKVTransferFailures": ({"namespace": "a", "pod": "tandem-prefill-0"},
+                                 "KV transfers failing on tandem-prefill-0"),
+}
+
+
+def _labels_in(template: str, labels: dict) -> str:
+    return re.sub(r"\{\{ \$labels\.(\w+) \}\}", lambda m: labels[m.group(1)], template)
+
+
+def test_each_alert_fires_on_its_condition_and_not_on_its_neighbours(monitoring, tmp_path):
+    promtool = shutil.which("promtool")
+    if promtool is None:
+        pytest.skip("promtool is not installed (Debian: prometheus)")
+    groups = monitoring["PrometheusRule"]["spec"]["groups"]
+    rules = {r["alert"]: r for g in groups for r in g["rules"]}
+    assert set(rules) == set(_FIRING)
+    (tmp_path / "rules.yml").write_text(yaml.safe_dump({"groups": groups}))
+    alerts = [{"eval_time": "18m", "alertname": name, "exp_alerts": [{
+        "exp_labels": {**labels, **rules[name]["labels"]},
+        "exp_annotations": {"summary": summary,
+                            "description": _labels_in(rules[name]["annotations"]["description"], labels)}}]}
+        for name, (labels, summary) in _FIRING.items()]
+    # Before their `for:` has passed, none fires.
+    alerts += [{"eval_time": "1m", "alertname": name, "exp_alerts": []} for name in _FIRING]
+    tests = {"rule_files": ["rules.yml"], "evaluation_interval": "1m", "tests": [{
+        "interval": "1m", "input_series": [{"series": s, "values": v} for s, v in _SERIES],
+        "alert_rule_test": alerts}]}
+    (tmp_path / "tests.yml").write_text(yaml.safe_dump(tests))
+    out = subprocess.run([promtool, "test", "rules", "tests.yml"], cwd=tmp_path, capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0, out.stdout + out.stderr
