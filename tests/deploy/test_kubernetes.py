@@ -27,8 +27,7 @@ import prefill_svc.server
 import router.server
 from serving.auth import ENV_API_KEY
 
-sys.path.insert(0, str(Path(__file__).parent))
-import kustomize  # noqa: E402 - tests/deploy/kustomize.py, beside this file
+import kustomize  # tests/deploy/kustomize.py (pytest puts a test's directory on the path, as for scripted_backend)
 
 ROOT = Path(__file__).resolve().parents[2]
 DEPLOY = ROOT / "deploy" / "kubernetes"
@@ -60,10 +59,6 @@ def target(request) -> tuple[str, list[dict]]:
     return request.param, kustomize.build(DEPLOY / request.param)
 
 
-# id(objects) -> (objects, their namespaces): the rendering is kept, so its id is never another's.
-_NAMESPACES: dict[int, tuple[list, dict]] = {}
-
-
 def _obj(objects: list[dict], kind: str, name: str) -> dict:
     (found,) = [o for o in objects if o["kind"] == kind and o["metadata"]["name"] == name]
     return found
@@ -91,6 +86,10 @@ def _parse(cmd: list[str]):
 
 def _command(container: dict) -> list[str]:
     return container.get("command", []) + container.get("args", [])
+
+
+# id(objects) -> (objects, their namespaces): the rendering is kept, so its id is never another's.
+_NAMESPACES: dict[int, tuple[list, dict]] = {}
 
 
 def _namespaces(objects: list[dict]) -> dict:
