@@ -227,6 +227,13 @@ def create_app(core: RouterCore, api_key: ApiKey | None = None, open_paths: Iter
         return JSONResponse({"status": "unavailable", "reason": SHUTTING_DOWN if core.draining else NOT_READY},
                             status_code=503)
 
+    @app.get("/livez", responses={200: {"model": HealthStatus,
+                                        "description": "this process is alive and its event loop turns"}})
+    async def livez() -> Response:
+        # Liveness (Kubernetes' livenessProbe): answered by the event loop alone, whatever the instances' state, so
+        # a worker outage makes routers unready (/health 503) but never gets them restarted.
+        return JSONResponse({"status": "ok"})
+
     @app.get("/metrics", response_class=PlainTextResponse,
              responses={200: {"description": "Prometheus' text format"}})
     async def metrics() -> Response:
@@ -294,7 +301,7 @@ def create_app(core: RouterCore, api_key: ApiKey | None = None, open_paths: Iter
 
 
 _COUNTED_PATHS = frozenset({"/v1/completions", "/v1/chat/completions", "/generate", "/v1/models", "/health",
-                            "/metrics"})
+                            "/livez", "/metrics"})
 
 
 class _CountRequests:

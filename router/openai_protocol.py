@@ -287,7 +287,7 @@ class CompletionChunk(_OmitNone):
 
 
 class HealthStatus(BaseModel):
-    """`GET /health`: "ok" (200), or "unavailable" (503) and why."""
+    """`GET /health`: "ok" (200), or "unavailable" (503) and why; `GET /livez`: "ok" while the process lives."""
     status: str
     reason: str | None = None
 

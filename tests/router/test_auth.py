@@ -38,12 +38,12 @@ async def test_http_needs_the_key_except_on_open_paths(anyio_backend):
         not_bearer = await c.post("/v1/completions", json=body, headers={"Authorization": KEY})
         right = await c.post("/v1/completions", json=body, headers={"Authorization": f"Bearer {KEY}"})
         models = await c.get("/v1/models")
-        health_, metrics = await c.get("/health"), await c.get("/metrics")
+        health_, livez, metrics = await c.get("/health"), await c.get("/livez"), await c.get("/metrics")
     for r in (missing, wrong, not_bearer, models):
         assert r.status_code == 401, r.text
         assert r.json()["error"]["code"] == "invalid_api_key" and r.headers["www-authenticate"] == "Bearer"
     assert right.status_code == 200 and right.json()["choices"][0]["text"] == "abc"
-    assert health_.status_code == 200 and metrics.status_code == 200
+    assert health_.status_code == livez.status_code == metrics.status_code == 200
 
 
 @pytest.mark.anyio
