@@ -28,10 +28,12 @@ class EngineArgs:
     kv_cache_dtype: str = CacheConfig.kv_cache_dtype
     enable_prefix_caching: bool = CacheConfig.enable_prefix_caching
     num_gpu_blocks_override: int | None = CacheConfig.num_gpu_blocks_override
+    swap_space: float = CacheConfig.swap_space
     max_num_seqs: int = SchedulerConfig.max_num_seqs
     max_num_batched_tokens: int = SchedulerConfig.max_num_batched_tokens
     async_scheduling: bool | None = SchedulerConfig.async_scheduling
     new_token_ratio: float = SchedulerConfig.new_token_ratio
+    preemption_mode: str = SchedulerConfig.preemption_mode
     device: str = DeviceConfig.device
     tensor_parallel_size: int = ParallelConfig.tensor_parallel_size
 

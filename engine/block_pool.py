@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import hashlib
 from collections import OrderedDict
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 from array import array
 
@@ -35,6 +35,9 @@ class BlockPool:
         # Blocks with ref_cnt == 0, oldest first: the front is evicted first.
         self.free_queue: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
         self.cached: dict[BlockHash, int] = {}
+        # Called with (block id, its hash) when a cached block's contents are about to be overwritten (the host KV
+        # tier keeps a copy: engine/host_kv.py).
+        self.on_evict: Callable[[int, BlockHash], None] | None = None
 
     @property
     def num_free_blocks(self) -> int:
@@ -93,5 +96,7 @@ class BlockPool:
         if h is not None:
             if self.cached.get(h) == block_id:
                 del self.cached[h]
+                if self.on_evict is not None:
+                    self.on_evict(block_id, h)
             self.block_hash[block_id] = None
 

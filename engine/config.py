@@ -81,6 +81,8 @@ class CacheConfig:
     """Reuse KV blocks of identical prompt prefixes (automatic prefix caching)."""
     num_gpu_blocks_override: int | None = None
     """Exact number of KV blocks (for tests and experiments); overrides the memory budget."""
+    swap_space: float = 0.0
+    """GiB of host memory per engine for a second KV tier (vLLM's swap_space; pinned on CUDA): preempted requests' blocks wait there instead of being recomputed (see --preemption-mode), and blocks evicted from the prefix cache are kept there for later prefix hits. 0: off."""
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.block_size > 1024:
@@ -93,6 +95,11 @@ class CacheConfig:
             raise ValueError(f"kv_cache_dtype={self.kv_cache_dtype!r}: must be one of {', '.join(KV_CACHE_DTYPES)}")
         if self.num_gpu_blocks_override is not None and self.num_gpu_blocks_override < 1:
             raise ValueError(f"num_gpu_blocks_override={self.num_gpu_blocks_override}: must be >= 1")
+        if not 0.0 <= self.swap_space <= 1024.0:
+            raise ValueError(f"swap_space={self.swap_space}: must be in [0, 1024] (GiB)")
+
+
+PREEMPTION_MODES = ("auto", "swap", "recompute")
 
 
 @dataclass
@@ -105,8 +112,12 @@ class SchedulerConfig:
     """Schedule and launch each step before reading the previous step's tokens, so host work overlaps the device's (default: on for CUDA)."""
     new_token_ratio: float = 0.7
     """Admission watermark (SGLang's new_token_ratio): a waiting request (or a decode reservation) is admitted only while the free KV blocks left after it cover this share of every admitted request's remaining max_tokens, so that admitted requests do not preempt each other. It starts here, decays to a seventh of it over 600 steps without preemption, and rises again on a preemption; 0 turns the watermark off (admit whenever the prompt fits, preempt when the pool is full)."""
+    preemption_mode: str = "auto"
+    """What a preempted request's KV becomes when --swap-space gives a host tier: swap (copied to host memory and back when it runs again), recompute (freed, recomputed from its tokens), or auto: swap when its computed tokens exceed one step's --max-num-batched-tokens (recomputing them would take at least a whole step of prefill), else recompute (one chunk of a step that runs anyway). Without a host tier: always recompute."""
 
     def __post_init__(self) -> None:
+        if self.preemption_mode not in PREEMPTION_MODES:
+            raise ValueError(f"preemption_mode={self.preemption_mode!r}: must be one of {', '.join(PREEMPTION_MODES)}")
         if not 0.0 <= self.new_token_ratio <= 1.0:
             raise ValueError(f"new_token_ratio={self.new_token_ratio}: must be in [0, 1]")
         if self.max_num_seqs < 1:

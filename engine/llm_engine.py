@@ -27,6 +27,7 @@ import torch
 from engine.args import EngineArgs
 from engine.collectives import WorkerError
 from engine.config import EngineConfig
+from engine.host_kv import HostKVTier
 from engine.kv_cache_manager import KVCacheManager
 from engine.loader import load_tokenizer, resolve_model
 from engine.model_runner import ModelRunner, StepHandle, warm_up_attention
@@ -110,6 +111,15 @@ class EngineStats:
     prefix_cache_queries: int  # tokens looked up
     prefix_cache_hits: int  # tokens found
     num_preemptions: int
+    # The host KV tier (--swap-space; zeros without one). Counters in blocks, hits in tokens.
+    num_host_blocks: int = 0
+    num_host_used_blocks: int = 0
+    num_swapped: int = 0  # preempted requests whose KV waits on the host
+    num_swaps: int = 0  # preemptions that swapped (the others recomputed)
+    swapped_out_blocks: int = 0
+    swapped_in_blocks: int = 0
+    host_stored_blocks: int = 0  # prefix blocks evicted from the device and kept on the host
+    host_prefix_hits: int = 0  # prefix-cache hit tokens copied back from the host (part of prefix_cache_hits)
 
     @property
     def kv_cache_usage(self) -> float:
@@ -171,7 +181,8 @@ class LLMEngine:
     def _start(self, config: EngineConfig, decode_graphs: bool) -> None:
         max_model_len = self.max_model_len
         bs = config.cache.block_size
-        self.kv = KVCacheManager(self.runner.num_blocks, bs, config.cache.enable_prefix_caching)
+        self.kv = KVCacheManager(self.runner.num_blocks, bs, config.cache.enable_prefix_caching,
+                                 host=self._host_tier(config))
         if not self.kv.can_fit(max_model_len):
             raise ValueError(
                 f"the KV cache holds {self.runner.num_blocks * bs} tokens ({self.runner.num_blocks} blocks), fewer "
@@ -328,6 +339,19 @@ class LLMEngine:
     def get_block_ids(self, request_id: str) -> list[int]:
         return list(self.kv.get_block_ids(request_id))
 
+    def _host_tier(self, config: EngineConfig) -> HostKVTier | None:
+        gib = config.cache.swap_space
+        if not gib:
+            return None
+        if self.runner.tp_size > 1:
+            raise ValueError("swap_space: the host KV tier works with tensor_parallel_size=1 only (each rank's "
+                             "share of a block would have to be copied on that rank)")
+        n = HostKVTier.blocks_for(gib, self.runner.kv_bytes_per_block)
+        if n < 1:
+            raise ValueError(f"swap_space={gib} GiB holds no KV block of {self.runner.kv_bytes_per_block} bytes")
+        log.info("host KV tier: %d blocks (%.2f GiB%s)", n, gib, ", pinned" if self.runner.device.type == "cuda" else "")
+        return HostKVTier([self.runner.kv_cache], n)
+
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished() or bool(self._pending) or self._launched is not None
 
@@ -340,7 +364,17 @@ class LLMEngine:
             num_used_blocks=kv.num_blocks - kv.pool.num_free_blocks, num_total_blocks=kv.num_blocks,
             num_queued_tokens=sum(max(0, r.num_tokens - r.num_computed_tokens) for r in reqs),
             prefix_cache_queries=kv.prefix_queries, prefix_cache_hits=kv.prefix_hits,
-            num_preemptions=sched.num_preemptions)
+            num_preemptions=sched.num_preemptions, **self._host_stats())
+
+    def _host_stats(self) -> dict:
+        host = self.kv.host
+        if host is None:
+            return {}
+        return dict(num_host_blocks=host.num_blocks, num_host_used_blocks=host.num_blocks - len(host.free),
+                    num_swapped=sum(r.swapped_blocks is not None for r in list(self.scheduler.waiting)),
+                    swapped_out_blocks=host.swapped_out, swapped_in_blocks=host.swapped_in,
+                    host_stored_blocks=host.stored, host_prefix_hits=self.kv.host_hits,
+                    num_swaps=self.scheduler.num_swaps)
 
     # ---- decode side of a KV transfer ------------------------------------------------------------------------
     def reserve_prefilled(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, *,

@@ -56,6 +56,7 @@ class Request:
         self.num_inflight_tokens = 0
         self.num_cached_tokens = 0  # prompt tokens served from the prefix cache at first scheduling
         self.num_preemptions = 0
+        self.swapped_blocks: list[int] | None = None  # preempted and swapped out: its host blocks (engine/host_kv.py)
         self.stop_reason: int | str | None = None
         self.arrival_time = arrival_time if arrival_time is not None else time.monotonic()
         self.first_token_time: float | None = None

@@ -4,8 +4,9 @@ Every request has num_computed_tokens catching up with num_tokens. Each step the
 running requests first (a decode needs 1 token, an unfinished prefill the rest of its prompt, clipped to the budget),
 then waiting ones in arrival order, which first reuse their longest cached prefix. When the pool cannot hold a running
 request's next tokens, the most recently admitted request is preempted: its blocks are freed and it is recomputed
-later from its tokens. A single request always fits in an empty pool (checked when the engine starts), so the loop
-cannot deadlock.
+later from its tokens, or, with a host KV tier (--swap-space), its blocks are copied to the host and back when it is
+admitted again (`_should_swap` says which). A single request always fits in an empty pool (checked when the engine
+starts), so the loop cannot deadlock.
 
 Admission keeps a watermark so that admitted requests rarely preempt each other (SGLang's new_token_ratio): a waiting
 request is admitted only while the free blocks, less what the running and reserved requests are expected to grow
@@ -67,6 +68,7 @@ class Scheduler:
         # running; their growth counts against admission.
         self.reserved: dict[str, Request] = {}
         self.num_preemptions = 0
+        self.num_swaps = 0  # preemptions whose request was swapped out instead of recomputed
         self.init_ratio = config.new_token_ratio
         self.min_ratio = self.init_ratio * _MIN_RATIO_FACTOR
         self.ratio_decay = (self.init_ratio - self.min_ratio) / _DECAY_STEPS
@@ -120,6 +122,23 @@ class Scheduler:
                and len(self.running) < self.config.max_num_seqs):
             req = self.waiting[0]
             assert req.num_inflight_tokens == 0, req  # the step that preempted it admitted nobody
+            if req.swapped_blocks is not None:  # its KV is on the host: back in, then on from where it was
+                if self.init_ratio and (self.running or self.reserved):
+                    if room is None:
+                        room = self.headroom()
+                    need = self.need(req)
+                    if need > room:
+                        break
+                    room -= need
+                num_new = min(req.num_tokens - req.num_computed_tokens, budget)
+                if not self.kv.swap_in(req, num_new):
+                    break
+                self.waiting.popleft()
+                req.status = RequestStatus.RUNNING
+                self.running.append(req)
+                out.scheduled.append((req, num_new))
+                budget -= num_new
+                continue
             hits, num_hit_tokens = self.kv.get_computed_blocks(req)
             if self.init_ratio and (self.running or self.reserved):
                 if room is None:
@@ -196,12 +215,24 @@ class Scheduler:
         self.new_token_ratio = min(1.0, max(self.init_ratio, self.new_token_ratio, observed))
 
     def _preempt(self, req: Request) -> None:
-        self.kv.free(req)
+        if self._should_swap(req) and self.kv.swap_out(req):
+            self.num_swaps += 1  # its computed tokens stay computed: their KV waits on the host
+        else:
+            self.kv.free(req)
+            req.num_computed_tokens = 0  # a token in flight still arrives, as the last of its tokens
         req.status = RequestStatus.PREEMPTED
-        req.num_computed_tokens = 0  # a token in flight still arrives, as the last of its tokens
         req.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(req)
+
+    def _should_swap(self, req: Request) -> bool:
+        """Swap rather than recompute (SchedulerConfig.preemption_mode): both cost about the same per token (a
+        prefill row of the model against two copies of its KV over the host link), so the choice is by size: a
+        request whose computed tokens fit in one step's token budget is recomputed as one chunk of a step that runs
+        anyway, a longer one would take whole steps of prefill (and attention grows with its square) and is swapped."""
+        if self.kv.host is None or self.config.preemption_mode == "recompute":
+            return False
+        return self.config.preemption_mode == "swap" or req.num_computed_tokens > self.config.max_num_batched_tokens
 
     def update_from_output(self, out: SchedulerOutput) -> None:
         """The step's sampled tokens are read (the engine appends them next): they are no longer in flight, and
