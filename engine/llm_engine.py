@@ -110,6 +110,7 @@ class EngineStats:
     prefix_cache_queries: int  # tokens looked up
     prefix_cache_hits: int  # tokens found
     num_preemptions: int
+    num_step_tokens: int = 0  # tokens the last step computed, prompt chunks and decodes (0 before the first)
 
     @property
     def kv_cache_usage(self) -> float:
@@ -340,7 +341,8 @@ class LLMEngine:
             num_used_blocks=kv.num_blocks - kv.pool.num_free_blocks, num_total_blocks=kv.num_blocks,
             num_queued_tokens=sum(max(0, r.num_tokens - r.num_computed_tokens) for r in reqs),
             prefix_cache_queries=kv.prefix_queries, prefix_cache_hits=kv.prefix_hits,
-            num_preemptions=sched.num_preemptions)
+            num_preemptions=sched.num_preemptions,
+            num_step_tokens=self.last_stats.num_batched_tokens if self.last_stats is not None else 0)
 
     # ---- decode side of a KV transfer ------------------------------------------------------------------------
     def reserve_prefilled(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, *,

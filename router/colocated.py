@@ -50,6 +50,7 @@ class ColocatedBackend(Backend):
         # The engine's step gauges (running, waiting, KV usage, prefix cache, preemptions) under role "colocated":
         # the router's own num_requests_running counts its in-flight requests, waiting ones included.
         self.engine_metrics = Metrics(self.served_name, "colocated")
+        self.engine_metrics.observe_cache_config(engine.config.cache, engine.kv.num_blocks)
         self._streams: dict[str, asyncio.Queue] = {}  # request id -> its StepOutputs (event loop only)
         self.worker: EngineThread | None = None
 
