@@ -39,6 +39,7 @@ REQUEST_ROLES = ("router",)
 
 _PREFIX_RE = re.compile(r"[a-zA-Z_][a-zA-Z0-9_]*")
 _prefix = DEFAULT_PREFIX
+DECLARED: list["Family"] = []  # every family declared, in any module (tests check dashboards and alerts against it)
 _created: list["Family"] = []
 
 
@@ -84,6 +85,7 @@ class Family:
         self.kind, self.name, self.doc, self.labelnames, self.roles = kind, name, doc, labels, roles
         self.buckets = buckets
         self._metric = None
+        DECLARED.append(self)
 
     def metric(self, max_model_len: int | None = None):
         if self._metric is None:
