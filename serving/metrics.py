@@ -90,9 +90,11 @@ class Family:
     def metric(self, max_model_len: int | None = None):
         if self._metric is None:
             kw = {}
-            if self.buckets is not None:
-                # Token-count buckets follow the context length (vLLM's); 2048 where a caller knows none.
-                kw["buckets"] = self.buckets(max_model_len or 2048) if callable(self.buckets) else self.buckets
+            if callable(self.buckets):  # token counts: buckets up to the context length, as vLLM's
+                assert max_model_len is not None, self.name
+                kw["buckets"] = self.buckets(max_model_len)
+            elif self.buckets is not None:
+                kw["buckets"] = self.buckets
             self._metric = self.kind(f"{_prefix}:{self.name}", self.doc, self.labelnames, **kw)
             _created.append(self)
         return self._metric
@@ -203,7 +205,8 @@ MIGRATION_REASONS = ("decode_unavailable", "decode_unhealthy", "prefill_unavaila
 
 class Metrics:
     """The metric children of one process, bound to its model_name and role labels. A family the role does not
-    record is None here (and absent from /metrics)."""
+    record is None here (and absent from /metrics), as are the token-count histograms without max_model_len (their
+    buckets follow it: the router's core passes it; the router's other parts record none of them)."""
 
     def __init__(self, model: str, role: str, max_model_len: int | None = None):
         assert role in ROLES, role
@@ -211,7 +214,8 @@ class Metrics:
         lv = dict(model_name=model, role=role)
         self._totals = (0, 0, 0)  # engine counters already counted: prefix queries, prefix hits, preemptions
         for attr, family in FAMILIES.items():
-            setattr(self, attr, family.metric(max_model_len).labels(**lv) if role in family.roles else None)
+            wanted = role in family.roles and (max_model_len is not None or not callable(family.buckets))
+            setattr(self, attr, family.metric(max_model_len).labels(**lv) if wanted else None)
         # Every reason's series exists from the start (at 0), so a dashboard's rate() is 0, not "no data".
         self.request_success = ({r: request_success.labels(finished_reason=r, **lv) for r in FINISHED_REASONS}
                                 if role in request_success.roles else None)
