@@ -97,3 +97,27 @@ def test_the_router_observes_a_request_once_and_each_completion():
         assert sample(f"request_{phase}_time_seconds_count", **lv) == 1
     assert sample("e2e_request_latency_seconds_count", **lv) == 1
     assert sample("request_success_total", finished_reason="stop", **lv) == 1
+
+
+def test_every_role_takes_the_prefix_flag_and_tandem_up_passes_it_on():
+    from cli.up import build_parser, launch_commands
+
+    for colocated in ([], ["--colocated"]):
+        cmds = launch_commands(build_parser().parse_args(["--metrics-prefix", "vllm", *colocated]))
+        assert all(cmd[cmd.index("--metrics-prefix") + 1] == "vllm" for cmd in cmds.values()), cmds
+    default = launch_commands(build_parser().parse_args([]))
+    assert not [cmd for cmd in default.values() if "--metrics-prefix" in cmd]  # compose.yaml's lines stay as they are
+
+
+@pytest.mark.parametrize("role", ["router", "prefill", "decode", "up"])
+def test_a_bad_prefix_is_a_usage_error_on_every_role(role, capsys):
+    import cli.up
+    import decode_svc.server
+    import prefill_svc.server
+    import router.server
+
+    main = {"router": lambda argv: router.server.main(["--colocated", *argv]), "prefill": prefill_svc.server.main,
+            "decode": decode_svc.server.main, "up": cli.up.main}[role]
+    with pytest.raises(SystemExit) as e:
+        main(["--metrics-prefix", "9lives"])
+    assert e.value.code == 2 and "--metrics-prefix='9lives'" in capsys.readouterr().err
