@@ -198,8 +198,11 @@ def test_every_alert_expression_returns_series_and_the_rules_are_healthy(prometh
                 all(r["health"] == "ok" and not r.get("lastError") for r in rules)) and rules
 
     rules = poll("alert rules loaded and evaluated", healthy)
-    # Under light load nothing is wrong: no alert fires (an always-firing rule would be a broken rule).
-    assert [r["name"] for r in rules if r["state"] == "firing"] == []
+    # Nothing is down, full or failing under light load: those alerts stay inactive (one that fired here would be
+    # a broken rule). The TTFT alert is left out: on a slow enough machine, TTFT can truly exceed its threshold.
+    states = {r["name"]: r["state"] for r in rules}
+    quiet = ("TandemInstanceDown", "TandemKvCacheNearlyFull", "TandemKvTransferFailures", "TandemQueueBacklog")
+    assert {name: states[name] for name in quiet} == {name: "inactive" for name in quiet}
 
 
 def test_request_series_are_recorded_once_per_request_by_the_router(prometheus, loaded):
