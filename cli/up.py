@@ -46,6 +46,7 @@ from router.admission import admission_flags
 from router.server import OPTIONAL_ROUTER_FLAGS, add_router_args
 from serving.auth import ENV_API_KEY, add_api_key_args
 from serving.config import WorkerConfig
+from serving.metrics import DEFAULT_PREFIX, set_prefix
 from serving.tls import TlsConfig, add_tls_args, tls_flags
 
 # Ports of the workers, counted up from --worker-port: prefill 0..P-1, then decode 0..D-1.
@@ -117,7 +118,8 @@ def _engine_flags(ns: argparse.Namespace, names: tuple[str, ...] | None = None) 
 def _process_flags(ns: argparse.Namespace) -> list[str]:
     """The flags every process gets, router and workers alike (only where given: their defaults are their own)."""
     grace = [] if ns.shutdown_grace is None else ["--shutdown-grace", f"{ns.shutdown_grace:g}"]
-    return grace + tls_flags(ns)
+    prefix = [] if ns.metrics_prefix == DEFAULT_PREFIX else ["--metrics-prefix", ns.metrics_prefix]
+    return grace + prefix + tls_flags(ns)
 
 
 def _router_only_flags(ns: argparse.Namespace) -> list[str]:
@@ -279,6 +281,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(problem)
     try:
         tls = TlsConfig.from_cli_args(ns)
+        set_prefix(ns.metrics_prefix)  # (checked here, as the children would)
     except ValueError as e:
         parser.error(str(e))
     cmds = launch_commands(ns, num_gpus=num_gpus)

@@ -111,6 +111,7 @@ class EngineStats:
     prefix_cache_queries: int  # tokens looked up
     prefix_cache_hits: int  # tokens found
     num_preemptions: int
+    num_step_tokens: int = 0  # tokens the last step computed, prompt chunks and decodes (0 before the first)
     # The host KV tier (--swap-space; zeros without one). Counters in blocks, hits in tokens.
     num_host_blocks: int = 0
     num_host_used_blocks: int = 0
@@ -364,7 +365,9 @@ class LLMEngine:
             num_used_blocks=kv.num_blocks - kv.pool.num_free_blocks, num_total_blocks=kv.num_blocks,
             num_queued_tokens=sum(max(0, r.num_tokens - r.num_computed_tokens) for r in reqs),
             prefix_cache_queries=kv.prefix_queries, prefix_cache_hits=kv.prefix_hits,
-            num_preemptions=sched.num_preemptions, **self._host_stats())
+            num_preemptions=sched.num_preemptions,
+            num_step_tokens=self.last_stats.num_batched_tokens if self.last_stats is not None else 0,
+            **self._host_stats())
 
     def _host_stats(self) -> dict:
         host = self.kv.host

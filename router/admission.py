@@ -35,7 +35,7 @@ from prometheus_client import Counter, Gauge, Histogram
 
 from engine.config import SchedulerConfig
 from router.backend import RequestError
-from serving.metrics import LABELS, Metrics
+from serving.metrics import LABELS, Family, Metrics
 
 # How often the head of the room queue is woken to try again without any slot released here.
 ROOM_RETRY_S = 0.25
@@ -44,19 +44,18 @@ _INITIAL_HOLD_S = 1.0
 _HOLD_EWMA = 0.1  # the weight of each ended request in that estimate
 
 REASONS = ("queue_full", "queue_timeout", "no_room")
-REFUSALS = Counter("tandem:router_admission_refusals",
-                   "Requests the router refused under load, by reason: queue_full (at once: the queue was full), "
-                   "queue_timeout (no slot within --queue-timeout), no_room (no decode instance had room within it).",
-                   LABELS + ("reason",))
-QUEUE_TIME = Histogram("tandem:router_queue_time_seconds", "Time requests waited for an admission slot, seconds.",
-                       LABELS, buckets=(0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0))
-ROOM_WAITS = Counter("tandem:router_room_waits",
-                     "Times a sub-request waited for a decode instance with room (every instance had refused it, or "
-                     "others were waiting already).", LABELS)
-WAITING_FOR_ROOM = Gauge("tandem:router_sub_requests_waiting_for_room",
-                         "Admitted sub-requests waiting for a decode instance with room (all refused them, or others "
-                         "were waiting already).",
-                         LABELS)
+REFUSALS = Family(Counter, "router_admission_refusals",
+                  "Requests the router refused under load, by reason: queue_full (at once: the queue was full), "
+                  "queue_timeout (no slot within --queue-timeout), no_room (no decode instance had room within it).",
+                  LABELS + ("reason",))
+QUEUE_TIME = Family(Histogram, "router_queue_time_seconds", "Time requests waited for an admission slot, seconds.",
+                    LABELS, buckets=(0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0))
+ROOM_WAITS = Family(Counter, "router_room_waits",
+                    "Times a sub-request waited for a decode instance with room (every instance had refused it, or "
+                    "others were waiting already).", LABELS)
+WAITING_FOR_ROOM = Family(Gauge, "router_sub_requests_waiting_for_room",
+                          "Admitted sub-requests waiting for a decode instance with room (all refused them, or others "
+                          "were waiting already).", LABELS)
 
 
 @dataclass(frozen=True)
@@ -173,7 +172,7 @@ class Admission:
         self._hold_s = _INITIAL_HOLD_S
         self.closed: RequestError | None = None
         self._waiting_gauge = metrics.num_requests_waiting if metrics is not None else None
-        lv = dict(model=model, role="router")
+        lv = dict(model_name=model, role="router")
         self._refusals = {r: REFUSALS.labels(reason=r, **lv) for r in REASONS}
         self._queue_time = QUEUE_TIME.labels(**lv)
         self._room_gauge = WAITING_FOR_ROOM.labels(**lv)

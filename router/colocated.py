@@ -47,9 +47,11 @@ class ColocatedBackend(Backend):
         super().__init__(engine.tokenizer, engine.model_name, engine.max_model_len,
                          engine.resolved.config.vocab_size)
         self.engine = engine  # owned by self.worker's thread once start() ran; read-only constants above
-        # The engine's step gauges (running, waiting, KV usage, prefix cache, preemptions) under role "colocated":
-        # the router's own num_requests_running counts its in-flight requests, waiting ones included.
+        # The engine's own series (running, waiting, KV usage, prefix cache, preemptions, tokens per step, cache
+        # config) under role "colocated", and no request-level ones: the router's core records those once per
+        # request. Its num_requests_running counts its in-flight requests, waiting ones included.
         self.engine_metrics = Metrics(self.served_name, "colocated")
+        self.engine_metrics.observe_cache_config(engine.config.cache, engine.kv.num_blocks)
         self._streams: dict[str, asyncio.Queue] = {}  # request id -> its StepOutputs (event loop only)
         self.worker: EngineThread | None = None
 

@@ -33,6 +33,7 @@ from engine.sampling_params import SamplingParams
 from router.admission import Admission, AdmissionConfig, Ticket
 from router.backend import Backend, GenerateDelta, NoRoom, RequestError
 from router.disaggregated import DisaggregatedBackend, RouterConfig
+from router.metrics import RequestMetrics
 from serving.hops import hop
 from serving.metrics import Metrics
 
@@ -106,7 +107,7 @@ class RouterCore:
         self.served_name = backend.served_name
         self.max_model_len = backend.max_model_len
         self.vocab_size = backend.vocab_size
-        self.metrics = Metrics(self.served_name, "router")
+        self.metrics = Metrics(self.served_name, "router", self.max_model_len)
         self.admission = Admission(admission, admission.max_concurrent_requests or backend.default_max_concurrent(),
                                    self.metrics, self.served_name)
         self._running = 0
@@ -216,6 +217,7 @@ class RouterCore:
             raise RequestError("unavailable", None, NOT_READY)
         t0 = time.monotonic()
         ticket = await self.admission.acquire(n)
+        rm = RequestMetrics(self.metrics, t0, len(prompt), n, req.params.max_tokens or self.max_model_len - len(prompt))
         hop(req.request_id, "router.admitted")
         queue: asyncio.Queue = asyncio.Queue()
         subs = []
@@ -227,9 +229,7 @@ class RouterCore:
         self._running += 1
         self._queues.add(queue)
         self.metrics.num_requests_running.set(self._running)
-        self.metrics.prompt_tokens.inc(len(prompt))
         first = True
-        last_time = t0
         reason = "abort"
         try:
             remaining = n
@@ -237,22 +237,17 @@ class RouterCore:
                 item = await queue.get()
                 if isinstance(item, BaseException):
                     raise item
-                now = time.monotonic()
                 if first:
                     hop(req.request_id, "router.first_out")
-                    self.metrics.time_to_first_token_seconds.observe(now - t0)
                     first = False
-                elif item.token_ids:
-                    self.metrics.inter_token_latency_seconds.observe(now - last_time)
-                last_time = now
-                self.metrics.generation_tokens.inc(len(item.token_ids))
+                rm.delta(item)
                 if item.finish_reason is not None:
                     remaining -= 1
                     reason = item.finish_reason
                 yield item
-            self.metrics.e2e_request_latency_seconds.observe(time.monotonic() - t0)
+            rm.done()
         finally:
-            self.metrics.finished(reason)
+            rm.finished(reason)
             for t in subs:
                 t.cancel()
             try:

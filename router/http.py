@@ -29,7 +29,7 @@ import anyio
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.requests import ClientDisconnect
-from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, Counter, generate_latest
+from prometheus_client import Counter
 from pydantic import BaseModel, ValidationError
 
 from router.core import NOT_READY, SHUTTING_DOWN, RequestError, RouterCore
@@ -41,6 +41,7 @@ from router.openapi import GENERATE_ERRORS, TOKENIZE_ERRORS, install, request_bo
 from router.openai_serving import (APIError, ChatCompletions, Completions, Endpoint, SimpleGenerate, Streams,
                                    as_api_error, chat_prompt_ids, check_model, gather, stream)
 from serving.auth import DEFAULT_OPEN_PATHS, ApiKey, ApiKeyMiddleware
+from serving.metrics import Family, exposition
 
 log = logging.getLogger("tandem.router.http")
 
@@ -49,8 +50,8 @@ try:
 except importlib.metadata.PackageNotFoundError:  # a source tree that was never pip-installed (the GPU machine)
     _VERSION = "unknown"
 
-HTTP_REQUESTS = Counter("tandem:http_requests", "HTTP requests answered by the router, by path and status code",
-                        ["path", "status"])
+HTTP_REQUESTS = Family(Counter, "http_requests", "HTTP requests answered by the router, by path and status code",
+                       ("path", "status"))
 
 
 DEFAULT_MAX_REQUEST_BYTES = 16 << 20
@@ -237,7 +238,8 @@ def create_app(core: RouterCore, api_key: ApiKey | None = None, open_paths: Iter
     @app.get("/metrics", response_class=PlainTextResponse,
              responses={200: {"description": "Prometheus' text format"}})
     async def metrics() -> Response:
-        return Response(generate_latest(REGISTRY), media_type=CONTENT_TYPE_LATEST)
+        body, content_type = exposition()  # text 0.0.4 whatever the scraper asks for, as the workers'
+        return Response(body, headers={"Content-Type": content_type})
 
     @app.get("/v1/models", responses=responses(None, (401,)))
     async def models() -> ModelList:
@@ -305,7 +307,7 @@ _COUNTED_PATHS = frozenset({"/v1/completions", "/v1/chat/completions", "/generat
 
 
 class _CountRequests:
-    """ASGI middleware counting answered requests in tandem:http_requests (streams count when they start)."""
+    """ASGI middleware counting answered requests in <prefix>:http_requests (streams count when they start)."""
 
     def __init__(self, app) -> None:
         self.app = app

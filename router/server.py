@@ -39,6 +39,7 @@ from router.http import DEFAULT_MAX_REQUEST_BYTES
 from router.instances import POLICIES
 from serving.auth import ApiKey, add_api_key_args
 from serving.config import WorkerConfig
+from serving.metrics import add_metrics_args, set_prefix
 from serving.rpc import RequestLimit
 from serving.tls import TlsConfig, add_tls_args
 
@@ -63,6 +64,7 @@ def add_router_args(p: argparse.ArgumentParser) -> None:
                    help="gRPC request messages larger than this are refused, RESOURCE_EXHAUSTED (the workers' "
                         f"internal limit is larger: KV blocks; default: {DEFAULT_MAX_MESSAGE_BYTES})")
     add_admission_args(p)
+    add_metrics_args(p)
     p.add_argument("--migration-limit", type=int, default=RouterConfig.migration_limit,
                    help="how many times one request may move to another instance when the one serving it fails "
                         "(its stream continues, token-exact, router/migration.py); past it the client gets the "
@@ -234,6 +236,7 @@ def main(argv: list[str] | None = None) -> int:
         tls = TlsConfig.from_cli_args(ns)
         api_key = ApiKey.from_flag(ns.api_key)
         RequestLimit(ns.max_grpc_message_bytes, MAX_MESSAGE_FLAG)
+        set_prefix(ns.metrics_prefix)
         AdmissionConfig.from_cli_args(ns)  # (checked here: a bad value is a usage error)
     except ValueError as e:
         parser.error(str(e))

@@ -16,7 +16,7 @@ import uvloop
 
 from engine.args import EngineArgs, add_engine_args
 from serving.config import KvTransferConfig, WorkerConfig
-from serving.metrics import Metrics, start_metrics_server
+from serving.metrics import Metrics, add_metrics_args, set_prefix, start_metrics_server
 from serving.rpc import add_health_and_reflection, add_port, new_server, set_serving
 from serving.tls import TlsConfig, add_tls_args
 
@@ -39,6 +39,7 @@ def build_parser(role: WorkerRole, prog: str | None = None) -> argparse.Argument
     p.add_argument("--host", default="127.0.0.1", help="address to listen on")
     p.add_argument("--port", type=int, default=role.default_port, help="gRPC port")
     p.add_argument("--metrics-port", type=int, default=0, help="Prometheus /metrics HTTP port (0: off)")
+    add_metrics_args(p)
     p.add_argument("--kv-transfer-timeout", type=float, default=KvTransferConfig.timeout_s,
                    help=f"{role.kv_timeout_help} (default: {KvTransferConfig.timeout_s:g})")
     p.add_argument("--max-kv-transfer-timeout", type=float, default=KvTransferConfig.max_timeout_s,
@@ -61,7 +62,9 @@ async def serve(role: WorkerRole, engine, host: str, port: int, kv_timeout_s: fl
     """Serves `role` on host:port (mutual TLS with `tls`: only clients whose certificate our CA signed) until stop
     is set or SIGINT/SIGTERM, then drains."""
     log = logging.getLogger(f"tandem.{role.name}")
-    core = role.make_core(engine, Metrics(engine.model_name, role.name), kv_timeout_s)
+    metrics = Metrics(engine.model_name, role.name)
+    metrics.observe_cache_config(engine.config.cache, engine.kv.num_blocks)
+    core = role.make_core(engine, metrics, kv_timeout_s)
     await core.start()
     server = new_server()
     role.add_servicer(core, server)
@@ -102,6 +105,7 @@ def main(role: WorkerRole, argv: list[str] | None = None) -> int:
     ns = parser.parse_args(argv)
     try:
         tls = TlsConfig.from_cli_args(ns)
+        set_prefix(ns.metrics_prefix)
     except ValueError as e:
         parser.error(str(e))
     if ns.tensor_parallel_size > 1:  # a KV transfer reads or writes one cache: the other ranks' KV heads would be lost

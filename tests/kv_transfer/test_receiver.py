@@ -126,7 +126,7 @@ async def stream(*msgs):
 
 def failures(state: str) -> float:
     return REGISTRY.get_sample_value("tandem:kv_transfer_path_failures_total",
-                                     {"model": MODEL, "role": "decode", "path": "grpc", "state": state}) or 0.0
+                                     {"model_name": MODEL, "role": "decode", "path": "grpc", "state": state}) or 0.0
 
 
 def failing(receiver: KvReceiver, *msgs) -> tuple[ServiceError, object]:

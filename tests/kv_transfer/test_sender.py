@@ -35,7 +35,7 @@ def run(engines, kv_transfer, scenario):
 
 def path_bytes(role: str, path: str) -> float:
     return REGISTRY.get_sample_value("tandem:kv_transfer_path_bytes_total",
-                                     {"model": "random:tiny", "role": role, "path": path}) or 0.0
+                                     {"model_name": "random:tiny", "role": role, "path": path}) or 0.0
 
 
 def test_the_flag_and_its_validation(engines):

@@ -38,7 +38,7 @@ def make(capacity=2, **cfg) -> Admission:
 
 
 def refusals(reason: str) -> float:
-    return admission_module.REFUSALS.labels(model="tiny", role="router", reason=reason)._value.get()
+    return admission_module.REFUSALS.labels(model_name="tiny", role="router", reason=reason)._value.get()
 
 
 # ---------------------------------------------------------------------------------------------------- the queue
@@ -300,7 +300,7 @@ def test_no_slot_leaks_and_grants_stay_in_order_under_any_interleaving(capacity,
             t.cancel()
         await settle()
         assert adm.free == capacity and adm.queued == 0 and adm.waiting_for_room == 0
-        assert admission_module.WAITING_FOR_ROOM.labels(model="tiny", role="router")._value.get() == 0
+        assert admission_module.WAITING_FOR_ROOM.labels(model_name="tiny", role="router")._value.get() == 0
 
     run(main())
 

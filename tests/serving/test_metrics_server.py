@@ -11,12 +11,19 @@ from serving.metrics import start_metrics_server
 _PROBE = Gauge("tandem:metrics_server_probe", "A gauge only this test sets.")
 
 # The Accept headers real scrapers send: Prometheus 2.x (OpenMetrics first), Prometheus 3.x (with escaping), none.
+# (tests/e2e/test_prometheus_e2e.py records the one Debian's Prometheus really sends.)
 ACCEPT = {
     "prometheus-2": "application/openmetrics-text;version=1.0.0,application/openmetrics-text;version=0.0.1;q=0.75,"
                     "text/plain;version=0.0.4;q=0.5,*/*;q=0.1",
-    "prometheus-3": "application/openmetrics-text;version=1.0.0;escaping=allow-utf-8;q=0.6,"
-                    "application/openmetrics-text;version=0.0.1;q=0.5,text/plain;version=1.0.0;"
-                    "escaping=allow-utf-8;q=0.4,text/plain;version=0.0.4;q=0.3,*/*;q=0.2",
+    "prometheus-3": "application/openmetrics-text;version=1.0.0;escaping=allow-utf-8;q=0.5,"
+                    "application/openmetrics-text;version=0.0.1;q=0.4,text/plain;version=1.0.0;"
+                    "escaping=allow-utf-8;q=0.3,text/plain;version=0.0.4;q=0.2,*/*;q=0.1",
+    # 3.x with PrometheusProto first (native histograms on)
+    "prometheus-3-proto": "application/vnd.google.protobuf;proto=io.prometheus.client.MetricFamily;"
+                          "encoding=delimited;q=0.5,application/openmetrics-text;version=1.0.0;"
+                          "escaping=allow-utf-8;q=0.4,application/openmetrics-text;version=0.0.1;q=0.3,"
+                          "text/plain;version=1.0.0;escaping=allow-utf-8;q=0.2,text/plain;version=0.0.4;q=0.1,"
+                          "*/*;q=0.0",
     "none": None,
 }
 
