@@ -132,6 +132,24 @@ FAMILIES = {
                                    "Prefix cache queries, in terms of number of queried tokens.", roles=ENGINE_ROLES),
     "prefix_cache_hits": Family(Counter, "prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens.",
                                 roles=ENGINE_ROLES),
+    # The host KV tier (--swap-space), vLLM's v0 names where it had one.
+    "cpu_cache_usage_perc": Family(Gauge, "cpu_cache_usage_perc",
+                                   "Host KV tier usage (--swap-space). 1 means 100 percent usage.", roles=ENGINE_ROLES),
+    "num_requests_swapped": Family(Gauge, "num_requests_swapped",
+                                   "Preempted requests whose KV waits in the host tier.", roles=ENGINE_ROLES),
+    "num_swaps": Family(Counter, "num_swaps", "Preemptions that swapped the request's KV to the host tier instead "
+                        "of recomputing it.", roles=ENGINE_ROLES),
+    "kv_swapped_out_blocks": Family(Counter, "kv_swapped_out_blocks",
+                                    "KV blocks of preempted requests copied to the host tier.", roles=ENGINE_ROLES),
+    "kv_swapped_in_blocks": Family(Counter, "kv_swapped_in_blocks",
+                                   "KV blocks of preempted requests copied back from the host tier.",
+                                   roles=ENGINE_ROLES),
+    "cpu_prefix_cache_stored_blocks": Family(Counter, "cpu_prefix_cache_stored_blocks",
+                                             "Prefix-cache blocks evicted from the device and kept in the host tier.",
+                                             roles=ENGINE_ROLES),
+    "cpu_prefix_cache_hits": Family(Counter, "cpu_prefix_cache_hits",
+                                    "Prefix cache hits served from the host tier, in tokens (also counted in "
+                                    "prefix_cache_hits).", roles=ENGINE_ROLES),
     "iteration_tokens_total": Family(Histogram, "iteration_tokens_total",
                                      "Histogram of number of tokens per engine_step.", roles=ENGINE_ROLES,
                                      buckets=_ITERATION_TOKEN_BUCKETS),
@@ -199,6 +217,12 @@ CACHE_CONFIG_LABELS = ("block_size", "cache_dtype", "enable_prefix_caching", "gp
 cache_config_info = Family(Gauge, "cache_config_info", "Information of the LLMEngine CacheConfig",
                            LABELS + CACHE_CONFIG_LABELS, roles=ENGINE_ROLES)
 
+# Counter attribute -> the EngineStats total it follows.
+_ENGINE_COUNTERS = {"prefix_cache_queries": "prefix_cache_queries", "prefix_cache_hits": "prefix_cache_hits",
+                    "num_preemptions": "num_preemptions", "num_swaps": "num_swaps",
+                    "kv_swapped_out_blocks": "swapped_out_blocks", "kv_swapped_in_blocks": "swapped_in_blocks",
+                    "cpu_prefix_cache_stored_blocks": "host_stored_blocks", "cpu_prefix_cache_hits": "host_prefix_hits"}
+
 FINISHED_REASONS = ("stop", "length", "abort")
 MIGRATION_REASONS = ("decode_unavailable", "decode_unhealthy", "prefill_unavailable", "kv_transfer")
 
@@ -212,7 +236,7 @@ class Metrics:
         assert role in ROLES, role
         self.model, self.role = model, role
         lv = dict(model_name=model, role=role)
-        self._totals = (0, 0, 0)  # engine counters already counted: prefix queries, prefix hits, preemptions
+        self._totals = (0,) * len(_ENGINE_COUNTERS)  # the engine's counters already counted
         for attr, family in FAMILIES.items():
             wanted = role in family.roles and (max_model_len is not None or not callable(family.buckets))
             setattr(self, attr, family.metric(max_model_len).labels(**lv) if wanted else None)
@@ -229,10 +253,12 @@ class Metrics:
         self.kv_cache_usage_perc.set(stats.kv_cache_usage)
         if stats.num_step_tokens:
             self.iteration_tokens_total.observe(stats.num_step_tokens)
-        totals = (stats.prefix_cache_queries, stats.prefix_cache_hits, stats.num_preemptions)
-        for counter, now, before in zip((self.prefix_cache_queries, self.prefix_cache_hits, self.num_preemptions),
-                                        totals, self._totals):
-            counter.inc(now - before)
+        host_blocks = getattr(stats, "num_host_blocks", 0)  # (0: no host tier)
+        self.cpu_cache_usage_perc.set(stats.num_host_used_blocks / host_blocks if host_blocks else 0.0)
+        self.num_requests_swapped.set(getattr(stats, "num_swapped", 0))
+        totals = tuple(getattr(stats, name, 0) for name in _ENGINE_COUNTERS.values())
+        for attr, now, before in zip(_ENGINE_COUNTERS, totals, self._totals):
+            getattr(self, attr).inc(now - before)
         self._totals = totals
 
     def observe_cache_config(self, cache, num_gpu_blocks: int) -> None:

@@ -76,6 +76,21 @@ def test_an_engine_step_observes_its_tokens_and_the_cache_config():
                   gpu_memory_utilization="0.9", num_gpu_blocks="512", num_gpu_blocks_override="None", **lv) == 1
 
 
+def test_the_host_tier_counters_follow_the_engine_totals():
+    m = Metrics("unit-h", "decode")
+    base = dict(num_running=1, num_waiting=2, kv_cache_usage=0.9, prefix_cache_queries=0, prefix_cache_hits=0,
+                num_preemptions=3, num_step_tokens=8, num_host_blocks=10, num_host_used_blocks=4, num_swapped=1,
+                num_swaps=2, swapped_out_blocks=12, swapped_in_blocks=5, host_stored_blocks=7, host_prefix_hits=32)
+    m.observe_step(SimpleNamespace(**base))
+    m.observe_step(SimpleNamespace(**{**base, "swapped_in_blocks": 12, "num_swapped": 0, "num_host_used_blocks": 2}))
+    lv = dict(model_name="unit-h", role="decode")
+    assert sample("cpu_cache_usage_perc", **lv) == 0.2 and sample("num_requests_swapped", **lv) == 0
+    assert sample("num_swaps_total", **lv) == 2 and sample("num_preemptions_total", **lv) == 3
+    assert sample("kv_swapped_out_blocks_total", **lv) == 12 and sample("kv_swapped_in_blocks_total", **lv) == 12
+    assert sample("cpu_prefix_cache_stored_blocks_total", **lv) == 7
+    assert sample("cpu_prefix_cache_hits_total", **lv) == 32
+
+
 def test_the_router_observes_a_request_once_and_each_completion():
     m = Metrics("unit-r", "router", max_model_len=256)
     lv = dict(model_name="unit-r", role="router")
