@@ -62,7 +62,14 @@ request_migrations = Counter(
     "prefill_unavailable: the prefill instance failed; kv_transfer: the transfer between them failed or missed its "
     "deadline).", LABELS + ("reason",))
 
+router_instances = Gauge(
+    "tandem:router_instances",
+    "Router: the prefill or decode instances it knows (instance_role), by state (healthy: in rotation and "
+    "answering; unhealthy: in rotation, not answering or not serving; leaving: gone from DNS, calls still open "
+    "there).", LABELS + ("instance_role", "state"))
+
 FINISHED_REASONS = ("stop", "length", "abort")
+INSTANCE_STATES = ("healthy", "unhealthy", "leaving")
 MIGRATION_REASONS = ("decode_unavailable", "decode_unhealthy", "prefill_unavailable", "kv_transfer")
 ROLES = ("router", "prefill", "decode", "colocated")
 
@@ -73,6 +80,7 @@ class Metrics:
     def __init__(self, model: str, role: str):
         assert role in ROLES, role
         lv = dict(model=model, role=role)
+        self._model, self._role = model, role
         self._totals = (0, 0, 0)  # engine counters already counted: prefix queries, prefix hits, preemptions
         self.num_requests_running = num_requests_running.labels(**lv)
         self.num_requests_waiting = num_requests_waiting.labels(**lv)
@@ -92,6 +100,13 @@ class Metrics:
         self.kv_transfer_failures = kv_transfer_failures.labels(**lv)
         # Every reason's series exists from the start (at 0), so a dashboard's rate() is 0, not "no data".
         self.request_migrations = {r: request_migrations.labels(reason=r, **lv) for r in MIGRATION_REASONS}
+
+    def set_router_instances(self, instance_role: str, **counts: int) -> None:
+        """tandem:router_instances of one pool: counts by state (INSTANCE_STATES)."""
+        for state, n in counts.items():
+            assert state in INSTANCE_STATES, state
+            router_instances.labels(model=self._model, role=self._role, instance_role=instance_role,
+                                    state=state).set(n)
 
     def observe_step(self, stats) -> None:
         """One engine step's gauges and counters from an `EngineStats` snapshot (its counters are totals)."""
