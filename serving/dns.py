@@ -76,7 +76,9 @@ def parse_answer(msg: bytes, qid: int, name: str, qtype: int) -> tuple[list[str]
     if rid != qid or not flags & 0x8000 or qd != 1:
         return None
     qname, at = _read_name(msg, 12)
-    if at + 4 > len(msg) or qname != name.rstrip(".").lower() or struct.unpack_from("!HH", msg, at) != (qtype, CLASS_IN):
+    if at + 4 > len(msg) or qname != name.rstrip(".").lower():
+        return None
+    if struct.unpack_from("!HH", msg, at) != (qtype, CLASS_IN):
         return None
     at += 4
     truncated = bool(flags & 0x0200)

@@ -9,22 +9,8 @@ import socket
 
 import pytest
 
+from fake_dns import FakeDns
 from serving.discovery import Discovery, DiscoveryConfig, LookupFailed, split_host_port, system_resolver
-
-
-class FakeDns:
-    """name -> addresses, or an exception to raise; counts the lookups."""
-
-    def __init__(self, **records):
-        self.records = {k.replace("_", "-"): v for k, v in records.items()}
-        self.lookups = 0
-
-    async def __call__(self, name: str) -> list[str]:
-        self.lookups += 1
-        answer = self.records.get(name, [])
-        if isinstance(answer, Exception):
-            raise answer
-        return list(answer)
 
 
 def _run(coro):

@@ -1,0 +1,120 @@
+"""router/instances.py's rotation under DNS discovery, with a resolver the test controls (no DNS server, nothing
+listening: no poll succeeds): addresses that appear join, vanished ones leave the rotation but keep their channel
+while this router has calls there, and come back as they were; each change of an instance's state is logged once;
+tandem:router_instances counts them."""
+from __future__ import annotations
+
+import asyncio
+import logging
+
+from prometheus_client import REGISTRY
+
+from fake_dns import FakeDns
+from router.instances import InstancePool
+from serving.metrics import Metrics
+
+
+def _gauge(role: str, state: str) -> float | None:
+    return REGISTRY.get_sample_value("tandem:router_instances", {"model": "disc", "role": "router",
+                                                                 "instance_role": role, "state": state})
+
+
+def _pool(dns, entries, **kw) -> InstancePool:
+    return InstancePool("decode", entries, resolver=dns, metrics=Metrics("disc", "router"), poll_timeout_s=0.5,
+                        **kw)
+
+
+def test_addresses_join_and_leave_the_rotation():
+    dns = FakeDns(decode=["127.0.0.2", "127.0.0.3"])
+
+    async def go():
+        pool = _pool(dns, ["decode:9", "127.0.0.1:9"])
+        static = [i.address for i in pool.instances]  # IP literals: there before any lookup
+        await pool.resolve()
+        joined = [i.address for i in pool.instances]
+        for inst in pool.instances:
+            inst.healthy = True
+        first = {i.address: i for i in pool.instances}
+        dns.records["decode"] = ["127.0.0.3", "127.0.0.4"]
+        await pool.names.refresh()
+        after = [i.address for i in pool.instances]
+        kept = first["127.0.0.3:9"] in pool.instances  # the same instance, its load and prefix index with it
+        healthy = [i.address for i in pool.ordered()]
+        await pool.close()
+        return static, joined, after, kept, healthy
+
+    static, joined, after, kept, healthy = asyncio.run(go())
+    assert static == ["127.0.0.1:9"]
+    assert joined == ["127.0.0.1:9", "127.0.0.2:9", "127.0.0.3:9"]
+    assert after == ["127.0.0.1:9", "127.0.0.3:9", "127.0.0.4:9"] and kept
+    assert healthy == ["127.0.0.1:9", "127.0.0.3:9"]  # the new one waits for its first good poll
+
+
+def test_a_vanished_instance_keeps_its_channel_while_streams_run_and_can_come_back():
+    dns = FakeDns(decode=["127.0.0.2", "127.0.0.3"])
+
+    async def go():
+        pool = _pool(dns, ["decode:9"])
+        await pool.resolve()
+        a, b = pool.instances
+        lost = []
+        a.streams.add(lost.append)  # a stream this router follows on a
+        dns.records["decode"] = ["127.0.0.3"]
+        await pool.names.refresh()
+        state = (pool.instances == [b], pool.leaving == [a], a.leaving, _gauge("decode", "leaving"))
+        await pool.poll_once()  # a is polled still (unreachable here, once: not lost yet) and stays
+        polled = (a.state, pool.leaving == [a], lost)
+        dns.records["decode"] = ["127.0.0.2", "127.0.0.3"]
+        await pool.names.refresh()
+        back = (pool.instances == [b, a], pool.leaving, a.leaving)
+        dns.records["decode"] = ["127.0.0.3"]
+        await pool.names.refresh()
+        a.streams.clear()  # its stream finished
+        await pool.poll_once()
+        reaped = (pool.leaving, _gauge("decode", "leaving"), _gauge("decode", "unhealthy"))
+        await pool.close()
+        return state, polled, back, reaped, a.channel
+
+    state, polled, back, reaped, channel = asyncio.run(go())
+    assert state == (True, True, True, 1.0)
+    assert polled == ("unreachable", True, [])
+    assert back == (True, [], False)
+    assert reaped == ([], 0.0, 1.0)
+
+
+def test_a_vanished_instance_that_is_lost_moves_its_streams():
+    dns = FakeDns(decode=["127.0.0.2"])
+
+    async def go():
+        pool = _pool(dns, ["decode:9", "127.0.0.1:9"])
+        await pool.resolve()
+        a = pool.instances[1]
+        moved = []
+        a.streams.add(moved.append)
+        dns.records["decode"] = []
+        await pool.names.refresh()
+        await pool.poll_once()
+        await pool.poll_once()  # LOST_AFTER_POLLS unanswered polls: its streams are told
+        await pool.close()
+        return moved
+
+    (why,) = asyncio.run(go())
+    assert "2 health polls unanswered" in why
+
+
+def test_unreachable_instances_are_logged_once_until_they_change(caplog):
+    caplog.set_level(logging.INFO, "tandem.router.instances")
+
+    async def go():
+        pool = _pool(FakeDns(), ["127.0.0.1:9", "127.0.0.1:10"])
+        for _ in range(3):
+            await pool.poll_once()
+        up = (_gauge("decode", "healthy"), _gauge("decode", "unhealthy"))
+        await pool.close()
+        return up
+
+    assert asyncio.run(go()) == (0.0, 2.0)
+    lines = sorted(r.message for r in caplog.records if "unreachable" in r.message)
+    assert lines == ["decode 127.0.0.1:10 is unreachable: UNAVAILABLE",
+                     "decode 127.0.0.1:9 is unreachable: UNAVAILABLE"]
+    assert all(r.levelno == logging.WARNING for r in caplog.records if "unreachable" in r.message)
