@@ -1,17 +1,22 @@
 """router/instances.py's rotation under DNS discovery, with a resolver the test controls (no DNS server, nothing
-listening: no poll succeeds): addresses that appear join, vanished ones leave the rotation but keep their channel
+listening: no poll succeeds; one TLS server): addresses that appear join, vanished ones leave the rotation but keep their channel
 while this router has calls there, and come back as they were; each change of an instance's state is logged once;
-tandem:router_instances counts them."""
+tandem:router_instances counts them; TLS checks a resolved address against its name."""
 from __future__ import annotations
 
 import asyncio
 import logging
 
+import grpc
+import pytest
 from prometheus_client import REGISTRY
 
 from fake_dns import FakeDns
 from router.instances import InstancePool
+from serving import health as health_codec
 from serving.metrics import Metrics
+from serving.rpc import add_health_and_reflection, add_port, new_server, set_serving
+from serving.tls import TlsConfig
 
 
 def _gauge(role: str, state: str) -> float | None:
@@ -118,3 +123,46 @@ def test_unreachable_instances_are_logged_once_until_they_change(caplog):
     assert lines == ["decode 127.0.0.1:10 is unreachable: UNAVAILABLE",
                      "decode 127.0.0.1:9 is unreachable: UNAVAILABLE"]
     assert all(r.levelno == logging.WARNING for r in caplog.records if "unreachable" in r.message)
+
+
+def test_tls_checks_a_resolved_address_against_the_name_it_came_from(tmp_path):
+    """A pod's certificate names its service, not its address: the router dials 127.0.0.1 for the name and the
+    handshake checks the name; the same address given as an IP literal is checked as the IP (and refused here)."""
+    trustme = pytest.importorskip("trustme")
+    ca = trustme.CA()
+    server_tls = _identity(ca, tmp_path, "server", "decode.tandem.test")
+    client_tls = _identity(ca, tmp_path, "client", "router.tandem.test")
+
+    async def go():
+        server = new_server()
+        hs = add_health_and_reflection(server, [])
+        port = add_port(server, "127.0.0.1:0", server_tls)
+        await server.start()
+        await set_serving(hs, [], True)
+        by_name = _pool(FakeDns(**{"decode.tandem.test": ["127.0.0.1"]}), [f"decode.tandem.test:{port}"],
+                        tls=client_tls)
+        by_ip = _pool(FakeDns(), [f"127.0.0.1:{port}"], tls=client_tls)
+        await by_name.resolve()
+        try:
+            named = await by_name.instances[0].health("", timeout=5)
+            try:
+                await by_ip.instances[0].health("", timeout=5)
+                ip = "SERVING"
+            except grpc.aio.AioRpcError as e:
+                ip = e.code()
+            return named, ip
+        finally:
+            await by_name.close()
+            await by_ip.close()
+            await server.stop(0)
+
+    assert asyncio.run(go()) == (health_codec.SERVING, grpc.StatusCode.UNAVAILABLE)
+
+
+def _identity(ca, directory, name: str, host: str) -> TlsConfig:
+    leaf = ca.issue_cert(host)
+    cert, key, ca_path = directory / f"{name}.crt", directory / f"{name}.key", directory / "ca.crt"
+    cert.write_bytes(b"".join(blob.bytes() for blob in leaf.cert_chain_pems))
+    key.write_bytes(leaf.private_key_pem.bytes())
+    ca.cert_pem.write_to_path(str(ca_path))
+    return TlsConfig(str(cert), str(key), str(ca_path))
