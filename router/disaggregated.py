@@ -119,7 +119,7 @@ class DisaggregatedBackend(Backend):
         metrics = Metrics(served_name, "router")
         self.prefill, self.decode = (
             InstancePool(role, list(addrs), cfg.policy, cfg.poll_interval_s, tls=cfg.tls, discovery=cfg.discovery,
-                         resolver=cfg.resolver, metrics=metrics, close_grace_s=cfg.kv_transfer_timeout_s)
+                         resolver=cfg.resolver, metrics=metrics)
             for role, addrs in (("prefill", cfg.prefill_addrs), ("decode", cfg.decode_addrs)))
         self.migration = Migration(cfg.migration_limit, cfg.migration_timeout_s, metrics,
                                    self.decode.wait_healthy, lambda: bool(self.decode.healthy()))

@@ -40,7 +40,6 @@ from engine.args import EngineArgs
 from protos.tandem.v1 import common_pb2, decode_pb2, decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc
 from router.prefix_index import PrefixIndex, block_hashes
 from serving import health as health_codec
-from serving.config import KvTransferConfig
 from serving.discovery import Discovery, DiscoveryConfig, Resolver, entry_host, is_ip
 from serving.metrics import Metrics
 from serving.rpc import channel
@@ -108,9 +107,10 @@ class InstancePool:
     discovery: DiscoveryConfig = field(default_factory=DiscoveryConfig)
     resolver: Resolver | None = None  # how names resolve (default: the discovery config's)
     metrics: Metrics | None = None  # tandem:router_instances, when given
-    # How long the channel of an instance that left DNS waits for its last calls once this router tracks none there
-    # (a prefill stream's tail waits for the KV transfer's end, which the transfer deadline bounds).
-    close_grace_s: float = KvTransferConfig.timeout_s
+    # How long the channel of an instance that left DNS waits for the calls still open on it, once this router
+    # tracks none there (gRPC closes it as soon as they end): a prefill stream's tail (to TransferDone), a
+    # reservation whose stream is about to start. Past it they are cancelled.
+    close_grace_s: float = 600.0
     instances: list[Instance] = field(init=False)  # the rotation (healthy or not)
 
     def __post_init__(self) -> None:
@@ -122,7 +122,7 @@ class InstancePool:
             raise ValueError(f"{self.role}_addrs: at least one host:port is needed")
         self.instances = []
         self.leaving: list[Instance] = []  # vanished from DNS, calls still open there
-        self._closing: set[asyncio.Task] = set()
+        self._closing: dict[asyncio.Task, grpc.aio.Channel] = {}
         self._rr = itertools.count()
         self._task: asyncio.Task | None = None
         self._up: list[asyncio.Future] = []  # wait_healthy's waiters, woken when an instance turns healthy
@@ -170,8 +170,8 @@ class InstancePool:
         for inst in [i for i in self.leaving if not i.inflight and not i.streams]:
             self.leaving.remove(inst)
             task = asyncio.get_running_loop().create_task(inst.channel.close(self.close_grace_s))
-            self._closing.add(task)
-            task.add_done_callback(self._closing.discard)
+            self._closing[task] = inst.channel
+            task.add_done_callback(self._closing.pop)
 
     def _publish(self) -> None:
         if self.metrics is None:
@@ -199,7 +199,9 @@ class InstancePool:
         for inst in self.instances + self.leaving:
             await inst.channel.close()
         self.instances, self.leaving = [], []
-        await asyncio.gather(*self._closing, return_exceptions=True)
+        for task, ch in list(self._closing.items()):  # this router stops: its calls there end now
+            task.cancel()
+            await ch.close()
 
     async def _poll_forever(self) -> None:
         while True:

@@ -166,3 +166,16 @@ def _identity(ca, directory, name: str, host: str) -> TlsConfig:
     key.write_bytes(leaf.private_key_pem.bytes())
     ca.cert_pem.write_to_path(str(ca_path))
     return TlsConfig(str(cert), str(key), str(ca_path))
+
+
+def test_the_router_flags_take_names_and_check_the_dns_flags(capsys):
+    from router.server import ENV_DECODE, main, parse_addresses
+
+    assert parse_addresses("tandem-decode:50061,10.0.0.5:7000", ENV_DECODE) == ["tandem-decode:50061",
+                                                                                "10.0.0.5:7000"]
+    for argv, error in ((["--dns-server", "dns.local:53"], "--dns-server='dns.local:53': the host must be an IP"),
+                        (["--dns-refresh-interval", "-1"], "--dns-refresh-interval=-1.0: must be >= 0"),
+                        (["--decode", "bad_label..x:1"], "--decode='bad_label..x:1': host name")):
+        with pytest.raises(SystemExit):
+            main(["--prefill", "127.0.0.1:1", "--decode", "127.0.0.1:2", *argv])
+        assert error in capsys.readouterr().err
