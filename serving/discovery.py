@@ -147,6 +147,7 @@ class _Name:
 
 @dataclass
 class Discovery:
+    """The addresses a list of host:port entries stands for, now (`addresses`), kept up to date (module docstring)."""
     what: str
     """Whose entries these are, for logs ("decode", "--decode-allowlist")."""
     entries: list[str]
