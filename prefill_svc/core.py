@@ -41,9 +41,11 @@ from engine.llm_engine import stop_holdback
 from engine.utils import cdiv
 from kv_transfer.metrics import KvPathMetrics
 from kv_transfer.sender import KvSender, OutgoingTransfer
+from prefill_svc.allowlist import DecodeAllowlist
 from protos.tandem.v1 import common_pb2, decode_pb2_grpc, prefill_pb2
 from serving.config import KvTransferConfig
 from serving.convert import delta_to_proto, sampling_from_proto
+from serving.discovery import DiscoveryConfig, Resolver
 from serving.errors import ServiceError
 from serving.hops import hop
 from serving.metrics import Metrics
@@ -92,11 +94,12 @@ class PrefillCore(WorkerCore):
 
     def __init__(self, engine, metrics: Metrics, default_kv_timeout_s: float = KvTransferConfig.timeout_s,
                  kv_transfer: str = KvTransferConfig.transport, tls: TlsConfig | None = None,
-                 decode_allowlist: list[str] | None = None, max_kv_timeout_s: float = KvTransferConfig.max_timeout_s):
+                 decode_allowlist: list[str] | None = None, max_kv_timeout_s: float = KvTransferConfig.max_timeout_s,
+                 discovery: DiscoveryConfig = DiscoveryConfig(), resolver: Resolver | None = None):
         super().__init__(engine, metrics, default_kv_timeout_s, max_kv_timeout_s)
-        # The decode instances this prefill may send KV to (None: any the caller names). A caller that names another
-        # address is refused before anything dials it.
-        self.decode_allowlist = None if decode_allowlist is None else frozenset(decode_allowlist)
+        # The decode instances this prefill may send KV to (None: any the caller names): prefill_svc/allowlist.py.
+        self.decode_allowlist = (None if decode_allowlist is None else
+                                 DecodeAllowlist(decode_allowlist, discovery, resolver))
         self.sender = KvSender(engine.kv_cache, kv_transfer)  # validates kv_transfer
         self.path_metrics = KvPathMetrics(metrics, self.model_name, "prefill")
         self._tx: dict[str, _Tx] = {}  # engine thread only
@@ -104,8 +107,15 @@ class PrefillCore(WorkerCore):
         self._channels: dict[str, grpc.aio.Channel] = {}
         self.tls = tls  # mutual TLS to the decode instances (serving/tls.py), or plaintext
 
+    async def start(self) -> None:
+        await super().start()
+        if self.decode_allowlist is not None:
+            await self.decode_allowlist.start()
+
     async def close(self) -> None:
         await super().close()
+        if self.decode_allowlist is not None:
+            await self.decode_allowlist.close()
         for ch in self._channels.values():
             await ch.close()
 
@@ -196,15 +206,15 @@ class PrefillCore(WorkerCore):
     def _channel(self, address: str) -> grpc.aio.Channel:
         ch = self._channels.get(address)
         if ch is None:
-            ch = self._channels[address] = channel(address, self.tls)
+            name = None if self.decode_allowlist is None else self.decode_allowlist.server_name(address)
+            ch = self._channels[address] = channel(address, self.tls, server_name=name)
         return ch
 
-    def check_decode_address(self, address: str) -> None:
+    async def check_decode_address(self, address: str) -> None:
         if len(address) > MAX_ID_CHARS:
             raise ValueError(f"decode_address: {len(address)} characters, must be at most {MAX_ID_CHARS}")
-        if self.decode_allowlist is not None and address not in self.decode_allowlist:
-            raise ValueError(f"decode_address={address!r}: not a decode instance this prefill may send KV to "
-                             f"(--decode-allowlist: {', '.join(sorted(self.decode_allowlist))})")
+        if self.decode_allowlist is not None:
+            await self.decode_allowlist.check(address)
 
     async def prefill(self, request_id: str, prompt: list[int], params_msg: common_pb2.SamplingParams,
                       decode_address: str, kv_timeout_s: float | None, prior: list[int] = ()):
@@ -212,7 +222,7 @@ class PrefillCore(WorkerCore):
         prior: the output tokens a resumed request already sent (FirstToken is the one after them)."""
         self.check_request_id(request_id)
         if decode_address:
-            self.check_decode_address(decode_address)
+            await self.check_decode_address(decode_address)
         kv_timeout_s = self.kv_timeout(kv_timeout_s)
         if request_id in self._reqs:
             raise ServiceError(grpc.StatusCode.ALREADY_EXISTS, f"request_id={request_id!r}: already in flight")

@@ -13,6 +13,7 @@ from prefill_svc.servicer import PrefillServicer
 from protos.tandem.v1 import prefill_pb2
 from serving import worker
 from serving.config import KvTransferConfig
+from serving.discovery import DiscoveryConfig, add_discovery_args, split_host_port
 from serving.rpc import add_service
 from serving.tls import TlsConfig
 
@@ -25,12 +26,17 @@ def add_args(p: argparse.ArgumentParser) -> None:
                         f"{KvTransferConfig.transport})")
     p.add_argument("--decode-allowlist", default=None, metavar="HOST:PORT[,...]",
                    help="the decode instances this prefill may send KV to (the router's --decode list; tandem up "
-                        "passes it); a request naming another is refused before anything dials it (default: any)")
+                        "passes it); a request naming another is refused before anything dials it; a host that is "
+                        "a DNS name allows every address it resolves to (default: any)")
+    add_discovery_args(p)
 
 
 def _core_kwargs(ns: argparse.Namespace) -> dict:
     allow = None if ns.decode_allowlist is None else [a.strip() for a in ns.decode_allowlist.split(",") if a.strip()]
-    return {"kv_transfer": ns.kv_transfer, "tls": TlsConfig.from_cli_args(ns), "decode_allowlist": allow}
+    for entry in allow or ():
+        split_host_port(entry, "--decode-allowlist")
+    return {"kv_transfer": ns.kv_transfer, "tls": TlsConfig.from_cli_args(ns), "decode_allowlist": allow,
+            "discovery": DiscoveryConfig.from_cli_args(ns)}
 
 
 ROLE = worker.WorkerRole(

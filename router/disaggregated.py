@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 import grpc
 
@@ -43,6 +43,7 @@ from router.instances import Instance, InstancePool
 from router.migration import Lost, Migration, Stream, lost_or_error
 from serving.config import KvTransferConfig
 from serving.convert import sampling_to_proto
+from serving.discovery import DiscoveryConfig, Resolver
 from serving.hops import hop
 from serving.metrics import Metrics
 from serving.tls import TlsConfig
@@ -53,7 +54,7 @@ log = logging.getLogger("tandem.router.disaggregated")
 @dataclass
 class RouterConfig:
     prefill_addrs: list[str]
-    """Prefill instances, host:port."""
+    """Prefill instances, host:port (a host that is a DNS name: one instance per address, serving/discovery.py)."""
     decode_addrs: list[str]
     """Decode instances, host:port (reachable from the prefill instances too: they send the KV there)."""
     policy: str = InstancePool.policy
@@ -75,6 +76,10 @@ class RouterConfig:
     (router/migration.py); past it the client gets the error. 0: never moved."""
     migration_timeout_s: float = 30.0
     """How long a moving sub-request may wait for a healthy decode instance to take it, in seconds."""
+    discovery: DiscoveryConfig = field(default_factory=DiscoveryConfig)
+    """How names among the addresses resolve, and how often again."""
+    resolver: Resolver | None = None
+    """Resolves those names (default: the discovery config's; tests pass their own)."""
 
     def __post_init__(self) -> None:
         if self.kv_transfer_timeout_s <= 0:
@@ -111,14 +116,18 @@ class DisaggregatedBackend(Backend):
     def __init__(self, cfg: RouterConfig, tokenizer, served_name: str, max_model_len: int, vocab_size: int):
         super().__init__(tokenizer, served_name, max_model_len, vocab_size)
         self.cfg = cfg
-        self.prefill = InstancePool("prefill", list(cfg.prefill_addrs), cfg.policy, cfg.poll_interval_s, tls=cfg.tls)
-        self.decode = InstancePool("decode", list(cfg.decode_addrs), cfg.policy, cfg.poll_interval_s, tls=cfg.tls)
-        self.migration = Migration(cfg.migration_limit, cfg.migration_timeout_s, Metrics(served_name, "router"),
+        metrics = Metrics(served_name, "router")
+        self.prefill, self.decode = (
+            InstancePool(role, list(addrs), cfg.policy, cfg.poll_interval_s, tls=cfg.tls, discovery=cfg.discovery,
+                         resolver=cfg.resolver, metrics=metrics)
+            for role, addrs in (("prefill", cfg.prefill_addrs), ("decode", cfg.decode_addrs)))
+        self.migration = Migration(cfg.migration_limit, cfg.migration_timeout_s, metrics,
                                    self.decode.wait_healthy, lambda: bool(self.decode.healthy()))
 
     @classmethod
     async def create(cls, cfg: RouterConfig) -> "DisaggregatedBackend":
-        """Loads the model's tokenizer and config (no weights) and opens the channels; start() polls them."""
+        """Loads the model's tokenizer and config (no weights), resolves the names among the addresses and opens
+        the channels; start() polls them."""
         from engine.loader import load_tokenizer, resolve_model
 
         resolved = await asyncio.to_thread(resolve_model, cfg.model)
@@ -126,8 +135,10 @@ class DisaggregatedBackend(Backend):
         limit = _max_model_len(resolved.config)
         if cfg.max_model_len is not None and not 1 <= cfg.max_model_len <= limit:
             raise ValueError(f"max_model_len={cfg.max_model_len}: must be in [1, {limit}] (the model's context)")
-        return cls(cfg, tokenizer, cfg.served_model_name or resolved.name, cfg.max_model_len or limit,
-                   resolved.config.vocab_size)
+        backend = cls(cfg, tokenizer, cfg.served_model_name or resolved.name, cfg.max_model_len or limit,
+                      resolved.config.vocab_size)
+        await asyncio.gather(backend.prefill.resolve(), backend.decode.resolve())
+        return backend
 
     async def start(self) -> None:
         await asyncio.gather(self.prefill.start(), self.decode.start())
@@ -138,7 +149,8 @@ class DisaggregatedBackend(Backend):
         return bool(self.decode.healthy()) and (bool(self.prefill.healthy()) or self.prefill.ever_healthy)
 
     def default_max_concurrent(self) -> int:
-        return SchedulerConfig.max_num_seqs * len(self.decode.instances)
+        # (the decode instances at start: names resolving to more later do not raise it; --max-concurrent-requests)
+        return SchedulerConfig.max_num_seqs * max(1, len(self.decode.instances))
 
     async def close(self) -> None:
         await asyncio.gather(self.prefill.close(), self.decode.close())
@@ -197,6 +209,8 @@ class DisaggregatedBackend(Backend):
                        exhausted: list[str], prior: list[int]):
         """Opens a Decode call on the first instance of `order` with room; returns (call, instance)."""
         for inst in order:
+            if inst.leaving:  # gone from DNS since the order was made
+                continue
             call = await self._open_decode(inst, rid, prompt, params_msg, timeout_ms, exhausted, prior)
             if call is not None:
                 return call, inst
@@ -327,6 +341,8 @@ class DisaggregatedBackend(Backend):
         """An attempt without a prefill instance: the policy's decode instance prefills the prompt (and the prior
         tokens) itself and streams every token."""
         for dinst in self.decode.ordered():
+            if dinst.leaving:
+                continue
             hop(rid, "router.local_prefill_sent")
             call = dinst.stub.Decode(decode_pb2.DecodeRequest(
                 request_id=rid, prompt_token_ids=s.prompt, params=params_msg, prior_output_token_ids=prior,

@@ -5,7 +5,14 @@ fails either (or that a request found unreachable, `mark_down`) leaves the rotat
 An instance that answers NOT_SERVING (draining) only stops getting new requests; one that fails `LOST_AFTER_POLLS`
 polls in a row without answering at all is lost: the streams this router has on it are told (`Instance.streams`)
 and move elsewhere (router/migration.py). A restarted instance is back in rotation at the first poll after it
-answers (the channels' reconnect backoff is capped below the poll interval: serving/rpc.py).
+answers (the channels' reconnect backoff is capped below the poll interval: serving/rpc.py). Each change of an
+instance's state (up, unreachable, not serving) is logged once, the first poll's included.
+
+Discovery (serving/discovery.py): an entry whose host is a name stands for one instance per address it resolves to,
+looked up again every `discovery.refresh_interval_s`. An address that appears joins as a new instance, in rotation
+after its first good poll; one that vanishes leaves the rotation at once (no new requests), but its channel stays
+open and polled while this router has calls there: the requests in flight finish on it (a pod being drained), or
+move if it is lost, as above; then its channel closes. An address that comes back before that rejoins as it was.
 
 Policies (`--policy`):
 - round_robin: healthy instances in turn.
@@ -33,6 +40,8 @@ from engine.args import EngineArgs
 from protos.tandem.v1 import common_pb2, decode_pb2, decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc
 from router.prefix_index import PrefixIndex, block_hashes
 from serving import health as health_codec
+from serving.discovery import Discovery, DiscoveryConfig, Resolver, entry_host, is_ip
+from serving.metrics import Metrics
 from serving.rpc import channel
 from serving.tls import TlsConfig
 
@@ -53,7 +62,7 @@ LOST_AFTER_POLLS = 2
 @dataclass(eq=False)
 class Instance:
     role: str
-    address: str
+    address: str  # ip:port (or the entry as given, when its host is an IP): what prefill is told to send KV to
     channel: grpc.aio.Channel
     stub: object
     health: object  # grpc.health.v1 Check, as a callable (serving/health.py)
@@ -64,6 +73,9 @@ class Instance:
     refused: bool = False  # decode: refused a reservation for room since the last poll
     last_error: str = ""
     failed_polls: int = 0  # polls in a row that got no answer
+    entry: str = ""  # the --prefill/--decode entry it came from (a name, or the address itself)
+    state: str = ""  # what the log said last: "up", "unreachable", "not serving" ("": nothing yet)
+    leaving: bool = False  # its address vanished from DNS: out of rotation, kept while calls are open there
     # This router's streams on the instance: each callback is called (with why) when the instance is lost.
     streams: set[Callable[[str], None]] = field(default_factory=set)
     prefixes: PrefixIndex = field(default_factory=lambda: PrefixIndex(DEFAULT_INDEX_BLOCKS))  # cache_aware
@@ -87,12 +99,19 @@ class Instance:
 @dataclass
 class InstancePool:
     role: str
-    addresses: list[str]
+    addresses: list[str]  # host:port entries; a host that is a name stands for the addresses it resolves to
     policy: str = "round_robin"
     poll_interval_s: float = 1.0
     poll_timeout_s: float = 2.0
     tls: TlsConfig | None = None  # mutual TLS to the instances (serving/tls.py), or plaintext
-    instances: list[Instance] = field(init=False)
+    discovery: DiscoveryConfig = field(default_factory=DiscoveryConfig)
+    resolver: Resolver | None = None  # how names resolve (default: the discovery config's)
+    metrics: Metrics | None = None  # tandem:router_instances, when given
+    # How long the channel of an instance that left DNS waits for the calls still open on it, once this router
+    # tracks none there (gRPC closes it as soon as they end): a prefill stream's tail (to TransferDone), a
+    # reservation whose stream is about to start. Past it they are cancelled.
+    close_grace_s: float = 600.0
+    instances: list[Instance] = field(init=False)  # the rotation (healthy or not)
 
     def __post_init__(self) -> None:
         if self.role not in _STUBS:
@@ -102,24 +121,87 @@ class InstancePool:
         if not self.addresses:
             raise ValueError(f"{self.role}_addrs: at least one host:port is needed")
         self.instances = []
-        for a in self.addresses:
-            ch = channel(a, self.tls)
-            self.instances.append(Instance(self.role, a, ch, _STUBS[self.role](ch), health_codec.check_callable(ch)))
+        self.leaving: list[Instance] = []  # vanished from DNS, calls still open there
+        self._closing: dict[asyncio.Task, grpc.aio.Channel] = {}
         self._rr = itertools.count()
         self._task: asyncio.Task | None = None
         self._up: list[asyncio.Future] = []  # wait_healthy's waiters, woken when an instance turns healthy
         self.ever_healthy = False  # some instance answered a poll once
+        self.names = Discovery(self.role, list(self.addresses), self.discovery, self.resolver, self._membership)
+        self._membership(self.names.addresses)  # the IP literals' instances, before any lookup
+
+    def _open(self, address: str, entry: str) -> Instance:
+        host = entry_host(entry)
+        # TLS checks a resolved address's certificate against the name it came from (pods' certificates name
+        # their service, not their addresses).
+        ch = channel(address, self.tls, server_name=None if is_ip(host) else host)
+        return Instance(self.role, address, ch, _STUBS[self.role](ch), health_codec.check_callable(ch), entry=entry)
+
+    def _membership(self, found: dict[str, str]) -> None:
+        """The rotation becomes the instances of `found` (address -> entry): new addresses join (in rotation
+        after their first good poll), vanished ones leave it (kept, polled, while calls are open there)."""
+        current = {i.address: i for i in self.instances}
+        for inst in [i for a, i in current.items() if a not in found]:
+            self.instances.remove(inst)
+            inst.leaving = True
+            self.leaving.append(inst)
+            log.info("%s %s (%s) left DNS: out of rotation%s", self.role, inst.address, inst.entry,
+                     f"; its {inst.inflight} call(s) in flight finish there" if inst.inflight else "")
+        back = {i.address: i for i in self.leaving if i.address in found}
+        for address, entry in found.items():
+            if address in current:
+                continue
+            if address in back:
+                inst = back[address]
+                self.leaving.remove(inst)
+                inst.leaving = False
+                log.info("%s %s (%s) is back in DNS", self.role, address, entry)
+            else:
+                inst = self._open(address, entry)
+                if entry != address:
+                    log.info("%s %s (%s) joins: in rotation after its first good health poll", self.role, address,
+                             entry)
+            self.instances.append(inst)
+        self._reap()
+        self._publish()
+
+    def _reap(self) -> None:
+        """Closes the channels of the instances that left and have nothing of this router's in flight."""
+        for inst in [i for i in self.leaving if not i.inflight and not i.streams]:
+            self.leaving.remove(inst)
+            task = asyncio.get_running_loop().create_task(inst.channel.close(self.close_grace_s))
+            self._closing[task] = inst.channel
+            task.add_done_callback(self._closing.pop)
+
+    def _publish(self) -> None:
+        if self.metrics is None:
+            return
+        up = sum(i.healthy for i in self.instances)
+        self.metrics.set_router_instances(self.role, healthy=up, unhealthy=len(self.instances) - up,
+                                          leaving=len(self.leaving))
 
     async def start(self) -> None:
+        """Resolves the names (unless `resolve` did), polls every instance once, then both go on in the
+        background."""
+        await self.names.start()
         await self.poll_once()
         self._task = asyncio.create_task(self._poll_forever())
 
+    async def resolve(self) -> None:
+        """The first lookup of the names (the instances they give are there, not polled yet)."""
+        await self.names.refresh()
+
     async def close(self) -> None:
+        await self.names.close()
         if self._task is not None:
             self._task.cancel()
             await asyncio.gather(self._task, return_exceptions=True)
-        for inst in self.instances:
+        for inst in self.instances + self.leaving:
             await inst.channel.close()
+        self.instances, self.leaving = [], []
+        for task, ch in list(self._closing.items()):  # this router stops: its calls there end now
+            task.cancel()
+            await ch.close()
 
     async def _poll_forever(self) -> None:
         while True:
@@ -130,7 +212,20 @@ class InstancePool:
                 log.exception("health poll failed")
 
     async def poll_once(self) -> None:
-        await asyncio.gather(*(self._poll(i) for i in self.instances))
+        await asyncio.gather(*(self._poll(i) for i in self.instances + self.leaving))
+        self._reap()
+        self._publish()
+
+    def _report(self, inst: Instance, state: str, detail: str = "") -> None:
+        """Logs inst's state when it changed since the last report."""
+        if state == inst.state:
+            return
+        inst.state = state
+        where = f"{self.role} {inst.address}" + (f" ({inst.entry})" if inst.entry != inst.address else "")
+        if state == "up":
+            log.info("%s is up", where)
+        else:
+            log.warning("%s is %s: %s", where, state, detail)
 
     async def _poll(self, inst: Instance) -> None:
         try:
@@ -141,8 +236,7 @@ class InstancePool:
         except Exception as e:  # noqa: BLE001
             unanswered = isinstance(e, grpc.aio.AioRpcError)
             msg = e.code().name if unanswered else str(e)
-            if inst.healthy:
-                log.warning("%s %s is down: %s", self.role, inst.address, msg)
+            self._report(inst, "unreachable" if unanswered else "not serving", msg)
             inst.healthy, inst.last_error = False, msg
             inst.failed_polls = inst.failed_polls + 1 if unanswered else 0
             if inst.failed_polls >= LOST_AFTER_POLLS and inst.streams:
@@ -151,9 +245,10 @@ class InstancePool:
                 for lost in list(inst.streams):
                     lost(f"{inst.failed_polls} health polls unanswered ({msg})")
             return
-        if not inst.healthy:
-            log.info("%s %s is up", self.role, inst.address)
+        self._report(inst, "up")
         inst.healthy, inst.last_error, inst.refused, inst.failed_polls = True, "", False, 0
+        if inst.leaving:
+            return
         self.ever_healthy = True
         waiters, self._up = self._up, []
         for w in waiters:
@@ -163,6 +258,7 @@ class InstancePool:
     def mark_down(self, inst: Instance, reason: str) -> None:
         if inst.healthy:
             log.warning("%s %s taken out of rotation: %s", self.role, inst.address, reason)
+            inst.state = "unreachable"  # (logged: the next poll that finds it so says nothing new)
         inst.healthy, inst.last_error = False, reason
 
     def healthy(self) -> list[Instance]:

@@ -1,7 +1,8 @@
 """`tandem router`: one process, one uvloop event loop, serving the public gRPC API and the OpenAI HTTP API over a
 single RouterCore.
 
-1. Flags (and TANDEM_PREFILL_ADDRS / TANDEM_DECODE_ADDRS) say where the prefill and decode instances are.
+1. Flags (and TANDEM_PREFILL_ADDRS / TANDEM_DECODE_ADDRS) say where the prefill and decode instances are: IP
+   addresses, or DNS names that stand for every address they resolve to (serving/discovery.py).
 2. The HTTP port is bound first, so a port in use fails fast with a clear message, before any instance is dialled.
 3. `RouterCore.create` connects to the instances and starts polling their health (router/disaggregated.py);
    `/health` turns 200 once at least one prefill and one decode instance answer.
@@ -39,6 +40,7 @@ from router.http import DEFAULT_MAX_REQUEST_BYTES
 from router.instances import POLICIES
 from serving.auth import ApiKey, add_api_key_args
 from serving.config import WorkerConfig
+from serving.discovery import DiscoveryConfig, add_discovery_args, split_host_port
 from serving.metrics import add_metrics_args, set_prefix
 from serving.rpc import RequestLimit
 from serving.tls import TlsConfig, add_tls_args
@@ -84,9 +86,11 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="tandem router", description=__doc__.split("\n\n")[0])
     add_router_args(p)
     p.add_argument("--prefill", default=None,
-                   help=f"prefill instances, host:port[,host:port...] (default: ${ENV_PREFILL})")
+                   help=f"prefill instances, host:port[,host:port...]; a host that is a DNS name (a headless "
+                        f"service) is one instance per address it resolves to (default: ${ENV_PREFILL})")
     p.add_argument("--decode", default=None,
-                   help=f"decode instances, host:port[,host:port...] (default: ${ENV_DECODE})")
+                   help=f"decode instances, host:port[,host:port...], names as --prefill's (default: ${ENV_DECODE})")
+    add_discovery_args(p)
     p.add_argument("--colocated", action="store_true",
                    help="no instances: run one engine in this process for prefill and decode alike (the "
                         "non-disaggregated baseline); every engine flag below then applies")
@@ -128,9 +132,7 @@ def parse_addresses(value: str | None, env: str) -> list[str]:
     if not addrs:
         raise ValueError(f"{flag}: no instances given (pass {flag} host:port[,host:port...] or set ${env})")
     for a in addrs:
-        host, _, port = a.rpartition(":")
-        if not host or not port.isdigit() or not 0 < int(port) < 65536:
-            raise ValueError(f"{flag}={a!r}: must be host:port with a port in 1..65535")
+        split_host_port(a, flag)
     return addrs
 
 
@@ -173,7 +175,8 @@ async def serve(ns: argparse.Namespace, prefill: list[str], decode: list[str], t
             core = await RouterCore.create(RouterConfig(
                 prefill_addrs=prefill, decode_addrs=decode, policy=ns.policy, model=ns.model,
                 served_model_name=ns.served_model_name, max_model_len=ns.max_model_len, tls=tls,
-                migration_limit=ns.migration_limit, migration_timeout_s=ns.migration_timeout), limits, admission)
+                migration_limit=ns.migration_limit, migration_timeout_s=ns.migration_timeout,
+                discovery=DiscoveryConfig.from_cli_args(ns)), limits, admission)
     except BaseException:
         http_sock.close()
         raise
@@ -238,6 +241,7 @@ def main(argv: list[str] | None = None) -> int:
         RequestLimit(ns.max_grpc_message_bytes, MAX_MESSAGE_FLAG)
         set_prefix(ns.metrics_prefix)
         AdmissionConfig.from_cli_args(ns)  # (checked here: a bad value is a usage error)
+        DiscoveryConfig.from_cli_args(ns)
     except ValueError as e:
         parser.error(str(e))
     try:

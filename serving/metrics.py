@@ -223,7 +223,14 @@ _ENGINE_COUNTERS = {"prefix_cache_queries": "prefix_cache_queries", "prefix_cach
                     "kv_swapped_out_blocks": "swapped_out_blocks", "kv_swapped_in_blocks": "swapped_in_blocks",
                     "cpu_prefix_cache_stored_blocks": "host_stored_blocks", "cpu_prefix_cache_hits": "host_prefix_hits"}
 
+router_instances = Family(
+    Gauge, "router_instances",
+    "Router: the prefill or decode instances it knows (instance_role), by state (healthy: in rotation and "
+    "answering; unhealthy: in rotation, not answering or not serving; leaving: gone from DNS, calls still open "
+    "there).", LABELS + ("instance_role", "state"), roles=("router",))
+
 FINISHED_REASONS = ("stop", "length", "abort")
+INSTANCE_STATES = ("healthy", "unhealthy", "leaving")
 MIGRATION_REASONS = ("decode_unavailable", "decode_unhealthy", "prefill_unavailable", "kv_transfer")
 
 
@@ -245,6 +252,13 @@ class Metrics:
                                 if role in request_success.roles else None)
         self.request_migrations = ({r: request_migrations.labels(reason=r, **lv) for r in MIGRATION_REASONS}
                                    if role in request_migrations.roles else None)
+
+    def set_router_instances(self, instance_role: str, **counts: int) -> None:
+        """tandem:router_instances of one pool: counts by state (INSTANCE_STATES)."""
+        for state, n in counts.items():
+            assert state in INSTANCE_STATES, state
+            router_instances.labels(model_name=self.model, role=self.role, instance_role=instance_role,
+                                    state=state).set(n)
 
     def observe_step(self, stats) -> None:
         """One engine step's gauges and counters from an `EngineStats` snapshot (its counters are totals)."""

@@ -167,12 +167,16 @@ async def set_serving(hs, service_names: Iterable[str], serving: bool) -> None:
         await hs.set(name, status)
 
 
-def channel(address: str, tls: TlsConfig | None = None, keepalive_ms: int = KEEPALIVE_TIME_MS) -> grpc.aio.Channel:
+def channel(address: str, tls: TlsConfig | None = None, keepalive_ms: int = KEEPALIVE_TIME_MS,
+            server_name: str | None = None) -> grpc.aio.Channel:
     """A channel to another Tandem process: plaintext, or mutual TLS with `tls` (this process's certificate, the
-    peer's checked against the CA and the address). keepalive_ms: as its server's (new_server)."""
+    peer's checked against the CA and the address's host, or `server_name` when given: the DNS name an address was
+    resolved from, serving/discovery.py). keepalive_ms: as its server's (new_server)."""
     options = channel_options(keepalive_ms)
     if tls is None:
         return grpc.aio.insecure_channel(address, options=options)
+    if server_name is not None:
+        options.append(("grpc.ssl_target_name_override", server_name))
     return grpc.aio.secure_channel(address, tls.channel_credentials(), options=options)
 
 

@@ -115,7 +115,10 @@ def main(role: WorkerRole, argv: list[str] | None = None) -> int:
     if not 0 < ns.kv_transfer_timeout <= ns.max_kv_transfer_timeout:
         parser.error(f"--kv-transfer-timeout={ns.kv_transfer_timeout:g}: must be > 0 and at most "
                      f"--max-kv-transfer-timeout={ns.max_kv_transfer_timeout:g}")
-    kwargs = {"max_kv_timeout_s": ns.max_kv_transfer_timeout, **(role.core_kwargs(ns) if role.core_kwargs else {})}
+    try:
+        kwargs = {"max_kv_timeout_s": ns.max_kv_transfer_timeout, **(role.core_kwargs(ns) if role.core_kwargs else {})}
+    except ValueError as e:  # a role flag's value (it names the flag)
+        parser.error(str(e))
     role = replace(role, make_core=partial(role.make_core, **kwargs))
     logging.basicConfig(level=ns.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     from engine import LLMEngine

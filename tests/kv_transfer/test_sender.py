@@ -21,6 +21,7 @@ from kv_transfer.sender import CLIENT_WRITE_RACE, KvSender, transfer_failure
 from prefill_svc.core import PrefillCore
 from prefill_svc.server import ROLE, build_parser
 from protos.tandem.v1 import common_pb2, decode_pb2, decode_pb2_grpc, kv_transfer_pb2 as kv, prefill_pb2
+from serving.discovery import DiscoveryConfig
 from serving.errors import ServiceError
 from serving.metrics import Metrics
 from serving.rpc import new_server
@@ -41,7 +42,8 @@ def path_bytes(role: str, path: str) -> float:
 def test_the_flag_and_its_validation(engines):
     assert build_parser().parse_args([]).kv_transfer == "auto"
     ns = build_parser().parse_args(["--kv-transfer", "grpc"])
-    assert ROLE.core_kwargs(ns) == {"kv_transfer": "grpc", "tls": None, "decode_allowlist": None}
+    assert ROLE.core_kwargs(ns) == {"kv_transfer": "grpc", "tls": None, "decode_allowlist": None,
+                                    "discovery": DiscoveryConfig()}
     ns = build_parser().parse_args(["--decode-allowlist", "a:1, b:2"])
     assert ROLE.core_kwargs(ns)["decode_allowlist"] == ["a:1", "b:2"]
     with pytest.raises(SystemExit):
