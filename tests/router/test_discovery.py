@@ -20,7 +20,7 @@ from serving.tls import TlsConfig
 
 
 def _gauge(role: str, state: str) -> float | None:
-    return REGISTRY.get_sample_value("tandem:router_instances", {"model": "disc", "role": "router",
+    return REGISTRY.get_sample_value("tandem:router_instances", {"model_name": "disc", "role": "router",
                                                                  "instance_role": role, "state": state})
 
 
