@@ -211,8 +211,9 @@ def create_app(core: RouterCore, api_key: ApiKey | None = None, open_paths: Iter
         if e.status_code == 404:
             message = f"{request.method} {request.url.path}: no such route on this server"
         elif e.status_code == 405:
-            message = f"{request.method} {request.url.path}: method not allowed (allowed: {e.headers.get('allow')})" \
-                if e.headers and "allow" in e.headers else f"{request.method} {request.url.path}: method not allowed"
+            allowed = next((v for k, v in (e.headers or {}).items() if k.lower() == "allow"), None)
+            message = f"{request.method} {request.url.path}: method not allowed" + (
+                f" (allowed: {allowed})" if allowed else "")
         else:
             message = str(e.detail)
         err = APIError(e.status_code, message, None, {404: "not_found", 405: "method_not_allowed"}.get(e.status_code))
