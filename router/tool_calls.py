@@ -65,8 +65,11 @@ def tool_choice_constraint(tools: list[dict], choice: str | dict, parallel: bool
     if choice != "required":
         return None
     defs: dict = {}
-    for fn in functions.values():
-        for key, schema in ((fn.get("parameters") or {}).get("$defs") or {}).items():
+    for name, fn in functions.items():
+        fn_defs = (fn.get("parameters") or {}).get("$defs", {})
+        if not isinstance(fn_defs, dict):
+            raise ToolChoiceError("tools", f"tools: {name}.parameters.$defs must be an object of schemas")
+        for key, schema in fn_defs.items():
             if key in defs and defs[key] != schema:
                 raise ToolChoiceError("tools", f"tools: $defs.{key} is defined differently by two tools; "
                                                "tool_choice=required needs one definition of each")
@@ -117,6 +120,10 @@ class ToolChoice:
             if choice not in (None, "none"):
                 raise ToolChoiceError("tool_choice", f"tool_choice={_shown(choice)}: needs tools")
             return cls("none", parallel=parallel)
+        names = [t["function"]["name"] for t in tools]
+        if len(set(names)) < len(names):
+            twice = next(n for n in names if names.count(n) > 1)
+            raise ToolChoiceError("tools", f"tools: function {twice!r} is given twice; names must be unique")
         if choice is None:
             choice = "auto"  # OpenAI's default when tools are given
         if choice == "none":

@@ -55,7 +55,7 @@ def test_a_repeated_prompt_is_served_from_the_prefix_cache(client):
 
 def test_stop_reason_names_the_stop_token_and_the_stop_string(client, tokenizer):
     base = client.completions.create(model="random:tiny", prompt=PROMPT, max_tokens=6, temperature=0,
-                                     ignore_eos=True, extra_body={"return_token_ids": True})
+                                     extra_body={"return_token_ids": True, "ignore_eos": True})
     ids = base.choices[0].model_extra["token_ids"]
     assert len(ids) == 6 and base.choices[0].model_extra["stop_reason"] is None  # max_tokens: no stop reason
     r = client.completions.create(model="random:tiny", prompt=PROMPT, max_tokens=6, temperature=0,

@@ -57,6 +57,11 @@ def test_the_choice_a_request_settles_to():
         ToolChoice.of([WEATHER], None, True, ToolConfig())
     with pytest.raises(ToolChoiceError, match="needs tools"):
         ToolChoice.of(None, "required", True, AUTO)
+    with pytest.raises(ToolChoiceError, match="'get_time' is given twice"):
+        ToolChoice.of([WEATHER, TIME, TIME], "none", True, AUTO)
+    with pytest.raises(ToolChoiceError, match=r"\$defs must be an object"):
+        tool_choice_constraint([{"type": "function", "function": {"name": "f", "parameters": {"$defs": []}}}],
+                               "required")
     with pytest.raises(ValueError, match="needs --tool-call-parser"):
         ToolConfig(None, True)
 
