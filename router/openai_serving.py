@@ -3,15 +3,17 @@ deltas become its answer, through one streaming path and one gathering path (rou
 
 The life of a generating request in here:
 1. The endpoint (Completions, ChatCompletions, SimpleGenerate) is built from the parsed body: the model name is
-   checked (unknown: 404), chat messages go through the tokenizer's chat template, the sampling fields build
-   `SamplingParams` (a ValueError becomes a 400 naming the field), and each prompt becomes one GenerateRequest
-   (a completion's batch of prompts is several).
+   checked (unknown: 404), chat messages (and tools) go through the chat template (router/chat_template.py), the
+   sampling fields build `SamplingParams` (a ValueError becomes a 400 naming the field; tool_choice required or
+   named adds its grammar, router/tool_calls.py), and each prompt becomes one GenerateRequest (a completion's batch
+   of prompts is several).
 2. `Streams.open` starts one `core.generate()` per GenerateRequest and awaits the first delta of each before the
    response starts, so the core's own validation errors (empty prompt, prompt longer than the context) are answered
    as 400s rather than breaking a stream.
 3. Streaming (`stream`): the endpoint's head (chat: one role chunk per choice), one event per delta (an SSE chunk;
    /generate: the whole texts so far, NUL-terminated JSON), its tail (the usage chunk when
-   `stream_options.include_usage` asks), then `data: [DONE]`. A failure after the first byte is an SSE error event
+   `stream_options.include_usage` asks), then `data: [DONE]`. With tools, each chat choice's text goes through its
+   tool-call stream first (content and tool_calls deltas). A failure after the first byte is an SSE error event
    before [DONE] (/generate breaks off, as vLLM's does).
 4. Not streaming (`gather`): each choice's text, token ids, logprobs and finish reason, and the usage, from which the
    endpoint builds its response body.

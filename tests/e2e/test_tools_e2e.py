@@ -13,6 +13,7 @@ from pathlib import Path
 
 import openai
 import pytest
+from openai.lib.streaming.chat import ChatCompletionStreamState
 
 from stack import Stack
 
@@ -56,6 +57,15 @@ def client(stack):
     return openai.OpenAI(base_url=stack.http + "/v1", api_key="unused", timeout=120, max_retries=0)
 
 
+def assembled(chunks):
+    """The chunks through the openai SDK's own assembler (its snapshot: a reply cut by max_tokens is kept, where
+    `get_final_completion` would refuse it)."""
+    state = ChatCompletionStreamState()
+    for chunk in chunks:
+        state.handle_chunk(chunk)
+    return state.current_completion_snapshot
+
+
 def test_tools_and_tool_turns_are_rendered(client):
     plain = client.chat.completions.create(model="qwen", messages=ASK, max_tokens=1)
     with_tools = client.chat.completions.create(model="qwen", messages=ASK, tools=[WEATHER], tool_choice="none",
@@ -80,8 +90,7 @@ def test_tool_choice_none_is_plain_content(client):
 def test_auto_parses_the_same_streamed_and_gathered(client, seed):
     kw = dict(model="qwen", messages=ASK, tools=[WEATHER], max_tokens=24, temperature=1.0, seed=seed)
     whole = client.chat.completions.create(**kw).choices[0]
-    with client.chat.completions.stream(**kw) as s:
-        streamed = s.get_final_completion().choices[0]
+    streamed = assembled(client.chat.completions.create(**kw, stream=True)).choices[0]
     assert streamed.message.content == whole.message.content
     assert [(c.function.name, c.function.arguments) for c in streamed.message.tool_calls or []] == [
         (c.function.name, c.function.arguments) for c in whole.message.tool_calls or []]
@@ -95,8 +104,7 @@ def test_a_full_tool_loop_with_a_named_choice(client, stream):
     named = {"type": "function", "function": {"name": "get_weather"}}
     kw = dict(model="qwen", messages=ASK, tools=[WEATHER], tool_choice=named, max_tokens=48, temperature=0)
     if stream:
-        with client.chat.completions.stream(**kw) as s:
-            choice = s.get_final_completion().choices[0]
+        choice = assembled(client.chat.completions.create(**kw, stream=True)).choices[0]
     else:
         choice = client.chat.completions.create(**kw).choices[0]
     (call,) = choice.message.tool_calls
