@@ -175,3 +175,32 @@ async def test_bad_tool_requests_are_400_naming_the_field(body, param):
     whole, _ = await chat(["x"], body, ToolConfig())
     assert whole.status_code == 400, whole.text
     assert whole.json()["error"]["param"] == param, whole.json()
+
+
+def feed_all(stream, pieces: list[str]) -> tuple[str, list[dict]]:
+    content, entries = "", []
+    for k, piece in enumerate(pieces):
+        c, e = stream.feed(piece, final=k == len(pieces) - 1)
+        content, entries = content + c, entries + e
+    return content, entries
+
+
+def test_a_named_choice_streams_its_arguments_as_generated():
+    stream = ToolChoice("named", name="get_weather").stream()
+    content, entries = feed_all(stream, ['{"ci', 'ty": ', '"Paris"}'])
+    assert content == "" and entries[0]["id"].startswith("call_") and entries[0]["function"]["name"] == "get_weather"
+    assert [e["function"]["arguments"] for e in entries] == ['{"ci', 'ty": ', '"Paris"}']
+    assert all(e["index"] == 0 for e in entries) and all("id" not in e for e in entries[1:])
+    assert [(c.name, c.arguments) for c in stream.calls] == [("get_weather", '{"city": "Paris"}')]
+    assert stream.finish_reason("stop") == "tool_calls" and stream.finish_reason("length") == "length"
+
+
+def test_required_reads_the_array_of_calls_split_anywhere():
+    text = '[{"name": "get_weather", "parameters": {"city": "Paris"}}, {"name": "get_time", "parameters": {}}]'
+    for cut in range(len(text) + 1):
+        stream = ToolChoice("required").stream()
+        content, entries = feed_all(stream, [text[:cut], text[cut:]])
+        assert content == "" and [(e["function"]["name"], json.loads(e["function"]["arguments"]))
+                                  for e in entries] == [("get_weather", {"city": "Paris"}), ("get_time", {})]
+    cut_short = ToolChoice("required").stream()
+    assert feed_all(cut_short, ['[{"name": "get_weather", "para']) == ('{"name": "get_weather", "para', [])
