@@ -180,9 +180,11 @@ class _CallArray(ToolParser):
 
     def __init__(self) -> None:
         self.buf, self.opened, self.broken = "", False, False
+        self.raw, self.found = "", False  # the whole output (content, when it holds no call at all)
 
     def feed(self, text: str) -> list[Event]:
         self.buf += text
+        self.raw += text
         out: list[Event] = []
         while not self.broken:
             start = len(self.buf) - len(self.buf.lstrip(" \t\r\n,"))
@@ -206,11 +208,12 @@ class _CallArray(ToolParser):
                 self.broken = True
                 break
             out.append(ToolCall(obj["name"], arguments_text(obj.get("parameters", {}))))
-            self.buf = self.buf[end:]
+            self.buf, self.found = self.buf[end:], True
         return out
 
     def finish(self) -> list[Event]:
-        buf, self.buf = self.buf.strip(), ""
+        buf = (self.buf if self.found else self.raw).strip()
+        self.buf = ""
         return [buf] if buf else []
 
 

@@ -203,4 +203,4 @@ def test_required_reads_the_array_of_calls_split_anywhere():
         assert content == "" and [(e["function"]["name"], json.loads(e["function"]["arguments"]))
                                   for e in entries] == [("get_weather", {"city": "Paris"}), ("get_time", {})]
     cut_short = ToolChoice("required").stream()
-    assert feed_all(cut_short, ['[{"name": "get_weather", "para']) == ('{"name": "get_weather", "para', [])
+    assert feed_all(cut_short, ['[{"name": "get_weather", "para']) == ('[{"name": "get_weather", "para', [])
