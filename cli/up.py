@@ -128,7 +128,9 @@ def _router_only_flags(ns: argparse.Namespace) -> list[str]:
     out = [MAX_MESSAGE_FLAG, str(ns.max_grpc_message_bytes)] if given else []
     for dest, (flag, default) in OPTIONAL_ROUTER_FLAGS.items():
         value = getattr(ns, dest)
-        if value != default:
+        if value is True:  # a switch
+            out.append(flag)
+        elif value != default:
             out += [flag, f"{value:g}" if isinstance(value, float) else str(value)]
     return out
 

@@ -25,6 +25,10 @@ class GenerateDelta:
     finish_reason: str | None
     prompt_tokens: int
     completion_tokens: int
+    stop_reason: int | str | None = None
+    """With finish_reason "stop": the stop token id or stop string that ended it (None: end of sequence)."""
+    cached_tokens: int = 0
+    """Prompt tokens served from the prefix cache."""
 
 
 class RequestError(Exception):

@@ -107,7 +107,8 @@ class ColocatedBackend(Backend):
                 if out.new_logprobs:
                     logprobs = ordered_logprobs(out.new_logprobs, out.new_token_ids) or None
                 queue.put_nowait(GenerateDelta(index, list(out.new_token_ids), out.new_text, logprobs,
-                                               out.finish_reason, len(prompt), out.num_output_tokens))
+                                               out.finish_reason, len(prompt), out.num_output_tokens,
+                                               out.stop_reason if out.finished else None, out.num_cached_tokens))
                 if out.finished:
                     return
         finally:

@@ -326,7 +326,7 @@ class DisaggregatedBackend(Backend):
             else:
                 pcall, pinst, ft = await self._first_token(rid, s.prompt, params_msg, "", timeout_ms, prior)
             # (without a decode target the prefill's token is the last: "length" if it said nothing)
-            if s.put(ft.delta, None if dcall is not None else "length") is not None:
+            if s.put(ft.delta, None if dcall is not None else "length", ft.num_cached_tokens) is not None:
                 return
             drain = asyncio.create_task(self._drain(pcall, pinst, dcall))
             await self._follow(s, dinst, dcall, drain)

@@ -48,12 +48,14 @@ class GenerateServicer(generate_pb2_grpc.GenerateServicer):
         async for d in self.core.generate(req):
             delta = common_pb2.TokenDelta(token_ids=d.token_ids, text=d.text,
                                           finish_reason=finish_to_proto(d.finish_reason) if d.finish_reason else 0,
+                                          stop_reason="" if d.stop_reason is None else str(d.stop_reason),
                                           num_output_tokens=d.completion_tokens)
             if d.logprobs:
                 delta.logprobs.extend(logprobs_to_proto(d.logprobs, d.token_ids))
             yield generate_pb2.GenerateResponse(
                 request_id=rid, index=d.index, delta=delta,
-                usage=generate_pb2.Usage(prompt_tokens=d.prompt_tokens, completion_tokens=d.completion_tokens))
+                usage=generate_pb2.Usage(prompt_tokens=d.prompt_tokens, completion_tokens=d.completion_tokens,
+                                         cached_prompt_tokens=d.cached_tokens))
 
     @grpc_method
     async def Tokenize(self, request, context):

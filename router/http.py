@@ -27,6 +27,8 @@ from collections.abc import Awaitable, Iterable
 
 import anyio
 from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.requests import ClientDisconnect
 from prometheus_client import Counter
@@ -40,6 +42,7 @@ from router.openai_protocol import (ChatCompletionRequest, ChatCompletionRespons
 from router.openapi import GENERATE_ERRORS, TOKENIZE_ERRORS, install, request_body, responses
 from router.openai_serving import (APIError, ChatCompletions, Completions, Endpoint, SimpleGenerate, Streams,
                                    as_api_error, chat_prompt_ids, check_model, gather, stream)
+from router.tool_calls import ToolConfig
 from serving.auth import DEFAULT_OPEN_PATHS, ApiKey, ApiKeyMiddleware
 from serving.metrics import Family, exposition
 
@@ -186,9 +189,9 @@ async def _unless_disconnected(request: Request, work: Awaitable):
 
 # ---------------------------------------------------------------------------------------------------- the app
 def create_app(core: RouterCore, api_key: ApiKey | None = None, open_paths: Iterable[str] = DEFAULT_OPEN_PATHS,
-               max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES) -> FastAPI:
+               max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES, tools: ToolConfig = ToolConfig()) -> FastAPI:
     """The app over `core`; with `api_key`, every path but `open_paths` needs `Authorization: Bearer <key>`; bodies
-    over max_request_bytes are refused (413) before they are parsed."""
+    over max_request_bytes are refused (413) before they are parsed; `tools`: the tool-calling flags."""
     app = FastAPI(title="Tandem router", summary="OpenAI-compatible API over disaggregated prefill and decode",
                   docs_url=None, redoc_url=None)
     app.state.max_request_bytes = max_request_bytes
@@ -201,6 +204,31 @@ def create_app(core: RouterCore, api_key: ApiKey | None = None, open_paths: Iter
     @app.exception_handler(RequestError)
     async def on_api_error(_: Request, e: APIError | RequestError) -> Response:
         return _error_response(as_api_error(e))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def on_http_error(request: Request, e: StarletteHTTPException) -> Response:
+        # Starlette's own answers (no such route: 404, a route without this method: 405) in OpenAI's shape, so that
+        # clients print the message, not only the status.
+        if e.status_code == 404:
+            message = f"{request.method} {request.url.path}: no such route on this server"
+        elif e.status_code == 405:
+            allowed = next((v for k, v in (e.headers or {}).items() if k.lower() == "allow"), None)
+            message = f"{request.method} {request.url.path}: method not allowed" + (
+                f" (allowed: {allowed})" if allowed else "")
+        else:
+            message = str(e.detail)
+        err = APIError(e.status_code, message, None, {404: "not_found", 405: "method_not_allowed"}.get(e.status_code))
+        response = _error_response(err)
+        if e.headers:
+            response.headers.update(e.headers)
+        return response
+
+    @app.exception_handler(RequestValidationError)
+    async def on_validation_error(_: Request, e: RequestValidationError) -> Response:
+        # (bodies are validated in _parse; this is a path or query parameter): 400 naming it, as vLLM answers
+        err = e.errors()[0] if e.errors() else {"loc": (), "msg": "invalid request"}
+        where = ".".join(str(part) for part in err["loc"][1:]) or "request"
+        return _error_response(APIError(400, f"{where}: {err['msg']}", where, "invalid_value"))
 
     @app.exception_handler(ClientGone)
     async def on_client_gone(_: Request, e: ClientGone) -> Response:
@@ -235,6 +263,13 @@ def create_app(core: RouterCore, api_key: ApiKey | None = None, open_paths: Iter
         # a worker outage makes routers unready (/health 503) but never gets them restarted.
         return JSONResponse({"status": "ok"})
 
+    @app.post("/ping", include_in_schema=False)  # (the GET below documents it)
+    @app.get("/ping", responses={200: {"model": HealthStatus, "description": "ready to serve"},
+                                 503: {"model": HealthStatus, "description": "not ready: `reason` says why"}})
+    async def ping() -> Response:
+        """SageMaker's health check (GET or POST), answered as /health."""
+        return await health()
+
     @app.get("/metrics", response_class=PlainTextResponse,
              responses={200: {"description": "Prometheus' text format"}})
     async def metrics() -> Response:
@@ -244,6 +279,13 @@ def create_app(core: RouterCore, api_key: ApiKey | None = None, open_paths: Iter
     @app.get("/v1/models", responses=responses(None, (401,)))
     async def models() -> ModelList:
         return ModelList(data=[ModelCard(id=name, max_model_len=core.max_model_len) for name in core.models()])
+
+    @app.get("/v1/models/{model_id:path}", responses=responses(None, (401, 404)))
+    async def model(model_id: str) -> ModelCard:
+        if model_id not in core.models():
+            raise APIError(404, f"The model `{model_id}` does not exist. Served: {', '.join(core.models())}",
+                           "model", "model_not_found")
+        return ModelCard(id=model_id, max_model_len=core.max_model_len)
 
     @app.get("/version", responses=responses(None, (401,)))
     async def version() -> dict:
@@ -283,14 +325,14 @@ def create_app(core: RouterCore, api_key: ApiKey | None = None, open_paths: Iter
               responses=responses(CompletionResponse, GENERATE_ERRORS, stream="text/event-stream"))
     async def completions(request: Request) -> Response:
         t_in = time.monotonic_ns()
-        return await serve(request, Completions(core, await _parse(request, CompletionRequest), t_in))
+        return await serve(request, await Completions.create(core, await _parse(request, CompletionRequest), t_in))
 
     @app.post("/v1/chat/completions", openapi_extra=request_body(ChatCompletionRequest),
               responses=responses(ChatCompletionResponse, GENERATE_ERRORS, stream="text/event-stream"))
     async def chat_completions(request: Request) -> Response:
         t_in = time.monotonic_ns()
         return await serve(request, await ChatCompletions.create(core, await _parse(request, ChatCompletionRequest),
-                                                                 t_in))
+                                                                 t_in, tools))
 
     @app.post("/generate", openapi_extra=request_body(SimpleGenerateRequest),
               responses=responses(SimpleGenerateResponse, GENERATE_ERRORS))
@@ -303,7 +345,7 @@ def create_app(core: RouterCore, api_key: ApiKey | None = None, open_paths: Iter
 
 
 _COUNTED_PATHS = frozenset({"/v1/completions", "/v1/chat/completions", "/generate", "/v1/models", "/health",
-                            "/livez", "/metrics"})
+                            "/livez", "/ping", "/metrics"})
 
 
 class _CountRequests:

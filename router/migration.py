@@ -34,7 +34,7 @@ import grpc
 from engine.sampling_params import SamplingParams
 from protos.tandem.v1 import common_pb2
 from router.backend import GenerateDelta, RequestError
-from serving.convert import finish_from_proto, logprobs_from_proto
+from serving.convert import finish_from_proto, logprobs_from_proto, stop_reason_from_proto
 from serving.hops import hop
 from serving.metrics import Metrics
 
@@ -81,15 +81,21 @@ class Stream:
     attempts: int = 0
     moving_since: float | None = None  # the last failure, until the next attempt's first delta
     deadline: float = 0.0  # monotonic: when a moving stream gives up waiting for an instance
+    cached_tokens: int | None = None  # prompt tokens the first attempt's prefill found cached
 
-    def put(self, d: common_pb2.TokenDelta, default_reason: str | None = None) -> str | None:
+    def put(self, d: common_pb2.TokenDelta, default_reason: str | None = None,
+            cached_tokens: int | None = None) -> str | None:
         """Queues one delta of the current attempt for the client; returns its finish reason (default_reason when
-        the delta has none)."""
+        the delta has none). cached_tokens: a FirstToken's count (the first attempt's is the client's)."""
         tokens = list(d.token_ids)
         self.sent += tokens
+        if self.cached_tokens is None and cached_tokens is not None:
+            self.cached_tokens = cached_tokens
         reason = finish_from_proto(d.finish_reason) or default_reason
         self.queue.put_nowait(GenerateDelta(self.index, tokens, d.text, logprobs_from_proto(d.logprobs), reason,
-                                            len(self.prompt), len(self.sent)))
+                                            len(self.prompt), len(self.sent),
+                                            stop_reason_from_proto(d.stop_reason, self.params) if reason else None,
+                                            self.cached_tokens or 0))
         if self.moving_since is not None:
             log.info("request %s: resumed %.3f s after the failure (move %d, %d tokens sent before it)", self.rid,
                      time.monotonic() - self.moving_since, self.moves, len(self.sent) - len(tokens))

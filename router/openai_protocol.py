@@ -23,6 +23,9 @@ DEFAULT_COMPLETION_MAX_TOKENS = 16
 MAX_STOP_STRINGS = 64
 MAX_STOP_CHARS = 1024
 MAX_STOP_TOKEN_IDS = 1024
+# OpenAI's limits on tools: 128 per request, names of [a-zA-Z0-9_-]{1,64}.
+MAX_TOOLS = 128
+ToolName = Annotated[str, StringConstraints(pattern=r"^[a-zA-Z0-9_.-]{1,64}$")]
 StopString = Annotated[str, StringConstraints(max_length=MAX_STOP_CHARS)]
 
 
@@ -89,6 +92,8 @@ class SamplingRequest(_Body):
     stream_options: StreamOptions | None = None
     return_tokens_as_token_ids: bool = False
     """vLLM's extension: logprobs name tokens "token_id:<id>" (exact ids, whatever the detokenizer makes of them)."""
+    return_token_ids: bool = False
+    """vLLM's extension: the prompt's token ids (`prompt_token_ids`) and each choice's (`token_ids`), streamed too."""
 
     def sampling_params(self, *, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
         """Raises ValueError naming the field when a value is out of range."""
@@ -117,14 +122,54 @@ class ContentPart(_Body):
     text: str
 
 
+class FunctionCallIn(_Body):
+    name: ToolName
+    arguments: str | dict[str, Any] = "{}"
+    """JSON text, as OpenAI sends it back (an object is taken too)."""
+
+
+class ToolCallIn(_Body):
+    """A call an assistant turn made (a tool-calling loop sends it back with the tool's result)."""
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCallIn
+
+
 class ChatMessage(_Body):
     role: str
     content: str | list[ContentPart] | None = None
+    tool_calls: Annotated[list[ToolCallIn], Field(max_length=MAX_TOOLS)] | None = None
+    """role assistant: the calls it made."""
+    tool_call_id: str | None = None
+    """role tool: the call this is the result of."""
+    name: str | None = None
 
     def text(self) -> str:
         if isinstance(self.content, list):
             return "".join(part.text for part in self.content)
         return self.content or ""
+
+
+class FunctionDef(_Body):
+    name: ToolName
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    """The arguments' JSON schema."""
+    strict: bool | None = None
+
+
+class ChatTool(_Body):
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class NamedFunction(_Body):
+    name: ToolName
+
+
+class NamedToolChoice(_Body):
+    type: Literal["function"]
+    function: NamedFunction
 
 
 class ChatCompletionRequest(SamplingRequest):
@@ -134,12 +179,20 @@ class ChatCompletionRequest(SamplingRequest):
     logprobs: bool = False
     top_logprobs: int | None = None
     add_generation_prompt: bool = True
-    tools: list[Any] | None = None
-    tool_choice: Any = None
+    """End the prompt with the template's assistant header."""
+    continue_final_message: bool = False
+    """Continue the last (assistant) message instead of closing it: the reply goes on from its text (needs
+    add_generation_prompt=false)."""
+    echo: bool = False
+    """vLLM's: put the last message's content in front of each reply when its role is the reply's."""
+    tools: Annotated[list[ChatTool], Field(max_length=MAX_TOOLS)] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    """Default: auto with tools (needs --enable-auto-tool-choice), none without."""
+    parallel_tool_calls: bool = True
+    """false: at most one call per reply."""
     functions: list[Any] | None = None
     response_format: dict[str, Any] | None = None
-    _unsupported = {"tools": (None, []), "tool_choice": (None, "none", "auto"), "functions": (None, []),
-                    "response_format": (None, {"type": "text"})}
+    _unsupported = {"functions": (None, []), "response_format": (None, {"type": "text"})}
 
 
 class TokenizeRequest(_Body):
@@ -150,6 +203,8 @@ class TokenizeRequest(_Body):
     messages: list[ChatMessage] | None = None
     add_special_tokens: bool = True  # prompt: as /v1/completions tokenizes it
     add_generation_prompt: bool = True  # messages: as /v1/chat/completions renders them
+    continue_final_message: bool = False
+    tools: Annotated[list[ChatTool], Field(max_length=MAX_TOOLS)] | None = None
 
 
 class TokenizeResponse(BaseModel):
@@ -189,10 +244,17 @@ class _OmitNone(BaseModel):
         data = handler(self)
         return {k: v for k, v in data.items() if not (v is None and k in self._omit_if_none)}
 
+
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int = 0
+    """Prompt tokens served from the prefix cache."""
+
+
 class UsageInfo(BaseModel):
     prompt_tokens: int = 0
     completion_tokens: int = 0
     total_tokens: int = 0
+    prompt_tokens_details: PromptTokensDetails | None = None
 
 
 class CompletionLogProbs(BaseModel):
@@ -202,11 +264,16 @@ class CompletionLogProbs(BaseModel):
     top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
 
 
-class CompletionChoice(BaseModel):
+class CompletionChoice(_OmitNone):
+    _omit_if_none = ("prompt_token_ids", "token_ids")
     index: int
     text: str
     logprobs: CompletionLogProbs | None = None
     finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    """The stop string or stop token id that ended the choice (None: end of sequence, max_tokens, or not ended)."""
+    prompt_token_ids: list[int] | None = None
+    token_ids: list[int] | None = None
 
 
 class CompletionResponse(BaseModel):
@@ -232,48 +299,75 @@ class ChatLogProbs(BaseModel):
     content: list[ChatTokenLogprob] | None = None
 
 
+class FunctionCallOut(BaseModel):
+    name: str
+    arguments: str
+
+
+class ToolCallOut(BaseModel):
+    id: str
+    type: str = "function"
+    function: FunctionCallOut
+
+
 class AssistantMessage(BaseModel):
     role: str = "assistant"
-    content: str = ""
+    content: str | None = ""
+    """None when the reply is tool calls only (as OpenAI)."""
+    tool_calls: list[ToolCallOut] = Field(default_factory=list)
 
 
-class ChatChoice(BaseModel):
+class ChatChoice(_OmitNone):
+    _omit_if_none = ("token_ids",)
     index: int
     message: AssistantMessage
     logprobs: ChatLogProbs | None = None
     finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    """The stop string or stop token id that ended the choice (None: end of sequence, max_tokens, or not ended)."""
+    token_ids: list[int] | None = None
 
 
-class ChatCompletionResponse(BaseModel):
+class ChatCompletionResponse(_OmitNone):
+    _omit_if_none = ("prompt_token_ids",)
     id: str
     object: str = "chat.completion"
     created: int = Field(default_factory=lambda: int(time.time()))
     model: str
     choices: list[ChatChoice]
     usage: UsageInfo | None = None
+    prompt_token_ids: list[int] | None = None
 
 
 class DeltaMessage(_OmitNone):
-    _omit_if_none = ("role", "content")
+    _omit_if_none = ("role", "content", "tool_calls")
     role: str | None = None
     content: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None
+    """Entries as the SDK assembles them: a call's first has index, id, type, function.name; later ones add to
+    function.arguments."""
 
 
-class ChatStreamChoice(BaseModel):
+class ChatStreamChoice(_OmitNone):
+    _omit_if_none = ("token_ids",)
     index: int
     delta: DeltaMessage
     logprobs: ChatLogProbs | None = None
     finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    token_ids: list[int] | None = None
 
 
 class ChatCompletionChunk(_OmitNone):
-    _omit_if_none = ("usage",)
+    _omit_if_none = ("usage", "prompt_token_ids")
     id: str
     object: str = "chat.completion.chunk"
     created: int
     model: str
     choices: list[ChatStreamChoice]
     usage: UsageInfo | None = None
+    prompt_token_ids: list[int] | None = None
+    """return_token_ids: on the first chunks (the role's)."""
 
 
 class CompletionChunk(_OmitNone):

@@ -3,15 +3,17 @@ deltas become its answer, through one streaming path and one gathering path (rou
 
 The life of a generating request in here:
 1. The endpoint (Completions, ChatCompletions, SimpleGenerate) is built from the parsed body: the model name is
-   checked (unknown: 404), chat messages go through the tokenizer's chat template, the sampling fields build
-   `SamplingParams` (a ValueError becomes a 400 naming the field), and each prompt becomes one GenerateRequest
-   (a completion's batch of prompts is several).
+   checked (unknown: 404), chat messages (and tools) go through the chat template (router/chat_template.py), the
+   sampling fields build `SamplingParams` (a ValueError becomes a 400 naming the field; tool_choice required or
+   named adds its grammar, router/tool_calls.py), and each prompt becomes one GenerateRequest (a completion's batch
+   of prompts is several).
 2. `Streams.open` starts one `core.generate()` per GenerateRequest and awaits the first delta of each before the
    response starts, so the core's own validation errors (empty prompt, prompt longer than the context) are answered
    as 400s rather than breaking a stream.
 3. Streaming (`stream`): the endpoint's head (chat: one role chunk per choice), one event per delta (an SSE chunk;
    /generate: the whole texts so far, NUL-terminated JSON), its tail (the usage chunk when
-   `stream_options.include_usage` asks), then `data: [DONE]`. A failure after the first byte is an SSE error event
+   `stream_options.include_usage` asks), then `data: [DONE]`. With tools, each chat choice's text goes through its
+   tool-call stream first (content and tool_calls deltas). A failure after the first byte is an SSE error event
    before [DONE] (/generate breaks off, as vLLM's does).
 4. Not streaming (`gather`): each choice's text, token ids, logprobs and finish reason, and the usage, from which the
    endpoint builds its response body.
@@ -30,13 +32,15 @@ import anyio
 from pydantic import BaseModel
 
 from router.backend import field_in_message
+from router.chat_template import ChatTemplateError, render, template_messages
 from router.core import GenerateDelta, GenerateRequest, RequestError, RouterCore
 from router.openai_protocol import (DEFAULT_COMPLETION_MAX_TOKENS, AssistantMessage, ChatChoice, ChatCompletionChunk,
                                     ChatCompletionRequest, ChatCompletionResponse, ChatLogProbs, ChatStreamChoice,
                                     ChatTokenLogprob, CompletionChoice, CompletionChunk, CompletionLogProbs,
                                     CompletionRequest, CompletionResponse, DeltaMessage, ErrorInfo, ErrorResponse,
-                                    SamplingRequest, SimpleGenerateRequest, SimpleGenerateResponse, TopLogprob,
-                                    UsageInfo, random_id)
+                                    FunctionCallOut, PromptTokensDetails, SamplingRequest, SimpleGenerateRequest,
+                                    SimpleGenerateResponse, ToolCallOut, TopLogprob, UsageInfo, random_id)
+from router.tool_calls import CallStream, ToolChoice, ToolChoiceError, ToolConfig, constrained
 from serving.hops import hop
 
 log = logging.getLogger("tandem.router.openai")
@@ -96,19 +100,21 @@ def check_model(core: RouterCore, name: str | None) -> str:
 
 
 async def chat_prompt_ids(core: RouterCore, body) -> list[int]:
-    """A chat's messages (ChatCompletionRequest, TokenizeRequest) as the prompt token ids the model runs (checked
-    and tokenized by the core: off the event loop when long)."""
-    tokenizer = core.tokenizer
-    messages = [{"role": m.role, "content": m.text()} for m in body.messages]
-    if getattr(tokenizer, "chat_template", None):
-        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=body.add_generation_prompt)
-    else:  # a model without a template (random test models): a plain transcript
-        text = "".join(f"{m['role']}: {m['content']}\n" for m in messages)
-        text += "assistant:" if body.add_generation_prompt else ""
+    """A chat's messages (ChatCompletionRequest, TokenizeRequest) through the chat template (router/chat_template.py)
+    as the prompt token ids the model runs (checked and tokenized by the core: off the event loop when long)."""
+    try:
+        text = render(core.tokenizer, template_messages(body.messages),
+                      tools=[t.model_dump(exclude_none=True) for t in body.tools] if body.tools else None,
+                      add_generation_prompt=body.add_generation_prompt,
+                      continue_final_message=body.continue_final_message)
+    except ChatTemplateError as e:
+        raise APIError(400, str(e), e.field, "invalid_value") from None
     return await core.tokenize(text, "messages", add_special_tokens=False)
 
 
 def _sampling_params(body: SamplingRequest, *, max_tokens: int | None, logprobs: int | None):
+    if body.stream_options is not None and not body.stream:  # (every endpoint builds its params here)
+        raise APIError(400, "stream_options: only with stream=true", "stream_options", "invalid_value")
     try:
         return body.sampling_params(max_tokens=max_tokens, logprobs=logprobs)
     except ValueError as e:
@@ -210,13 +216,14 @@ class Choice:
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[dict[int, float]] = field(default_factory=list)
     finish_reason: str | None = None
+    stop_reason: int | str | None = None
 
     def add(self, delta: GenerateDelta) -> None:
         self.text.append(delta.text)
         self.token_ids.extend(delta.token_ids)
         if delta.logprobs:
             self.logprobs.extend(delta.logprobs)
-        self.finish_reason = delta.finish_reason
+        self.finish_reason, self.stop_reason = delta.finish_reason, delta.stop_reason
 
 
 class Usage:
@@ -224,15 +231,19 @@ class Usage:
 
     def __init__(self) -> None:
         self.prompt: dict[int, int] = {}
+        self.cached: dict[int, int] = {}  # per prompt: its first choice's (the prompt counts once)
         self.completion: dict[tuple[int, int], int] = {}
 
     def add(self, p: int, delta: GenerateDelta) -> None:
         self.prompt[p] = delta.prompt_tokens
+        if delta.index == 0:
+            self.cached[p] = delta.cached_tokens
         self.completion[(p, delta.index)] = delta.completion_tokens
 
     def info(self) -> UsageInfo:
         prompt, completion = sum(self.prompt.values()), sum(self.completion.values())
-        return UsageInfo(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
+        return UsageInfo(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion,
+                         prompt_tokens_details=PromptTokensDetails(cached_tokens=sum(self.cached.values())))
 
 
 # ---------------------------------------------------------------------------------------------------- endpoints
@@ -314,6 +325,16 @@ async def gather(streams: Streams) -> tuple[dict[tuple[int, int], Choice], Usage
 class Completions(_SSEEndpoint):
     """`POST /v1/completions`: choices are numbered prompt_index * n + i; `echo` puts the prompt in front."""
 
+    @classmethod
+    async def create(cls, core: RouterCore, body: CompletionRequest, t_in: int) -> "Completions":
+        """The endpoint; with return_token_ids, text prompts are tokenized here too (as the core does) to be
+        reported."""
+        endpoint = cls(core, body, t_in)
+        if body.return_token_ids:
+            endpoint.prompt_ids = [r.prompt_token_ids or await core.tokenize(r.prompt, "prompt")
+                                   for r in endpoint.requests]
+        return endpoint
+
     def __init__(self, core: RouterCore, body: CompletionRequest, t_in: int):
         self.body, self.tokenizer = body, core.tokenizer
         self.model = check_model(core, body.model)
@@ -332,6 +353,7 @@ class Completions(_SSEEndpoint):
         self.echo = [(p if isinstance(p, str) else self.tokenizer.decode(p)) if body.echo else "" for p in prompts]
         self.stream, self.n, self.created = body.stream, params.n, int(time.time())
         self.offsets: dict[int, int] = {}  # streaming: choice index -> length of its text sent so far
+        self.prompt_ids: list[list[int]] | None = None  # return_token_ids: per prompt (set by `create`)
 
     def logprobs(self, offset: int, token_ids: list[int], lps: list[dict[int, float]]) -> CompletionLogProbs | None:
         """The logprobs of token_ids, whose text starts at `offset` in the choice's text."""
@@ -354,29 +376,40 @@ class Completions(_SSEEndpoint):
         idx = p * self.n + delta.index
         if not self.offsets:  # the first chunk with a token
             hop(self.rid, "http.sse_first")
-        text = delta.text if idx in self.offsets else self.echo[p] + delta.text
+        first = idx not in self.offsets
+        text = self.echo[p] + delta.text if first else delta.text
         lp = self.logprobs(self.offsets.get(idx, len(self.echo[p])), delta.token_ids, delta.logprobs or [])
         self.offsets[idx] = self.offsets.get(idx, 0) + len(text)
-        return CompletionChoice(index=idx, text=text, logprobs=lp, finish_reason=delta.finish_reason)
+        ids = self.prompt_ids is not None
+        return CompletionChoice(index=idx, text=text, logprobs=lp, finish_reason=delta.finish_reason,
+                                stop_reason=delta.stop_reason,
+                                prompt_token_ids=self.prompt_ids[p] if ids and first else None,
+                                token_ids=list(delta.token_ids) if ids else None)
 
     def response(self, choices: dict[tuple[int, int], Choice], usage: Usage) -> dict:
+        ids = self.prompt_ids is not None
         out = [CompletionChoice(index=p * self.n + i, text=self.echo[p] + "".join(c.text),
                                 logprobs=self.logprobs(len(self.echo[p]), c.token_ids, c.logprobs),
-                                finish_reason=c.finish_reason)
+                                finish_reason=c.finish_reason, stop_reason=c.stop_reason,
+                                prompt_token_ids=self.prompt_ids[p] if ids else None,
+                                token_ids=c.token_ids if ids else None)
                for (p, i), c in sorted(choices.items())]
         return CompletionResponse(id=self.rid, created=self.created, model=self.model, choices=out,
                                   usage=usage.info()).model_dump()
 
 
 class ChatCompletions(_SSEEndpoint):
-    """`POST /v1/chat/completions`: one prompt (the rendered messages), n choices."""
+    """`POST /v1/chat/completions`: one prompt (the rendered messages), n choices; with tools, each choice's text
+    goes through a tool-call stream (router/tool_calls.py)."""
 
     @classmethod
-    async def create(cls, core: RouterCore, body: ChatCompletionRequest, t_in: int) -> "ChatCompletions":
+    async def create(cls, core: RouterCore, body: ChatCompletionRequest, t_in: int,
+                     tool_config: ToolConfig = ToolConfig()) -> "ChatCompletions":
         check_model(core, body.model)
-        return cls(core, body, t_in, await chat_prompt_ids(core, body))
+        return cls(core, body, t_in, await chat_prompt_ids(core, body), tool_config)
 
-    def __init__(self, core: RouterCore, body: ChatCompletionRequest, t_in: int, prompt_ids: list[int]):
+    def __init__(self, core: RouterCore, body: ChatCompletionRequest, t_in: int, prompt_ids: list[int],
+                 tool_config: ToolConfig = ToolConfig()):
         """prompt_ids: `await chat_prompt_ids(core, body)` (see `create`)."""
         self.body, self.tokenizer = body, core.tokenizer
         self.model = check_model(core, body.model)
@@ -396,6 +429,19 @@ class ChatCompletions(_SSEEndpoint):
                 e.message = used + e.message.removeprefix(e.param)
                 e.param = used
             raise
+        try:
+            self.tools = ToolChoice.of([t.model_dump(exclude_none=True) for t in body.tools or ()],
+                                       _dumped(body.tool_choice), body.parallel_tool_calls, tool_config)
+            if self.tools.schema is not None:
+                params = constrained(params, self.tools.schema, _dumped(body.tool_choice))
+        except ToolChoiceError as e:
+            raise APIError(400, str(e), e.field, e.code) from None
+        self.calls: dict[int, CallStream] = {}  # streaming: choice index -> its tool-call stream
+        # vLLM's chat echo: the last message's content goes in front of the reply when its role is the reply's
+        # (the reply's role is the last message's without a generation prompt).
+        last = body.messages[-1]
+        self.echo = last.text() if body.echo and (not body.add_generation_prompt or last.role == "assistant") else ""
+        self.prompt_ids = prompt_ids if body.return_token_ids else None
         self.rid, self.created = random_id("chatcmpl"), int(time.time())
         hop(self.rid, "http.in", t_in)
         self.requests = [GenerateRequest(request_id=self.rid, model=self.model, prompt=None,
@@ -420,21 +466,60 @@ class ChatCompletions(_SSEEndpoint):
 
     def head(self) -> list[str]:
         hop(self.rid, "http.sse_first")  # the role chunks go out once the first token is here
-        return [sse(self.chunk([ChatStreamChoice(index=i, delta=DeltaMessage(role="assistant", content=""),
-                                                 logprobs=None, finish_reason=None)]))
-                for i in range(self.n)]
+        out = []
+        for i in range(self.n):
+            chunk = self.chunk([ChatStreamChoice(index=i, delta=DeltaMessage(role="assistant", content=self.echo),
+                                                 logprobs=None, finish_reason=None)])
+            chunk.prompt_token_ids = self.prompt_ids
+            out.append(sse(chunk))
+        return out
+
+    def event(self, p: int, delta: GenerateDelta) -> str | None:
+        if not (delta.text or delta.finish_reason or delta.token_ids):
+            return None
+        choice = self.stream_choice(p, delta)
+        if (choice.delta.content is None and not choice.delta.tool_calls and choice.finish_reason is None
+                and choice.logprobs is None and choice.token_ids is None):
+            return None  # held back by the tool-call stream: nothing to say yet
+        return sse(self.chunk([choice]))
 
     def stream_choice(self, p: int, delta: GenerateDelta) -> ChatStreamChoice:
-        return ChatStreamChoice(index=delta.index, delta=DeltaMessage(content=delta.text),
+        content, calls, finish = delta.text, None, delta.finish_reason
+        if (stream := self.calls.get(delta.index)) is None and (stream := self.tools.stream()) is not None:
+            self.calls[delta.index] = stream
+        if stream is not None:
+            content, calls = stream.feed(delta.text, final=delta.finish_reason is not None)
+            content, finish = content or None, stream.finish_reason(delta.finish_reason)
+        return ChatStreamChoice(index=delta.index, delta=DeltaMessage(content=content, tool_calls=calls or None),
                                 logprobs=self.logprobs(delta.token_ids, delta.logprobs or []),
-                                finish_reason=delta.finish_reason)
+                                finish_reason=finish, stop_reason=delta.stop_reason,
+                                token_ids=list(delta.token_ids) if self.prompt_ids is not None else None)
+
+    def message(self, c: Choice) -> tuple[AssistantMessage, str | None]:
+        """A gathered choice's message and finish reason."""
+        content, finish, calls = "".join(c.text), c.finish_reason, []
+        if (stream := self.tools.stream()) is not None:
+            content, _ = stream.feed(content, final=True)
+            finish, calls = stream.finish_reason(finish), stream.calls
+        content = self.echo + content
+        return AssistantMessage(content=content if content or not calls else None, tool_calls=[
+            ToolCallOut(id=call.id, function=FunctionCallOut(name=call.name, arguments=call.arguments))
+            for call in calls]), finish
 
     def response(self, choices: dict[tuple[int, int], Choice], usage: Usage) -> dict:
-        out = [ChatChoice(index=i, message=AssistantMessage(content="".join(c.text)),
-                          logprobs=self.logprobs(c.token_ids, c.logprobs), finish_reason=c.finish_reason)
-               for (_, i), c in sorted(choices.items())]
+        out = []
+        for (_, i), c in sorted(choices.items()):
+            message, finish = self.message(c)
+            out.append(ChatChoice(index=i, message=message, logprobs=self.logprobs(c.token_ids, c.logprobs),
+                                  finish_reason=finish, stop_reason=c.stop_reason,
+                                  token_ids=c.token_ids if self.prompt_ids is not None else None))
         return ChatCompletionResponse(id=self.rid, created=self.created, model=self.model, choices=out,
-                                      usage=usage.info()).model_dump()
+                                      usage=usage.info(), prompt_token_ids=self.prompt_ids).model_dump()
+
+
+def _dumped(choice):
+    """tool_choice as plain data (a named choice's model as a dict)."""
+    return choice.model_dump() if isinstance(choice, BaseModel) else choice
 
 
 class SimpleGenerate(Endpoint):

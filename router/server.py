@@ -38,6 +38,8 @@ from router.core import RouterConfig, RouterLimits
 from router.grpc_server import DEFAULT_MAX_MESSAGE_BYTES, MAX_MESSAGE_FLAG
 from router.http import DEFAULT_MAX_REQUEST_BYTES
 from router.instances import POLICIES
+from router.tool_calls import ToolConfig
+from router.tool_parsers import PARSERS
 from serving.auth import ApiKey, add_api_key_args
 from serving.config import WorkerConfig
 from serving.discovery import DiscoveryConfig, add_discovery_args, split_host_port
@@ -74,12 +76,20 @@ def add_router_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--migration-timeout", type=float, default=RouterConfig.migration_timeout_s,
                    help="seconds a moving request may wait for a healthy decode instance to take it (default: "
                         f"{RouterConfig.migration_timeout_s:g})")
+    p.add_argument("--tool-call-parser", choices=sorted(PARSERS), default=ToolConfig.tool_call_parser,
+                   help="the format of the model's tool calls, read when tool_choice is auto: hermes (Hermes, "
+                        "Qwen2.5, Qwen3) or llama3_json (Llama 3.1/3.2) (docs/openai-api.md)")
+    p.add_argument("--enable-auto-tool-choice", action="store_true", default=ToolConfig.enable_auto_tool_choice,
+                   help="let the model decide whether to call a tool (tool_choice auto, the default when a request "
+                        "has tools); needs --tool-call-parser")
 
 
 # The router flags `tandem up` passes on only when they differ from their defaults (compose.yaml leaves them out):
 # namespace attribute -> (flag, default).
 OPTIONAL_ROUTER_FLAGS = {"migration_limit": ("--migration-limit", RouterConfig.migration_limit),
-                         "migration_timeout": ("--migration-timeout", RouterConfig.migration_timeout_s)}
+                         "migration_timeout": ("--migration-timeout", RouterConfig.migration_timeout_s),
+                         "tool_call_parser": ("--tool-call-parser", ToolConfig.tool_call_parser),
+                         "enable_auto_tool_choice": ("--enable-auto-tool-choice", ToolConfig.enable_auto_tool_choice)}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -163,6 +173,7 @@ async def serve(ns: argparse.Namespace, prefill: list[str], decode: list[str], t
     from router.http import create_app
 
     limits = RouterLimits(max_sub_requests=ns.max_sub_requests, max_prompt_bytes=ns.max_prompt_bytes)
+    tools = ToolConfig(ns.tool_call_parser, ns.enable_auto_tool_choice)
     admission = AdmissionConfig.from_cli_args(ns)
     http_sock = _bind(ns.host, ns.http_port)
     try:
@@ -188,7 +199,7 @@ async def serve(ns: argparse.Namespace, prefill: list[str], decode: list[str], t
         ssl = {} if tls is None else {"ssl_certfile": tls.cert, "ssl_keyfile": tls.key}
         # uvicorn and the gRPC server wait a little longer than the core's drain: it ends what is left itself, with
         # an error event or status, before they would cut a response off.
-        app = create_app(core, api_key, open_paths, ns.max_request_bytes)
+        app = create_app(core, api_key, open_paths, ns.max_request_bytes, tools)
         http = _Uvicorn(uvicorn.Config(app, lifespan="off", log_level=ns.log_level, access_log=False,
                                        timeout_graceful_shutdown=ns.shutdown_grace + _CLOSE_MARGIN_S, **ssl))
         stop = asyncio.Event()
@@ -242,6 +253,7 @@ def main(argv: list[str] | None = None) -> int:
         set_prefix(ns.metrics_prefix)
         AdmissionConfig.from_cli_args(ns)  # (checked here: a bad value is a usage error)
         DiscoveryConfig.from_cli_args(ns)
+        ToolConfig(ns.tool_call_parser, ns.enable_auto_tool_choice)
     except ValueError as e:
         parser.error(str(e))
     try:

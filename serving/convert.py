@@ -71,6 +71,16 @@ def logprobs_from_proto(positions) -> list[dict[int, float]] | None:
     return [{c.token_id: c.logprob for c in p.candidates} for p in positions]
 
 
+def stop_reason_from_proto(text: str, params) -> int | str | None:
+    """A TokenDelta's stop_reason (text) as the engine had it: a stop token id (int) when it is one of params'
+    stop_token_ids and no stop string, else the stop string; "" is None (end of sequence or not stopped)."""
+    if not text:
+        return None
+    if text not in (params.stop or ()) and text.isdigit() and int(text) in (params.stop_token_ids or ()):
+        return int(text)
+    return text
+
+
 def delta_to_proto(out, token_ids: list[int] | None = None, text: str | None = None) -> common_pb2.TokenDelta:
     """A TokenDelta from an engine StepOutput (token_ids/text override its own, e.g. to drop a repeated token)."""
     toks = out.new_token_ids if token_ids is None else token_ids

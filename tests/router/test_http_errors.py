@@ -74,7 +74,7 @@ async def test_completions_bad_input_is_400_naming_the_field(client, body, param
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "top_logprobs": 2}, "top_logprobs"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi " * 40}]}, "prompt_token_ids"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}],
-                              "tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+                              "tools": [{"type": "function", "function": {"name": "f"}}]}, "tool_choice"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}],
                               "response_format": {"type": "json_object"}}, "response_format"),
     ("/v1/completions", {"prompt": "hi", "suffix": "!"}, "suffix"),

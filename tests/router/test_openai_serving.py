@@ -45,7 +45,7 @@ async def test_stream_sends_one_chunk_per_delta_then_usage_then_done(app):
                                                    "stream_options": {"include_usage": True}})
     ev = events(r)
     assert ev[-1] == "[DONE]" and ev[-2]["choices"] == [] and ev[-2]["usage"] == {
-        "prompt_tokens": 4, "completion_tokens": 12, "total_tokens": 16}
+        "prompt_tokens": 4, "completion_tokens": 12, "total_tokens": 16, "prompt_tokens_details": {"cached_tokens": 0}}
     by_choice: dict[int, str] = {}
     for e in ev[:-2]:
         (c,) = e["choices"]

@@ -96,7 +96,7 @@ def test_nested_models_and_field_docs_are_in_the_components(doc):
     messages = chat["properties"]["messages"]
     assert messages["type"] == "array" and messages["minItems"] == 1 and "messages" in chat["required"]
     message = resolve(doc, messages["items"])
-    assert set(message["properties"]) == {"role", "content"}
+    assert set(message["properties"]) == {"role", "content", "tool_calls", "tool_call_id", "name"}
     prompt = {s.get("type") for s in doc["components"]["schemas"]["CompletionRequest"]["properties"]["prompt"]["anyOf"]}
     assert prompt == {"string", "array"}
     assert "[DONE]" in resolve(doc, doc["components"]["schemas"]["CompletionRequest"]["properties"]["stream_options"]
