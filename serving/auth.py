@@ -3,7 +3,7 @@ the same as `authorization` metadata on gRPC.
 
 - HTTP (`ApiKeyMiddleware`, ASGI): a request without the right key is answered 401 in OpenAI's error shape
   (`code: invalid_api_key`, with `WWW-Authenticate: Bearer`) before its body is read; the open paths (by default
-  `/health`, `/livez` and `/metrics`, for probes and scrapers) need none.
+  `/health`, `/livez`, `/ping` and `/metrics`, for probes and scrapers) need none.
 - gRPC (`ApiKeyInterceptor`): a call to a protected service without the right key ends with UNAUTHENTICATED before
   its request is read; grpc.health.v1 and reflection stay open.
 
@@ -21,7 +21,7 @@ from collections.abc import Iterable
 import grpc
 
 ENV_API_KEY = "TANDEM_API_KEY"
-DEFAULT_OPEN_PATHS = ("/health", "/livez", "/metrics")
+DEFAULT_OPEN_PATHS = ("/health", "/livez", "/ping", "/metrics")
 
 
 def add_api_key_args(p: argparse.ArgumentParser, open_paths: bool = True) -> None:

@@ -411,13 +411,16 @@ def test_the_service_monitor_scrapes_every_service_on_a_metrics_port(monitoring)
 
 
 def _registered_metrics() -> set[str]:
-    import kv_transfer.metrics  # noqa: F401 - each module registers its metrics on import
+    """Every series name Tandem exports (families are created per role on first use: their declarations count)."""
+    import kv_transfer.metrics  # noqa: F401 - each module declares or registers its metrics on import
     import router.admission  # noqa: F401
     import router.http  # noqa: F401
-    import serving.metrics  # noqa: F401
-    from prometheus_client import REGISTRY
+    from prometheus_client import REGISTRY, Counter, Gauge, Histogram
 
-    return set(REGISTRY._names_to_collectors)
+    from serving.metrics import DECLARED
+
+    suffixes = {Counter: ("_total",), Gauge: ("",), Histogram: ("_bucket", "_count", "_sum")}
+    return set(REGISTRY._names_to_collectors) | {f"tandem:{f.name}{s}" for f in DECLARED for s in suffixes[f.kind]}
 
 
 def test_the_alert_rules_pass_promtool_and_name_metrics_that_exist(monitoring, tmp_path):
@@ -460,9 +463,9 @@ _FIRING = {  # alert -> the labels it fires with at 18 min, and its summary then
                             "instance": "10.0.0.7:9101"}, "tandem-decode pod tandem-decode-1 is not answering scrapes"),
     # (between the 1 s and 2.5 s buckets, all of it: p95 = 1 + 0.95 x 1.5)
     "TandemHighTimeToFirstToken": ({"namespace": "a"}, "TTFT p95 is 2.425s in a"),
-    "TandemRequestQueueBacklog": ({"namespace": "a"}, "150 requests queued in the routers of a"),
-    "TandemKVCacheNearlyFull": ({"namespace": "a", "pod": "tandem-decode-0"}, "KV cache of tandem-decode-0 is 90% full"),
-    "TandemKVTransferFailures": ({"namespace": "a", "pod": "tandem-prefill-0"},
+    "TandemQueueBacklog": ({"namespace": "a"}, "150 requests queued in the routers of a"),
+    "TandemKvCacheNearlyFull": ({"namespace": "a", "pod": "tandem-decode-0"}, "KV cache of tandem-decode-0 is 90% full"),
+    "TandemKvTransferFailures": ({"namespace": "a", "pod": "tandem-prefill-0"},
                                  "KV transfers failing on tandem-prefill-0"),
 }
 
