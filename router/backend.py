@@ -25,6 +25,11 @@ class GenerateDelta:
     finish_reason: str | None
     prompt_tokens: int
     completion_tokens: int
+    kv_transfer_s: float | None = None
+    """On a sub-request's last delta: its KV transfer's seconds, as the prefill instance measured them (None: no
+    transfer)."""
+    timings: dict[str, float] | None = None
+    """On a sub-request's last delta, when its request asked for them: RouterCore's timing breakdown."""
 
 
 class RequestError(Exception):

@@ -81,6 +81,7 @@ class Stream:
     attempts: int = 0
     moving_since: float | None = None  # the last failure, until the next attempt's first delta
     deadline: float = 0.0  # monotonic: when a moving stream gives up waiting for an instance
+    kv_transfer_s: float | None = None  # the last attempt's KV transfer (set before its last delta is put)
 
     def put(self, d: common_pb2.TokenDelta, default_reason: str | None = None) -> str | None:
         """Queues one delta of the current attempt for the client; returns its finish reason (default_reason when
@@ -89,7 +90,8 @@ class Stream:
         self.sent += tokens
         reason = finish_from_proto(d.finish_reason) or default_reason
         self.queue.put_nowait(GenerateDelta(self.index, tokens, d.text, logprobs_from_proto(d.logprobs), reason,
-                                            len(self.prompt), len(self.sent)))
+                                            len(self.prompt), len(self.sent),
+                                            kv_transfer_s=self.kv_transfer_s if reason is not None else None))
         if self.moving_since is not None:
             log.info("request %s: resumed %.3f s after the failure (move %d, %d tokens sent before it)", self.rid,
                      time.monotonic() - self.moving_since, self.moves, len(self.sent) - len(tokens))

@@ -89,6 +89,9 @@ class SamplingRequest(_Body):
     stream_options: StreamOptions | None = None
     return_tokens_as_token_ids: bool = False
     """vLLM's extension: logprobs name tokens "token_id:<id>" (exact ids, whatever the detokenizer makes of them)."""
+    return_timings: bool = False
+    """Tandem's extension: each choice's last chunk (or the choice, not streaming) carries `timings`, where its time
+    went in seconds: queue_s, prefill_s, kv_transfer_s, first_token_s, mean_itl_s, decode_s."""
 
     def sampling_params(self, *, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
         """Raises ValueError naming the field when a value is out of range."""
@@ -189,6 +192,17 @@ class _OmitNone(BaseModel):
         data = handler(self)
         return {k: v for k, v in data.items() if not (v is None and k in self._omit_if_none)}
 
+
+class RequestTimings(BaseModel):
+    """One choice's timing breakdown, in seconds (router/timings.py says what each covers)."""
+    queue_s: float
+    prefill_s: float
+    kv_transfer_s: float
+    first_token_s: float
+    mean_itl_s: float
+    decode_s: float
+
+
 class UsageInfo(BaseModel):
     prompt_tokens: int = 0
     completion_tokens: int = 0
@@ -202,11 +216,13 @@ class CompletionLogProbs(BaseModel):
     top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
 
 
-class CompletionChoice(BaseModel):
+class CompletionChoice(_OmitNone):
+    _omit_if_none = ("timings",)
     index: int
     text: str
     logprobs: CompletionLogProbs | None = None
     finish_reason: str | None = None
+    timings: RequestTimings | None = None
 
 
 class CompletionResponse(BaseModel):
@@ -237,11 +253,13 @@ class AssistantMessage(BaseModel):
     content: str = ""
 
 
-class ChatChoice(BaseModel):
+class ChatChoice(_OmitNone):
+    _omit_if_none = ("timings",)
     index: int
     message: AssistantMessage
     logprobs: ChatLogProbs | None = None
     finish_reason: str | None = None
+    timings: RequestTimings | None = None
 
 
 class ChatCompletionResponse(BaseModel):
@@ -259,11 +277,13 @@ class DeltaMessage(_OmitNone):
     content: str | None = None
 
 
-class ChatStreamChoice(BaseModel):
+class ChatStreamChoice(_OmitNone):
+    _omit_if_none = ("timings",)
     index: int
     delta: DeltaMessage
     logprobs: ChatLogProbs | None = None
     finish_reason: str | None = None
+    timings: RequestTimings | None = None
 
 
 class ChatCompletionChunk(_OmitNone):

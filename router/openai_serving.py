@@ -210,6 +210,7 @@ class Choice:
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[dict[int, float]] = field(default_factory=list)
     finish_reason: str | None = None
+    timings: dict[str, float] | None = None  # (asked for: on the last delta)
 
     def add(self, delta: GenerateDelta) -> None:
         self.text.append(delta.text)
@@ -217,6 +218,7 @@ class Choice:
         if delta.logprobs:
             self.logprobs.extend(delta.logprobs)
         self.finish_reason = delta.finish_reason
+        self.timings = delta.timings or self.timings
 
 
 class Usage:
@@ -324,7 +326,8 @@ class Completions(_SSEEndpoint):
         hop(self.rid, "http.in", t_in)
         self.requests = [GenerateRequest(request_id=f"{self.rid}-{i}" if len(prompts) > 1 else self.rid,
                                          model=self.model, prompt=p if isinstance(p, str) else None,
-                                         prompt_token_ids=None if isinstance(p, str) else list(p), params=params)
+                                         prompt_token_ids=None if isinstance(p, str) else list(p), params=params,
+                                         return_timings=body.return_timings)
                          for i, p in enumerate(prompts)]
         for p in prompts:
             if not isinstance(p, str):
@@ -357,12 +360,13 @@ class Completions(_SSEEndpoint):
         text = delta.text if idx in self.offsets else self.echo[p] + delta.text
         lp = self.logprobs(self.offsets.get(idx, len(self.echo[p])), delta.token_ids, delta.logprobs or [])
         self.offsets[idx] = self.offsets.get(idx, 0) + len(text)
-        return CompletionChoice(index=idx, text=text, logprobs=lp, finish_reason=delta.finish_reason)
+        return CompletionChoice(index=idx, text=text, logprobs=lp, finish_reason=delta.finish_reason,
+                                timings=delta.timings)
 
     def response(self, choices: dict[tuple[int, int], Choice], usage: Usage) -> dict:
         out = [CompletionChoice(index=p * self.n + i, text=self.echo[p] + "".join(c.text),
                                 logprobs=self.logprobs(len(self.echo[p]), c.token_ids, c.logprobs),
-                                finish_reason=c.finish_reason)
+                                finish_reason=c.finish_reason, timings=c.timings)
                for (p, i), c in sorted(choices.items())]
         return CompletionResponse(id=self.rid, created=self.created, model=self.model, choices=out,
                                   usage=usage.info()).model_dump()
@@ -399,7 +403,8 @@ class ChatCompletions(_SSEEndpoint):
         self.rid, self.created = random_id("chatcmpl"), int(time.time())
         hop(self.rid, "http.in", t_in)
         self.requests = [GenerateRequest(request_id=self.rid, model=self.model, prompt=None,
-                                         prompt_token_ids=prompt_ids, params=params)]
+                                         prompt_token_ids=prompt_ids, params=params,
+                                         return_timings=body.return_timings)]
         self.stream, self.n = body.stream, params.n
 
     def logprobs(self, token_ids: list[int], lps: list[dict[int, float]]) -> ChatLogProbs | None:
@@ -427,11 +432,12 @@ class ChatCompletions(_SSEEndpoint):
     def stream_choice(self, p: int, delta: GenerateDelta) -> ChatStreamChoice:
         return ChatStreamChoice(index=delta.index, delta=DeltaMessage(content=delta.text),
                                 logprobs=self.logprobs(delta.token_ids, delta.logprobs or []),
-                                finish_reason=delta.finish_reason)
+                                finish_reason=delta.finish_reason, timings=delta.timings)
 
     def response(self, choices: dict[tuple[int, int], Choice], usage: Usage) -> dict:
         out = [ChatChoice(index=i, message=AssistantMessage(content="".join(c.text)),
-                          logprobs=self.logprobs(c.token_ids, c.logprobs), finish_reason=c.finish_reason)
+                          logprobs=self.logprobs(c.token_ids, c.logprobs), finish_reason=c.finish_reason,
+                          timings=c.timings)
                for (_, i), c in sorted(choices.items())]
         return ChatCompletionResponse(id=self.rid, created=self.created, model=self.model, choices=out,
                                       usage=usage.info()).model_dump()
