@@ -301,6 +301,7 @@ class DisaggregatedBackend(Backend):
         prior = list(s.sent)
         k = len(prior)
         params_msg = sampling_to_proto(s.params)
+        s.kv_transfer_s = None  # (this attempt's, if it has one)
         if not self.prefill.healthy():
             return await self._attempt_local(s, rid, prior, params_msg)
         timeout_ms = int(self.cfg.kv_transfer_timeout_s * 1000)

@@ -24,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -48,6 +49,8 @@ _STUBS = {"prefill": prefill_pb2_grpc.PrefillStub, "decode": decode_pb2_grpc.Dec
 # one poll that times out on a busy host moves nothing; a hung or partitioned instance loses its streams after about
 # two poll intervals plus the poll timeout. (A killed one breaks its streams at once: they move without waiting.)
 LOST_AFTER_POLLS = 2
+# An instance that stays down (or never answered) is logged again this often, not at every poll.
+DOWN_LOG_EVERY_S = 30.0
 
 
 @dataclass(eq=False)
@@ -64,6 +67,7 @@ class Instance:
     refused: bool = False  # decode: refused a reservation for room since the last poll
     last_error: str = ""
     failed_polls: int = 0  # polls in a row that got no answer
+    down_logged: float | None = None  # monotonic: when its being down was last logged
     # This router's streams on the instance: each callback is called (with why) when the instance is lost.
     streams: set[Callable[[str], None]] = field(default_factory=set)
     prefixes: PrefixIndex = field(default_factory=lambda: PrefixIndex(DEFAULT_INDEX_BLOCKS))  # cache_aware
@@ -141,8 +145,15 @@ class InstancePool:
         except Exception as e:  # noqa: BLE001
             unanswered = isinstance(e, grpc.aio.AioRpcError)
             msg = e.code().name if unanswered else str(e)
+            now = time.monotonic()
             if inst.healthy:
                 log.warning("%s %s is down: %s", self.role, inst.address, msg)
+                inst.down_logged = now
+            elif inst.down_logged is None or now - inst.down_logged >= DOWN_LOG_EVERY_S:
+                # (one that never answered, or stays down: said now and then, so an operator sees why nothing runs)
+                log.warning("%s %s is unreachable: %s (%d polls in a row)", self.role, inst.address, msg,
+                            inst.failed_polls + 1 if unanswered else 1)
+                inst.down_logged = now
             inst.healthy, inst.last_error = False, msg
             inst.failed_polls = inst.failed_polls + 1 if unanswered else 0
             if inst.failed_polls >= LOST_AFTER_POLLS and inst.streams:
@@ -153,6 +164,7 @@ class InstancePool:
             return
         if not inst.healthy:
             log.info("%s %s is up", self.role, inst.address)
+            inst.down_logged = None
         inst.healthy, inst.last_error, inst.refused, inst.failed_polls = True, "", False, 0
         self.ever_healthy = True
         waiters, self._up = self._up, []

@@ -5,6 +5,7 @@ spans of the three processes hang below it in one trace. The timing breakdown co
 collector is gone, requests are served as before and the stack still stops cleanly."""
 from __future__ import annotations
 
+import json
 import secrets
 import time
 
@@ -122,6 +123,22 @@ def test_no_timings_unless_asked_and_a_request_without_traceparent_starts_a_trac
         assert time.monotonic() < deadline, "the request's span never arrived"
         time.sleep(0.1)
     assert mine[0].name == "llm_request" and mine[0].parent_span_id == ""  # a root: the trace starts here
+
+
+@pytest.mark.slow
+def test_a_stream_carries_the_timings_on_each_choices_last_chunk(traced):
+    stack, _ = traced
+    with httpx.stream("POST", f"{stack.http}/v1/chat/completions", timeout=60, json={
+            "model": "random:tiny", "messages": [{"role": "user", "content": "count"}], "max_tokens": MAX_TOKENS,
+            "n": 2, "temperature": 0, "stream": True, "return_timings": True}) as r:
+        assert r.status_code == 200
+        chunks = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+    choices = [c for chunk in chunks for c in chunk["choices"]]
+    last = {c["index"]: c for c in choices if c["finish_reason"] is not None}
+    assert sorted(last) == [0, 1]
+    for c in last.values():
+        _check_timings(c["timings"])
+    assert all("timings" not in c for c in choices if c["finish_reason"] is None)
 
 
 @pytest.mark.slow
