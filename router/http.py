@@ -54,8 +54,9 @@ except importlib.metadata.PackageNotFoundError:  # a source tree that was never 
 # FastAPI's own OpenTelemetry spans (an HTTP span and one per dependency, endpoint and serialization of every
 # request, whenever a tracer provider is installed) stay off: a request's trace is the router's llm_request span
 # and the workers' (serving/tracing.py), whose parent is the client's traceparent as it was sent.
-_NO_FRAMEWORK_TELEMETRY = ({"telemetry": {"tracing": False, "metrics": False, "logs": False, "operation_spans": False}}
-                           if "telemetry" in inspect.signature(FastAPI).parameters else {})
+_NO_FRAMEWORK_TELEMETRY = ({"telemetry": dict(tracing=False, metrics=False, logs=False, operation_spans=False,
+                                               auto_configure=False)}
+                           if "telemetry" in inspect.signature(FastAPI).parameters else {})  # (older FastAPI: none)
 
 HTTP_REQUESTS = Counter("tandem:http_requests", "HTTP requests answered by the router, by path and status code",
                         ["path", "status"])

@@ -50,6 +50,7 @@ EXPORT_TIMEOUT_S = 3.0
 TRACER_NAME = "tandem"
 _propagator = TraceContextTextMapPropagator()
 _enabled = False
+_tracer: trace.Tracer | None = None  # (set_tracer_provider comes first: setup_tracing)
 
 
 class SpanAttributes:
@@ -94,7 +95,7 @@ def tracing_flags(ns: argparse.Namespace) -> list[str]:
 def setup_tracing(role: str, endpoint: str | None = None) -> bool:
     """Installs the tracer provider of this process (service tandem-<role>) when an endpoint is given by the flag
     or OTEL_EXPORTER_OTLP_TRACES_ENDPOINT; returns whether tracing is on. Without one nothing is installed."""
-    global _enabled
+    global _enabled, _tracer
     endpoint = endpoint or os.environ.get(ENV_ENDPOINT)
     if not endpoint:
         return False
@@ -110,7 +111,7 @@ def setup_tracing(role: str, endpoint: str | None = None) -> bool:
     exporter = OTLPSpanExporter(endpoint=endpoint, insecure=endpoint.startswith("http://") or None, timeout=timeout)
     provider.add_span_processor(BatchSpanProcessor(exporter, schedule_delay_millis=delay))
     trace.set_tracer_provider(provider)  # (the SDK flushes and shuts it down at exit)
-    _enabled = True
+    _enabled, _tracer = True, None
     log.info("tracing: OTLP/gRPC spans to %s as service %s", endpoint, service)
     return True
 
@@ -120,7 +121,10 @@ def enabled() -> bool:
 
 
 def tracer() -> trace.Tracer:
-    return trace.get_tracer(TRACER_NAME)
+    global _tracer
+    if _tracer is None:
+        _tracer = trace.get_tracer(TRACER_NAME)
+    return _tracer
 
 
 # ---- the W3C trace context on the wire ----------------------------------------------------------------------
@@ -167,12 +171,17 @@ def grpc_parent(context) -> otel_context.Context | None:
 def start_span(name: str, parent: otel_context.Context | None = None, kind: SpanKind = SpanKind.INTERNAL,
                attributes: Mapping | None = None) -> trace.Span:
     """A span the caller ends (`end_span`): for work that spans an async generator's yields, where a `with` of
-    the current span would be entered and left in different contexts."""
+    the current span would be entered and left in different contexts. Tracing off: the one invalid span, whose
+    methods do nothing (not even the API's no-op tracer is asked)."""
+    if not _enabled:
+        return trace.INVALID_SPAN
     return tracer().start_span(name, context=parent, kind=kind, attributes=attributes)
 
 
 def end_span(span: trace.Span, exc: BaseException | None = None) -> None:
-    if exc is not None and span.is_recording():
+    if not span.is_recording():
+        return
+    if exc is not None:
         if isinstance(exc, Exception):
             span.record_exception(exc)
             span.set_status(Status(StatusCode.ERROR, f"{type(exc).__name__}: {exc}"))
@@ -198,6 +207,9 @@ def server_span(name: str, context, attributes: Mapping | None = None) -> Iterat
 def current(span: trace.Span) -> Iterator[None]:
     """Makes span the current one inside the block (a coroutine's, not an async generator's), so that calls made
     there (`metadata()`) and spans started there are its children; the span is not ended."""
+    if not _enabled:
+        yield
+        return
     token = otel_context.attach(trace.set_span_in_context(span))
     try:
         yield
