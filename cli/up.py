@@ -47,7 +47,9 @@ from router.server import OPTIONAL_ROUTER_FLAGS, add_router_args
 from serving.auth import ENV_API_KEY, add_api_key_args
 from serving.config import WorkerConfig
 from serving.metrics import DEFAULT_PREFIX, set_prefix
+from serving.logs import json_line, log_flags
 from serving.tls import TlsConfig, add_tls_args, tls_flags
+from serving.tracing import tracing_flags
 
 # Ports of the workers, counted up from --worker-port: prefill 0..P-1, then decode 0..D-1.
 DEFAULT_WORKER_PORT = 50060
@@ -60,6 +62,16 @@ _STOP_MARGIN_S = 5.0
 _MAX_RESTARTS = 5
 _RESTART_WINDOW_S = 600.0
 ON_WORKER_EXIT = ("restart", "continue", "stop")
+# --log-format of this launcher's own lines (main sets it): with json they are JSON objects like the children's
+# (which write to the same stdout and stderr, unprefixed), so that every line of the stack's output parses.
+_log_format = "text"
+
+
+def _say(message: str, file=None) -> None:
+    """One line of `tandem up`'s own output (stdout, or `file`), in --log-format."""
+    if _log_format == "json":
+        message = json_line("up", message, "WARNING" if file is sys.stderr else "INFO", "tandem.up")
+    print(message, file=file or sys.stdout, flush=True)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -80,6 +92,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--shutdown-grace", type=float, default=None,
                    help="on Ctrl-C/SIGTERM: seconds the requests in flight get to finish, passed to the router and "
                         f"every worker (default: their own, {WorkerConfig.shutdown_grace_s:g} s for workers)")
+    p.add_argument("--log-level", default=None, choices=("debug", "info", "warning", "error"),
+                   help="passed to every process (default: their own, info)")
     p.add_argument("--on-worker-exit", choices=ON_WORKER_EXIT, default=ON_WORKER_EXIT[0],
                    help="when a worker exits on its own after the stack is ready: restart it (the router moves its "
                         "streams elsewhere meanwhile), continue without it, or stop everything (default: "
@@ -119,7 +133,8 @@ def _process_flags(ns: argparse.Namespace) -> list[str]:
     """The flags every process gets, router and workers alike (only where given: their defaults are their own)."""
     grace = [] if ns.shutdown_grace is None else ["--shutdown-grace", f"{ns.shutdown_grace:g}"]
     prefix = [] if ns.metrics_prefix == DEFAULT_PREFIX else ["--metrics-prefix", ns.metrics_prefix]
-    return grace + prefix + tls_flags(ns)
+    level = [] if ns.log_level is None else ["--log-level", ns.log_level]
+    return grace + prefix + level + tls_flags(ns) + log_flags(ns) + tracing_flags(ns)
 
 
 def _router_only_flags(ns: argparse.Namespace) -> list[str]:
@@ -246,7 +261,7 @@ def _stop_all(children: dict[str, subprocess.Popen], timeout: float) -> None:
             try:
                 proc.wait(max(0.0, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
-                print(f"tandem up: pid {proc.pid} did not stop in {timeout:.0f}s; killing it", file=sys.stderr)
+                _say(f"tandem up: pid {proc.pid} did not stop in {timeout:.0f}s; killing it", file=sys.stderr)
                 proc.kill()
                 proc.wait()
 
@@ -276,8 +291,10 @@ def _check(ns: argparse.Namespace, num_gpus: int = 0) -> str | None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    global _log_format
     parser = build_parser()
     ns = parser.parse_args(argv)
+    _log_format = ns.log_format
     num_gpus = torch.cuda.device_count() if _on_cuda(ns) else 0
     if (problem := _check(ns, num_gpus)) is not None:
         parser.error(problem)
@@ -301,7 +318,7 @@ def main(argv: list[str] | None = None) -> int:
         cmd = cmds[name]
         children[name] = subprocess.Popen([sys.executable, "-m", "cli", *cmd[1:]], env=env,
                                           start_new_session=True, preexec_fn=_die_with_parent)
-        print(f"tandem up: started {name} (pid {children[name].pid}): {' '.join(cmd)}", flush=True)
+        _say(f"tandem up: started {name} (pid {children[name].pid}): {' '.join(cmd)}")
 
     try:
         for name in cmds:
@@ -316,19 +333,18 @@ def main(argv: list[str] | None = None) -> int:
                 if name == "router" or not ready or ns.on_worker_exit == "stop" or len(recent) >= _MAX_RESTARTS:
                     fatal = fatal or (name, code, len(recent))
                 elif ns.on_worker_exit == "restart":
-                    print(f"tandem up: {name} exited with status {code}; restarting it (the router routes around "
-                          "it meanwhile)", file=sys.stderr, flush=True)
+                    _say(f"tandem up: {name} exited with status {code}; restarting it (the router routes around "
+                         "it meanwhile)", file=sys.stderr)
                     restarts[name] = [*recent, now]
                     start(name)
                 else:
-                    print(f"tandem up: {name} exited with status {code}; going on without it "
-                          "(--on-worker-exit continue)", file=sys.stderr, flush=True)
+                    _say(f"tandem up: {name} exited with status {code}; going on without it "
+                         "(--on-worker-exit continue)", file=sys.stderr)
                     del children[name]
             if fatal is not None:
                 name, code, n = fatal
                 why = f" after {n} restarts in {_RESTART_WINDOW_S:.0f} s" if n >= _MAX_RESTARTS else ""
-                print(f"tandem up: {name} exited with status {code}{why}; stopping the rest", file=sys.stderr,
-                      flush=True)
+                _say(f"tandem up: {name} exited with status {code}{why}; stopping the rest", file=sys.stderr)
                 status = 1
                 break
             if not ready:
@@ -337,22 +353,22 @@ def main(argv: list[str] | None = None) -> int:
                     model = ns.served_model_name or ns.model
                     workers = ("one colocated engine (prefill and decode in the router)" if ns.colocated
                                else f"{_count(ns.prefill)} prefill, {_count(ns.decode)} decode")
-                    print(f"tandem up: ready. OpenAI API: {scheme}://{_local(ns.host)}:{ns.http_port}/v1 "
-                          f"(model {model!r}); gRPC: {_local(ns.host)}:{ns.grpc_port}; "
-                          f"{workers}. Ctrl-C stops everything.", flush=True)
+                    _say(f"tandem up: ready. OpenAI API: {scheme}://{_local(ns.host)}:{ns.http_port}/v1 "
+                         f"(model {model!r}); gRPC: {_local(ns.host)}:{ns.grpc_port}; "
+                         f"{workers}. Ctrl-C stops everything.")
                 elif time.monotonic() > deadline:
-                    print(f"tandem up: not ready after {ns.ready_timeout:.0f}s ({health_url}); stopping",
-                          file=sys.stderr, flush=True)
+                    _say(f"tandem up: not ready after {ns.ready_timeout:.0f}s ({health_url}); stopping",
+                         file=sys.stderr)
                     status = 1
                     break
             time.sleep(0.25)
     except _Stop as e:
-        print(f"tandem up: {e}: stopping", flush=True)
+        _say(f"tandem up: {e}: stopping")
     finally:
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C must not cut the clean-up short
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
         _stop_all(children, stop_timeout(ns))
-    print("tandem up: stopped", flush=True)
+    _say("tandem up: stopped")
     return status
 
 

@@ -47,6 +47,7 @@ from transformers import AutoConfig, PretrainedConfig, PreTrainedTokenizerBase
 
 from engine.config import SUPPORTED_ARCHITECTURES
 from engine.presets import PRESETS, preset_config
+from engine.progress import Progress
 from engine.tokenizer import is_synthetic, load_synthetic, synthetic_tokenizer
 
 logger = logging.getLogger(__name__)
@@ -196,6 +197,7 @@ def convert_gguf(gguf: Path, name: str) -> Path:
         os.chmod(tmp, 0o755)  # mkdtemp makes it private; the cache is shared like any model dir
         try:
             t0 = time.perf_counter()
+            logger.info("converting %s to safetensors in %s (once: later starts read it)", gguf, final)
             _convert_gguf_into(gguf, tmp)
             os.rename(tmp, final)
             logger.info("converted %s to %s in %.1f s", gguf, final, time.perf_counter() - t0)
@@ -206,10 +208,18 @@ def convert_gguf(gguf: Path, name: str) -> Path:
 
 
 def _convert_gguf_into(gguf: Path, out: Path) -> None:
+    with Progress(logger, f"converting {gguf.name}", total=3) as progress:
+        _convert_steps(gguf, out, progress)
+
+
+def _convert_steps(gguf: Path, out: Path, progress: Progress) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     kw = dict(gguf_file=gguf.name, local_files_only=True)
+    progress.phase("reading and dequantizing the GGUF")
     model = AutoModelForCausalLM.from_pretrained(gguf.parent, dtype=torch.float32, **kw)
+    progress.advance()
+    progress.phase("writing model.safetensors")
     # save_pretrained refuses a model loaded from GGUF (it counts as quantized), but its tensors are already
     # dequantized: write them and a config without the quantization entry ourselves.
     config = model.config
@@ -227,6 +237,8 @@ def _convert_gguf_into(gguf: Path, out: Path) -> None:
 
     save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
     del model, state
+    progress.advance()
+    progress.phase("converting the tokenizer")
     tokenizer = AutoTokenizer.from_pretrained(gguf.parent, **kw)
     # transformers 5.17 maps SmolLM2's special tokens wrongly (eos comes out as <|im_start|>); the ids in the GGUF
     # metadata, which the config carries, are right.
@@ -236,6 +248,7 @@ def _convert_gguf_into(gguf: Path, out: Path) -> None:
             setattr(tokenizer, f"{role}_token", tokenizer.convert_ids_to_tokens(token_id))
     tokenizer.clean_up_tokenization_spaces = False  # byte-level BPE: decode must give the text back unchanged
     tokenizer.save_pretrained(out)
+    progress.advance()
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -294,17 +307,29 @@ def load_weights(model: torch.nn.Module, resolved: ResolvedModel, *, device: tor
     in order. Parameters still on the meta device (build_model's) are allocated on `device`, in their own dtype, just
     before their group is filled; `after_layer(layer)` runs on each decoder layer once it is filled (build_model
     quantizes or shards it there, so the next layer's 16-bit weights can reuse the memory)."""
+    num_groups = 1 + len(_decoder_layers(model) or ())
     if resolved.weights_dir is None:
         assert resolved.random_seed is not None
         _set_tied(model, _tie_word_embeddings(resolved.config))
-        for layer in _groups(model):
-            named = _group_modules(model, layer)
-            _materialize([m for _, m in named], device)
-            _random_init(_group_params(named), resolved.config, resolved.random_seed)
-            del named
-            if layer is not None and after_layer is not None:
-                after_layer(layer)
+        with Progress(logger, f"initializing random weights of {resolved.name}", num_groups) as progress:
+            _fill_random(model, resolved, device, after_layer, progress)
         return
+    with Progress(logger, f"loading weights of {resolved.name}", num_groups) as progress:
+        _fill(model, resolved, device, after_layer, progress)
+
+
+def _fill_random(model: torch.nn.Module, resolved: ResolvedModel, device, after_layer, progress: Progress) -> None:
+    for layer in progress.over(_groups(model)):
+        named = _group_modules(model, layer)
+        _materialize([m for _, m in named], device)
+        _random_init(_group_params(named), resolved.config, resolved.random_seed)
+        del named
+        if layer is not None and after_layer is not None:
+            after_layer(layer)
+
+
+def _fill(model: torch.nn.Module, resolved: ResolvedModel, device, after_layer, progress: Progress) -> None:
+    """load_weights from the checkpoint's safetensors files."""
     from safetensors import safe_open
 
     files = _safetensors_files(resolved)
@@ -339,7 +364,7 @@ def load_weights(model: torch.nn.Module, resolved: ResolvedModel, *, device: tor
         # Every shard open at once (safetensors maps them, reading nothing yet): a layer's tensors may sit in two.
         # One tensor in memory at a time.
         shards = {f: stack.enter_context(safe_open(str(f), framework="pt", device="cpu")) for f in files}
-        for layer in _groups(model):
+        for layer in progress.over(_groups(model)):
             named = _group_modules(model, layer)
             _materialize([m for _, m in named], device)
             param = value = None

@@ -42,6 +42,7 @@ from kv_transfer.registry import TRANSPORTS
 from protos.tandem.v1 import kv_transfer_pb2
 from serving.errors import ServiceError, shown
 from serving.hops import hop
+from serving.logs import tag_request
 from serving.worker_core import MAX_ID_CHARS
 
 log = logging.getLogger("tandem.decode.kv")
@@ -143,6 +144,7 @@ class IncomingTransfer:
             raise ServiceError(grpc.StatusCode.INVALID_ARGUMENT, f"open.request_id: {len(op.request_id)} characters, "
                                                                  f"must be 1 to {MAX_ID_CHARS}")
         rid = self.rid = self.state.request_id = op.request_id
+        tag_request(rid)  # (this call's task: its log lines carry the id)
         hop(rid, "decode.tx_open")
         r = await self.reservations.reservation(rid)
         if r is None:

@@ -45,8 +45,10 @@ from kv_transfer.metrics import KvPathMetrics
 from kv_transfer.registry import CHOICES, PATH_LABELS, TRANSPORTS
 from protos.tandem.v1 import decode_pb2, kv_transfer_pb2 as kv
 from serving.config import KvTransferConfig
+from serving import tracing
 from serving.errors import ServiceError
 from serving.hops import hop
+from serving.tracing import SpanAttributes as A
 
 log = logging.getLogger("tandem.prefill.kv")
 
@@ -168,7 +170,7 @@ class OutgoingTransfer:
     """One request's transfer to its decode target, from the path negotiation to the ack (event loop)."""
 
     def __init__(self, sender: KvSender, request_id: str, num_prompt_tokens: int, address: str, timeout_s: float,
-                 path_metrics: KvPathMetrics):
+                 path_metrics: KvPathMetrics, trace_context=None):
         self.sender = sender
         self.request_id = request_id
         self.num_prompt_tokens = num_prompt_tokens
@@ -179,6 +181,7 @@ class OutgoingTransfer:
         self.state = TransferState(request_id, "send")
         self.sent_bytes = 0
         self.sent_blocks = 0
+        self.trace_context = trace_context  # the parent of its kv_transfer.send span (the request's prefill span)
 
     async def negotiate(self, stub) -> int:
         """The path to the decode target (stub: its DecodeStub); the first request to an address asks it."""
@@ -213,9 +216,13 @@ class OutgoingTransfer:
                 if self.sender.is_commit(msg):
                     return
 
+        span = tracing.start_span("kv_transfer.send", self.trace_context, tracing.SpanKind.CLIENT, {
+            A.ATTEMPT_ID: self.request_id, A.KV_PEER: self.address, A.KV_PATH: PATH_LABELS[self.path]})
+        failure = None
         try:
-            await transfer_kv(messages(), timeout=self.timeout_s)
+            await transfer_kv(messages(), timeout=self.timeout_s, metadata=tracing.span_metadata(span))
         except grpc.aio.AioRpcError as e:
+            failure = e
             failed_in = self.state.state
             self.state.advance(KvPoll.FAILED)
             self.path_metrics.failed(self.path, failed_in)
@@ -225,9 +232,13 @@ class OutgoingTransfer:
             log.warning("kv transfer of %s to %s failed while %s: %s %s", self.request_id, self.address,
                         failed_in.name, code.name, details)
             raise ServiceError(code, f"kv transfer to decode {self.address} failed: {details}") from None
-        except BaseException:  # cancelled (the request ended at its first token, or its caller went)
+        except BaseException as e:  # cancelled (the request ended at its first token, or its caller went)
+            failure = e
             self.state.advance(KvPoll.FAILED)
             raise
+        finally:
+            span.set_attributes({A.KV_BYTES: self.sent_bytes, A.KV_BLOCKS: self.sent_blocks})
+            tracing.end_span(span, failure)
         self.state.advance(KvPoll.SUCCESS)
         seconds = time.monotonic() - t0
         self.path_metrics.observe_seconds(self.path, seconds)

@@ -217,9 +217,10 @@ class PrefillCore(WorkerCore):
             await self.decode_allowlist.check(address)
 
     async def prefill(self, request_id: str, prompt: list[int], params_msg: common_pb2.SamplingParams,
-                      decode_address: str, kv_timeout_s: float | None, prior: list[int] = ()):
+                      decode_address: str, kv_timeout_s: float | None, prior: list[int] = (), trace_context=None):
         """Yields PrefillResponse messages: FirstToken, then TransferDone when a decode target took the KV.
-        prior: the output tokens a resumed request already sent (FirstToken is the one after them)."""
+        prior: the output tokens a resumed request already sent (FirstToken is the one after them). trace_context:
+        the parent of the transfer's span (serving/tracing.py)."""
         self.check_request_id(request_id)
         if decode_address:
             await self.check_decode_address(decode_address)
@@ -241,7 +242,7 @@ class PrefillCore(WorkerCore):
                 r.tx = asyncio.Queue()
                 r.blocks_queued = loop.create_future()
                 r.transfer = OutgoingTransfer(self.sender, request_id, kv_tokens, decode_address, kv_timeout_s,
-                                              self.path_metrics)
+                                              self.path_metrics, trace_context)
                 await r.transfer.negotiate(decode_pb2_grpc.DecodeStub(self._channel(decode_address)))
             # Nothing else runs on this loop for the request until its first token (or its first chunk's blocks):
             # the engine thread's step does not share the GIL with loop work (submit, not call; the transfer opens

@@ -29,6 +29,11 @@ class GenerateDelta:
     """With finish_reason "stop": the stop token id or stop string that ended it (None: end of sequence)."""
     cached_tokens: int = 0
     """Prompt tokens served from the prefix cache."""
+    kv_transfer_s: float | None = None
+    """On a sub-request's last delta: its KV transfer's seconds, as the prefill instance measured them (None: no
+    transfer)."""
+    timings: dict[str, float] | None = None
+    """On a sub-request's last delta, when its request asked for them: RouterCore's timing breakdown."""
 
 
 class RequestError(Exception):

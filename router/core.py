@@ -22,6 +22,7 @@ The life of a request in the core:
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -34,8 +35,12 @@ from router.admission import Admission, AdmissionConfig, Ticket
 from router.backend import Backend, GenerateDelta, NoRoom, RequestError
 from router.disaggregated import DisaggregatedBackend, RouterConfig
 from router.metrics import RequestMetrics
+from router.timings import SubTimer
+from serving import tracing
 from serving.hops import hop
+from serving.logs import request_scope
 from serving.metrics import Metrics
+from serving.tracing import SpanAttributes as A
 
 __all__ = ["AdmissionConfig", "GenerateDelta", "GenerateRequest", "NOT_READY", "RequestError", "RouterConfig",
            "RouterCore", "RouterLimits"]
@@ -96,6 +101,10 @@ class GenerateRequest:
     prompt: str | None
     prompt_token_ids: list[int] | None
     params: SamplingParams
+    trace_headers: dict[str, str] | None = None
+    """The client's `traceparent`/`tracestate` (HTTP headers or gRPC metadata): the parent of the request's span."""
+    return_timings: bool = False
+    """Put each sub-request's timing breakdown (router/timings.py) on its last delta."""
 
 
 class RouterCore:
@@ -206,6 +215,25 @@ class RouterCore:
 
     # ---- generation -------------------------------------------------------------------------------------------
     async def generate(self, req: GenerateRequest) -> AsyncIterator[GenerateDelta]:
+        """The request's deltas (module docstring), inside its `llm_request` span (serving/tracing.py)."""
+        p = req.params
+        span = tracing.start_span("llm_request", tracing.parent_from(req.trace_headers), tracing.SpanKind.SERVER, {
+            A.REQUEST_ID: req.request_id, A.MODEL: req.model, A.N: p.n, A.TEMPERATURE: p.temperature,
+            A.TOP_P: p.top_p, **({A.MAX_TOKENS: p.max_tokens} if p.max_tokens is not None else {})})
+        failure = None
+        try:
+            with request_scope(req.request_id):
+                async with contextlib.aclosing(self._generate(req, span)) as deltas:
+                    async for item in deltas:
+                        yield item
+        except BaseException as e:
+            failure = None if isinstance(e, GeneratorExit) else e  # (closed early: the client is done with it)
+            raise
+        finally:
+            tracing.end_span(span, failure)
+
+    async def _generate(self, req: GenerateRequest, span) -> AsyncIterator[GenerateDelta]:
+        arrival = time.monotonic()
         hop(req.request_id, "router.in")
         self.check_fan_out(1, req.params.n)
         prompt = await self._prompt_ids(req)
@@ -215,22 +243,27 @@ class RouterCore:
             raise RequestError("unavailable", None, SHUTTING_DOWN)
         if not self.ready():
             raise RequestError("unavailable", None, NOT_READY)
+        span.set_attribute(A.PROMPT_TOKENS, len(prompt))
         t0 = time.monotonic()
         ticket = await self.admission.acquire(n)
         rm = RequestMetrics(self.metrics, t0, len(prompt), n, req.params.max_tokens or self.max_model_len - len(prompt))
         hop(req.request_id, "router.admitted")
+        span.set_attribute(A.TIME_IN_QUEUE, time.monotonic() - t0)
         queue: asyncio.Queue = asyncio.Queue()
         subs = []
+        timers = [SubTimer(arrival) for _ in range(n)]
         for i in range(n):
             params = req.params if n == 1 else replace(
                 req.params, n=1, seed=None if req.params.seed is None else req.params.seed + i)
             sub_id = req.request_id if n == 1 else f"{req.request_id}-{i}"
-            subs.append(asyncio.create_task(self._run_one(sub_id, i, prompt, params, queue, ticket)))
+            subs.append(asyncio.create_task(self._run_one(sub_id, i, prompt, params, queue, ticket, timers[i],
+                                                          span)))
         self._running += 1
         self._queues.add(queue)
         self.metrics.num_requests_running.set(self._running)
         first = True
         reason = "abort"
+        reasons, completion_tokens = [], 0
         try:
             remaining = n
             while remaining:
@@ -239,13 +272,22 @@ class RouterCore:
                     raise item
                 if first:
                     hop(req.request_id, "router.first_out")
+                    span.add_event("first_token")
+                    span.set_attribute(A.TIME_TO_FIRST_TOKEN, time.monotonic() - arrival)
                     first = False
                 rm.delta(item)
+                timers[item.index].delta(time.monotonic(), len(item.token_ids))
                 if item.finish_reason is not None:
                     remaining -= 1
                     reason = item.finish_reason
+                    reasons.append(reason)
+                    completion_tokens += item.completion_tokens
+                    if req.return_timings:
+                        item.timings = timers[item.index].result(item.kv_transfer_s)
                 yield item
             rm.done()
+            span.set_attributes({A.COMPLETION_TOKENS: completion_tokens, A.FINISH_REASONS: reasons,
+                                 A.E2E: time.monotonic() - arrival})
         finally:
             rm.finished(reason)
             for t in subs:
@@ -262,9 +304,10 @@ class RouterCore:
                 self.metrics.num_requests_running.set(self._running)
 
     async def _run_one(self, rid: str, index: int, prompt: list[int], params: SamplingParams,
-                       queue: asyncio.Queue, ticket: Ticket) -> None:
+                       queue: asyncio.Queue, ticket: Ticket, timer: SubTimer, span) -> None:
         try:
-            await self._serve_one(rid, index, prompt, params, queue, ticket)
+            with tracing.current(span):  # (this task's own context: the backend's calls carry the span)
+                await self._serve_one(rid, index, prompt, params, queue, ticket, timer)
         except asyncio.CancelledError:
             if asyncio.current_task().cancelling():  # the consumer went away
                 raise
@@ -278,7 +321,7 @@ class RouterCore:
             ticket.sub_done()
 
     async def _serve_one(self, rid: str, index: int, prompt: list[int], params: SamplingParams,
-                         queue: asyncio.Queue, ticket: Ticket) -> None:
+                         queue: asyncio.Queue, ticket: Ticket, timer: SubTimer) -> None:
         """backend.serve_one; while no instance has room for it (NoRoom, raised before its first delta), it waits
         for room (behind the sub-requests already waiting) and goes again as `<rid>.r<k>` (a cancelled attempt may
         still hold its id on an instance for a moment), until the request's deadline."""
@@ -288,6 +331,7 @@ class RouterCore:
         sub_id, attempt = rid, 0
         while True:
             try:
+                timer.dispatched()
                 return await self.backend.serve_one(sub_id, index, prompt, params, queue)
             except NoRoom as e:
                 if not await admission.wait_for_room(ticket.deadline, front=True):

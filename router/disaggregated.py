@@ -41,6 +41,7 @@ from protos.tandem.v1 import decode_pb2, prefill_pb2
 from router.backend import Backend, NoRoom, RequestError, invalid_argument
 from router.instances import Instance, InstancePool
 from router.migration import Lost, Migration, Stream, lost_or_error
+from serving import tracing
 from serving.config import KvTransferConfig
 from serving.convert import sampling_to_proto
 from serving.discovery import DiscoveryConfig, Resolver
@@ -183,7 +184,8 @@ class DisaggregatedBackend(Backend):
         hop(rid, "router.reserve_sent")
         call = inst.stub.Decode(decode_pb2.DecodeRequest(request_id=rid, prompt_token_ids=prompt,
                                                          params=params_msg, kv_transfer_timeout_ms=timeout_ms,
-                                                         prior_output_token_ids=prior))
+                                                         prior_output_token_ids=prior),
+                               metadata=tracing.metadata())
         try:
             first = await call.read()
         except grpc.aio.AioRpcError as e:
@@ -230,7 +232,7 @@ class DisaggregatedBackend(Backend):
         hop(rid, "router.prefill_sent")
         call = inst.stub.Prefill(prefill_pb2.PrefillRequest(
             request_id=rid, prompt_token_ids=prompt, params=params_msg, decode_address=decode_address,
-            kv_transfer_timeout_ms=timeout_ms, prior_output_token_ids=prior))
+            kv_transfer_timeout_ms=timeout_ms, prior_output_token_ids=prior), metadata=tracing.metadata())
         work = len(prompt) + len(prior)
         self.prefill.sent(inst, prompt)
         inst.inflight += 1
@@ -313,6 +315,7 @@ class DisaggregatedBackend(Backend):
         prior = list(s.sent)
         k = len(prior)
         params_msg = sampling_to_proto(s.params)
+        s.kv_transfer_s = None  # (this attempt's, if it has one)
         if not self.prefill.healthy():
             return await self._attempt_local(s, rid, prior, params_msg)
         timeout_ms = int(self.cfg.kv_transfer_timeout_s * 1000)
@@ -346,7 +349,7 @@ class DisaggregatedBackend(Backend):
             hop(rid, "router.local_prefill_sent")
             call = dinst.stub.Decode(decode_pb2.DecodeRequest(
                 request_id=rid, prompt_token_ids=s.prompt, params=params_msg, prior_output_token_ids=prior,
-                prefill_locally=True))
+                prefill_locally=True), metadata=tracing.metadata())
             try:
                 return await self._follow(s, dinst, call, None)
             except Lost:
@@ -375,7 +378,11 @@ class DisaggregatedBackend(Backend):
         dinst.streams.add(lost)
         try:
             while (resp := await dcall.read()) is not grpc.aio.EOF:  # read(): the first answer was read() too
-                if resp.HasField("delta") and s.put(resp.delta) is not None:
+                if not resp.HasField("delta"):
+                    continue
+                if resp.delta.finish_reason and drain is not None:
+                    s.kv_transfer_s = await _transfer_seconds(drain)
+                if s.put(resp.delta) is not None:
                     return
             raise Lost("decode_unavailable", RequestError(
                 "unavailable", None, f"decode {dinst.address}: stream ended before the request finished"))
@@ -396,20 +403,34 @@ class DisaggregatedBackend(Backend):
             dinst.streams.discard(lost)
             dinst.inflight -= 1
 
-    async def _drain(self, pcall, pinst: Instance, dcall) -> None:
-        """Reads the prefill stream to its end (TransferDone); a failure there cancels the decode stream."""
+    async def _drain(self, pcall, pinst: Instance, dcall) -> float | None:
+        """Reads the prefill stream to its end (TransferDone); returns the transfer's seconds. A failure there cancels
+        the decode stream."""
+        seconds = None
         try:
             while (resp := await pcall.read()) is not grpc.aio.EOF:
                 if resp.HasField("transfer_done"):
                     td = resp.transfer_done
+                    seconds = td.transfer_seconds
                     log.debug("kv transfer %d bytes, %.4fs (tail %.4fs)", td.transfer_bytes, td.transfer_seconds,
                               td.tail_seconds)
         except grpc.aio.AioRpcError as e:
             if e.code() == grpc.StatusCode.CANCELLED:
-                return
+                return None
             err = self._lost(e, pinst)
             dcall.cancel()
             raise err from None
+        return seconds
+
+
+async def _transfer_seconds(drain: asyncio.Task) -> float | None:
+    """The KV transfer's seconds, once the prefill stream (drain) has ended; None if it failed. Read before a
+    sub-request's last delta goes out: decode committed the KV before that delta, and the prefill's TransferDone
+    follows decode's ack of the commit, so the wait is a hop at most (and usually none)."""
+    await asyncio.wait({drain})
+    if drain.cancelled() or drain.exception() is not None:
+        return None
+    return drain.result()
 
 
 async def _cancel(task: asyncio.Task) -> None:

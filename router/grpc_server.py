@@ -19,6 +19,7 @@ from router.core import GenerateRequest, RequestError, RouterCore
 from serving.auth import ApiKey, ApiKeyInterceptor
 from serving.convert import finish_to_proto, logprobs_to_proto, sampling_from_proto
 from serving.errors import grpc_method, shown
+from serving.logs import tag_request
 from serving.rpc import RequestLimit, add_health_and_reflection, add_port, add_service, new_server, set_serving
 from serving.tls import TlsConfig
 
@@ -42,9 +43,12 @@ class GenerateServicer(generate_pb2_grpc.GenerateServicer):
         if request.prompt and request.prompt_token_ids:
             raise RequestError("invalid_argument", "prompt", "prompt: give exactly one of prompt and prompt_token_ids")
         rid = "cmpl-" + uuid.uuid4().hex
+        tag_request(rid)
+        trace = {k: v for k, v in (context.invocation_metadata() or ()) if k in ("traceparent", "tracestate")}
         req = GenerateRequest(request_id=rid, model=self._model(request.model),
                               prompt=None if request.prompt_token_ids else request.prompt,
-                              prompt_token_ids=list(request.prompt_token_ids) or None, params=params)
+                              prompt_token_ids=list(request.prompt_token_ids) or None, params=params,
+                              trace_headers=trace or None, return_timings=request.return_timings)
         async for d in self.core.generate(req):
             delta = common_pb2.TokenDelta(token_ids=d.token_ids, text=d.text,
                                           finish_reason=finish_to_proto(d.finish_reason) if d.finish_reason else 0,
@@ -55,7 +59,8 @@ class GenerateServicer(generate_pb2_grpc.GenerateServicer):
             yield generate_pb2.GenerateResponse(
                 request_id=rid, index=d.index, delta=delta,
                 usage=generate_pb2.Usage(prompt_tokens=d.prompt_tokens, completion_tokens=d.completion_tokens,
-                                         cached_prompt_tokens=d.cached_tokens))
+                                         cached_prompt_tokens=d.cached_tokens),
+                timings=generate_pb2.RequestTimings(**d.timings) if d.timings else None)
 
     @grpc_method
     async def Tokenize(self, request, context):

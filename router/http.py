@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import importlib.metadata
+import inspect
 import json
 import logging
 import re
@@ -45,6 +46,7 @@ from router.openai_serving import (APIError, ChatCompletions, Completions, Endpo
 from router.tool_calls import ToolConfig
 from serving.auth import DEFAULT_OPEN_PATHS, ApiKey, ApiKeyMiddleware
 from serving.metrics import Family, exposition
+from serving.logs import tag_request
 
 log = logging.getLogger("tandem.router.http")
 
@@ -52,6 +54,13 @@ try:
     _VERSION = importlib.metadata.version("tandem")
 except importlib.metadata.PackageNotFoundError:  # a source tree that was never pip-installed (the GPU machine)
     _VERSION = "unknown"
+
+# FastAPI's own OpenTelemetry spans (an HTTP span and one per dependency, endpoint and serialization of every
+# request, whenever a tracer provider is installed) stay off: a request's trace is the router's llm_request span
+# and the workers' (serving/tracing.py), whose parent is the client's traceparent as it was sent.
+_NO_FRAMEWORK_TELEMETRY = ({"telemetry": dict(tracing=False, metrics=False, logs=False, operation_spans=False,
+                                               auto_configure=False)}
+                           if "telemetry" in inspect.signature(FastAPI).parameters else {})  # (older FastAPI: none)
 
 HTTP_REQUESTS = Family(Counter, "http_requests", "HTTP requests answered by the router, by path and status code",
                        ("path", "status"))
@@ -193,7 +202,7 @@ def create_app(core: RouterCore, api_key: ApiKey | None = None, open_paths: Iter
     """The app over `core`; with `api_key`, every path but `open_paths` needs `Authorization: Bearer <key>`; bodies
     over max_request_bytes are refused (413) before they are parsed; `tools`: the tool-calling flags."""
     app = FastAPI(title="Tandem router", summary="OpenAI-compatible API over disaggregated prefill and decode",
-                  docs_url=None, redoc_url=None)
+                  docs_url=None, redoc_url=None, **_NO_FRAMEWORK_TELEMETRY)
     app.state.max_request_bytes = max_request_bytes
     if api_key is not None:
         app.add_middleware(ApiKeyMiddleware, api_key=api_key, open_paths=open_paths)
@@ -240,6 +249,12 @@ def create_app(core: RouterCore, api_key: ApiKey | None = None, open_paths: Iter
         return _error_response(as_api_error(e))
 
     async def serve(request: Request, endpoint: Endpoint) -> Response:
+        if endpoint.requests:  # (a batch's requests are <rid>-<i>: its lines carry <rid>)
+            tag_request(getattr(endpoint, "rid", None) or endpoint.requests[0].request_id)
+        # The client's trace context (a traced gateway's `traceparent`): the parent of the request's span.
+        trace_headers = {k: v for k in ("traceparent", "tracestate") if (v := request.headers.get(k))} or None
+        for req in endpoint.requests:
+            req.trace_headers = trace_headers
         core.check_fan_out(len(endpoint.requests), endpoint.requests[0].params.n if endpoint.requests else 1)
         streams = await _unless_disconnected(request, Streams.open(core, endpoint.requests))
         if endpoint.stream:

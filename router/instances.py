@@ -31,6 +31,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -57,6 +58,7 @@ _STUBS = {"prefill": prefill_pb2_grpc.PrefillStub, "decode": decode_pb2_grpc.Dec
 # one poll that times out on a busy host moves nothing; a hung or partitioned instance loses its streams after about
 # two poll intervals plus the poll timeout. (A killed one breaks its streams at once: they move without waiting.)
 LOST_AFTER_POLLS = 2
+# An instance that stays down (or never answered) is logged again this often, not at every poll.
 
 
 @dataclass(eq=False)

@@ -82,6 +82,7 @@ class Stream:
     moving_since: float | None = None  # the last failure, until the next attempt's first delta
     deadline: float = 0.0  # monotonic: when a moving stream gives up waiting for an instance
     cached_tokens: int | None = None  # prompt tokens the first attempt's prefill found cached
+    kv_transfer_s: float | None = None  # the last attempt's KV transfer (set before its last delta is put)
 
     def put(self, d: common_pb2.TokenDelta, default_reason: str | None = None,
             cached_tokens: int | None = None) -> str | None:
@@ -95,7 +96,8 @@ class Stream:
         self.queue.put_nowait(GenerateDelta(self.index, tokens, d.text, logprobs_from_proto(d.logprobs), reason,
                                             len(self.prompt), len(self.sent),
                                             stop_reason_from_proto(d.stop_reason, self.params) if reason else None,
-                                            self.cached_tokens or 0))
+                                            self.cached_tokens or 0,
+                                            kv_transfer_s=self.kv_transfer_s if reason is not None else None))
         if self.moving_since is not None:
             log.info("request %s: resumed %.3f s after the failure (move %d, %d tokens sent before it)", self.rid,
                      time.monotonic() - self.moving_since, self.moves, len(self.sent) - len(tokens))

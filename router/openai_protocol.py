@@ -94,6 +94,9 @@ class SamplingRequest(_Body):
     """vLLM's extension: logprobs name tokens "token_id:<id>" (exact ids, whatever the detokenizer makes of them)."""
     return_token_ids: bool = False
     """vLLM's extension: the prompt's token ids (`prompt_token_ids`) and each choice's (`token_ids`), streamed too."""
+    return_timings: bool = False
+    """Tandem's extension: each choice's last chunk (or the choice, not streaming) carries `timings`, where its time
+    went in seconds: queue_s, prefill_s, kv_transfer_s, first_token_s, mean_itl_s, decode_s."""
 
     def sampling_params(self, *, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
         """Raises ValueError naming the field when a value is out of range."""
@@ -248,6 +251,14 @@ class _OmitNone(BaseModel):
 class PromptTokensDetails(BaseModel):
     cached_tokens: int = 0
     """Prompt tokens served from the prefix cache."""
+class RequestTimings(BaseModel):
+    """One choice's timing breakdown, in seconds (router/timings.py says what each covers)."""
+    queue_s: float
+    prefill_s: float
+    kv_transfer_s: float
+    first_token_s: float
+    mean_itl_s: float
+    decode_s: float
 
 
 class UsageInfo(BaseModel):
@@ -265,7 +276,7 @@ class CompletionLogProbs(BaseModel):
 
 
 class CompletionChoice(_OmitNone):
-    _omit_if_none = ("prompt_token_ids", "token_ids")
+    _omit_if_none = ("prompt_token_ids", "token_ids", "timings")
     index: int
     text: str
     logprobs: CompletionLogProbs | None = None
@@ -274,6 +285,7 @@ class CompletionChoice(_OmitNone):
     """The stop string or stop token id that ended the choice (None: end of sequence, max_tokens, or not ended)."""
     prompt_token_ids: list[int] | None = None
     token_ids: list[int] | None = None
+    timings: RequestTimings | None = None
 
 
 class CompletionResponse(BaseModel):
@@ -318,7 +330,7 @@ class AssistantMessage(BaseModel):
 
 
 class ChatChoice(_OmitNone):
-    _omit_if_none = ("token_ids",)
+    _omit_if_none = ("token_ids", "timings")
     index: int
     message: AssistantMessage
     logprobs: ChatLogProbs | None = None
@@ -326,6 +338,7 @@ class ChatChoice(_OmitNone):
     stop_reason: int | str | None = None
     """The stop string or stop token id that ended the choice (None: end of sequence, max_tokens, or not ended)."""
     token_ids: list[int] | None = None
+    timings: RequestTimings | None = None
 
 
 class ChatCompletionResponse(_OmitNone):
@@ -349,13 +362,14 @@ class DeltaMessage(_OmitNone):
 
 
 class ChatStreamChoice(_OmitNone):
-    _omit_if_none = ("token_ids",)
+    _omit_if_none = ("token_ids", "timings")
     index: int
     delta: DeltaMessage
     logprobs: ChatLogProbs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     token_ids: list[int] | None = None
+    timings: RequestTimings | None = None
 
 
 class ChatCompletionChunk(_OmitNone):

@@ -217,6 +217,7 @@ class Choice:
     logprobs: list[dict[int, float]] = field(default_factory=list)
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    timings: dict[str, float] | None = None  # (asked for: on the last delta)
 
     def add(self, delta: GenerateDelta) -> None:
         self.text.append(delta.text)
@@ -224,6 +225,7 @@ class Choice:
         if delta.logprobs:
             self.logprobs.extend(delta.logprobs)
         self.finish_reason, self.stop_reason = delta.finish_reason, delta.stop_reason
+        self.timings = delta.timings or self.timings
 
 
 class Usage:
@@ -345,7 +347,8 @@ class Completions(_SSEEndpoint):
         hop(self.rid, "http.in", t_in)
         self.requests = [GenerateRequest(request_id=f"{self.rid}-{i}" if len(prompts) > 1 else self.rid,
                                          model=self.model, prompt=p if isinstance(p, str) else None,
-                                         prompt_token_ids=None if isinstance(p, str) else list(p), params=params)
+                                         prompt_token_ids=None if isinstance(p, str) else list(p), params=params,
+                                         return_timings=body.return_timings)
                          for i, p in enumerate(prompts)]
         for p in prompts:
             if not isinstance(p, str):
@@ -384,7 +387,8 @@ class Completions(_SSEEndpoint):
         return CompletionChoice(index=idx, text=text, logprobs=lp, finish_reason=delta.finish_reason,
                                 stop_reason=delta.stop_reason,
                                 prompt_token_ids=self.prompt_ids[p] if ids and first else None,
-                                token_ids=list(delta.token_ids) if ids else None)
+                                token_ids=list(delta.token_ids) if ids else None,
+                                timings=delta.timings)
 
     def response(self, choices: dict[tuple[int, int], Choice], usage: Usage) -> dict:
         ids = self.prompt_ids is not None
@@ -392,7 +396,7 @@ class Completions(_SSEEndpoint):
                                 logprobs=self.logprobs(len(self.echo[p]), c.token_ids, c.logprobs),
                                 finish_reason=c.finish_reason, stop_reason=c.stop_reason,
                                 prompt_token_ids=self.prompt_ids[p] if ids else None,
-                                token_ids=c.token_ids if ids else None)
+                                token_ids=c.token_ids if ids else None, timings=c.timings)
                for (p, i), c in sorted(choices.items())]
         return CompletionResponse(id=self.rid, created=self.created, model=self.model, choices=out,
                                   usage=usage.info()).model_dump()
@@ -445,7 +449,8 @@ class ChatCompletions(_SSEEndpoint):
         self.rid, self.created = random_id("chatcmpl"), int(time.time())
         hop(self.rid, "http.in", t_in)
         self.requests = [GenerateRequest(request_id=self.rid, model=self.model, prompt=None,
-                                         prompt_token_ids=prompt_ids, params=params)]
+                                         prompt_token_ids=prompt_ids, params=params,
+                                         return_timings=body.return_timings)]
         self.stream, self.n = body.stream, params.n
 
     def logprobs(self, token_ids: list[int], lps: list[dict[int, float]]) -> ChatLogProbs | None:
@@ -493,7 +498,8 @@ class ChatCompletions(_SSEEndpoint):
         return ChatStreamChoice(index=delta.index, delta=DeltaMessage(content=content, tool_calls=calls or None),
                                 logprobs=self.logprobs(delta.token_ids, delta.logprobs or []),
                                 finish_reason=finish, stop_reason=delta.stop_reason,
-                                token_ids=list(delta.token_ids) if self.prompt_ids is not None else None)
+                                token_ids=list(delta.token_ids) if self.prompt_ids is not None else None,
+                                timings=delta.timings)
 
     def message(self, c: Choice) -> tuple[AssistantMessage, str | None]:
         """A gathered choice's message and finish reason."""
@@ -512,7 +518,8 @@ class ChatCompletions(_SSEEndpoint):
             message, finish = self.message(c)
             out.append(ChatChoice(index=i, message=message, logprobs=self.logprobs(c.token_ids, c.logprobs),
                                   finish_reason=finish, stop_reason=c.stop_reason,
-                                  token_ids=c.token_ids if self.prompt_ids is not None else None))
+                                  token_ids=c.token_ids if self.prompt_ids is not None else None,
+                                  timings=c.timings))
         return ChatCompletionResponse(id=self.rid, created=self.created, model=self.model, choices=out,
                                       usage=usage.info(), prompt_token_ids=self.prompt_ids).model_dump()
 

@@ -44,8 +44,10 @@ from serving.auth import ApiKey, add_api_key_args
 from serving.config import WorkerConfig
 from serving.discovery import DiscoveryConfig, add_discovery_args, split_host_port
 from serving.metrics import add_metrics_args, set_prefix
+from serving.logs import add_log_args, configure as configure_logging
 from serving.rpc import RequestLimit
 from serving.tls import TlsConfig, add_tls_args
+from serving.tracing import add_tracing_args, setup_tracing
 
 log = logging.getLogger("tandem.router")
 
@@ -82,6 +84,8 @@ def add_router_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--enable-auto-tool-choice", action="store_true", default=ToolConfig.enable_auto_tool_choice,
                    help="let the model decide whether to call a tool (tool_choice auto, the default when a request "
                         "has tools); needs --tool-call-parser")
+    add_log_args(p)  # (every process's; `tandem up` passes them on to each)
+    add_tracing_args(p)
 
 
 # The router flags `tandem up` passes on only when they differ from their defaults (compose.yaml leaves them out):
@@ -200,8 +204,10 @@ async def serve(ns: argparse.Namespace, prefill: list[str], decode: list[str], t
         # uvicorn and the gRPC server wait a little longer than the core's drain: it ends what is left itself, with
         # an error event or status, before they would cut a response off.
         app = create_app(core, api_key, open_paths, ns.max_request_bytes, tools)
-        http = _Uvicorn(uvicorn.Config(app, lifespan="off", log_level=ns.log_level, access_log=False,
-                                       timeout_graceful_shutdown=ns.shutdown_grace + _CLOSE_MARGIN_S, **ssl))
+        # (log_config=None: uvicorn's records go through this process's handler, serving/logs.py)
+        http = _Uvicorn(uvicorn.Config(app, lifespan="off", log_level=ns.log_level, log_config=None,
+                                       access_log=False, timeout_graceful_shutdown=ns.shutdown_grace + _CLOSE_MARGIN_S,
+                                       **ssl))
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
@@ -230,7 +236,8 @@ async def serve(ns: argparse.Namespace, prefill: list[str], decode: list[str], t
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     ns = parser.parse_args(argv)
-    logging.basicConfig(level=ns.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    configure_logging("router", ns.log_level, ns.log_format)
+    setup_tracing("router", ns.otlp_traces_endpoint)
     if ns.colocated:
         given = [flag for flag, value in (("--prefill", ns.prefill), ("--decode", ns.decode)) if value is not None]
         if given:
@@ -259,7 +266,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         uvloop.run(serve(ns, prefill, decode, tls, api_key))
     except (OSError, ValueError) as e:  # a port taken, a host not ours, a config the model rejects
-        print(f"tandem router: {e}", file=sys.stderr)
+        if ns.log_format == "json":
+            log.error("tandem router: %s", e)
+        else:
+            print(f"tandem router: {e}", file=sys.stderr)
         return 1
     return 0
 

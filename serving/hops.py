@@ -15,4 +15,5 @@ _hops = logging.getLogger("tandem.hops")
 def hop(rid: str, event: str, t_ns: int | None = None) -> None:
     """Logs that request `rid` passed `event` at t_ns (default: now), when tandem.hops is at DEBUG."""
     if _hops.isEnabledFor(logging.DEBUG):
-        _hops.debug("hop %s %s %d", rid, event, time.monotonic_ns() if t_ns is None else t_ns)
+        _hops.debug("hop %s %s %d", rid, event, time.monotonic_ns() if t_ns is None else t_ns,
+                    extra={"request_id": rid})  # (some are logged in the engine thread: no request context there)

@@ -16,9 +16,11 @@ import uvloop
 
 from engine.args import EngineArgs, add_engine_args
 from serving.config import KvTransferConfig, WorkerConfig
+from serving.logs import add_log_args, configure as configure_logging
 from serving.metrics import Metrics, add_metrics_args, set_prefix, start_metrics_server
 from serving.rpc import add_health_and_reflection, add_port, new_server, set_serving
 from serving.tls import TlsConfig, add_tls_args
+from serving.tracing import add_tracing_args, setup_tracing
 
 
 @dataclass
@@ -49,6 +51,8 @@ def build_parser(role: WorkerRole, prog: str | None = None) -> argparse.Argument
                    help=f"on SIGTERM/SIGINT: seconds the requests in flight get to finish, with health NOT_SERVING "
                         f"so routers send no new ones (default: {WorkerConfig.shutdown_grace_s:g})")
     p.add_argument("--log-level", default="INFO")
+    add_log_args(p)
+    add_tracing_args(p)
     add_tls_args(p)
     if role.add_args is not None:
         role.add_args(p)
@@ -120,7 +124,8 @@ def main(role: WorkerRole, argv: list[str] | None = None) -> int:
     except ValueError as e:  # a role flag's value (it names the flag)
         parser.error(str(e))
     role = replace(role, make_core=partial(role.make_core, **kwargs))
-    logging.basicConfig(level=ns.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    configure_logging(role.name, ns.log_level, ns.log_format)
+    setup_tracing(role.name, ns.otlp_traces_endpoint)
     from engine import LLMEngine
 
     # A prefill worker's decode CUDA graphs would never replay: it captures only the prompt steps' graphs.

@@ -55,7 +55,7 @@ class Stack:
 
     def child_pids(self) -> dict[str, int]:
         return {m.group(1): int(m.group(2)) for line in self.lines
-                if (m := re.match(r"tandem up: started (\S+) \(pid (\d+)\)", line))}
+                if (m := re.search(r"tandem up: started (\S+) \(pid (\d+)\)", line))}
 
     def stop(self, sig: int = signal.SIGINT, timeout: float = 60) -> int:
         if self.proc.poll() is None:
