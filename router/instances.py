@@ -47,6 +47,7 @@ from serving.rpc import channel
 from serving.tls import TlsConfig
 
 log = logging.getLogger("tandem.router.instances")
+DOWN_LOG_EVERY_S = 30.0  # an instance that stays down is logged again this often
 
 POLICIES = ("round_robin", "least_loaded", "cache_aware")
 DEFAULT_BLOCK_SIZE = EngineArgs.block_size  # the engines' default, until an instance's GetLoad says its own
@@ -78,6 +79,7 @@ class Instance:
     entry: str = ""  # the --prefill/--decode entry it came from (a name, or the address itself)
     state: str = ""  # what the log said last: "up", "unreachable", "not serving" ("": nothing yet)
     leaving: bool = False  # its address vanished from DNS: out of rotation, kept while calls are open there
+    reported_at: float = 0.0  # monotonic: when its state was last logged
     # This router's streams on the instance: each callback is called (with why) when the instance is lost.
     streams: set[Callable[[str], None]] = field(default_factory=set)
     prefixes: PrefixIndex = field(default_factory=lambda: PrefixIndex(DEFAULT_INDEX_BLOCKS))  # cache_aware
@@ -219,10 +221,13 @@ class InstancePool:
         self._publish()
 
     def _report(self, inst: Instance, state: str, detail: str = "") -> None:
-        """Logs inst's state when it changed since the last report."""
-        if state == inst.state:
+        """Logs inst's state when it changed since the last report, and a state other than up again every
+        DOWN_LOG_EVERY_S (an instance that stays down, or never answered, is said now and then, so an operator sees
+        why nothing runs there)."""
+        now = time.monotonic()
+        if state == inst.state and (state == "up" or now - inst.reported_at < DOWN_LOG_EVERY_S):
             return
-        inst.state = state
+        inst.state, inst.reported_at = state, now
         where = f"{self.role} {inst.address}" + (f" ({inst.entry})" if inst.entry != inst.address else "")
         if state == "up":
             log.info("%s is up", where)
@@ -238,7 +243,8 @@ class InstancePool:
         except Exception as e:  # noqa: BLE001
             unanswered = isinstance(e, grpc.aio.AioRpcError)
             msg = e.code().name if unanswered else str(e)
-            self._report(inst, "unreachable" if unanswered else "not serving", msg)
+            polls = inst.failed_polls + 1 if unanswered else 1
+            self._report(inst, "unreachable" if unanswered else "not serving", f"{msg} ({polls} polls in a row)")
             inst.healthy, inst.last_error = False, msg
             inst.failed_polls = inst.failed_polls + 1 if unanswered else 0
             if inst.failed_polls >= LOST_AFTER_POLLS and inst.streams:

@@ -120,8 +120,8 @@ def test_unreachable_instances_are_logged_once_until_they_change(caplog):
 
     assert asyncio.run(go()) == (0.0, 2.0)
     lines = sorted(r.message for r in caplog.records if "unreachable" in r.message)
-    assert lines == ["decode 127.0.0.1:10 is unreachable: UNAVAILABLE",
-                     "decode 127.0.0.1:9 is unreachable: UNAVAILABLE"]
+    assert lines == ["decode 127.0.0.1:10 is unreachable: UNAVAILABLE (1 polls in a row)",
+                     "decode 127.0.0.1:9 is unreachable: UNAVAILABLE (1 polls in a row)"]
     assert all(r.levelno == logging.WARNING for r in caplog.records if "unreachable" in r.message)
 
 
