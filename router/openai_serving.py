@@ -30,6 +30,7 @@ import anyio
 from pydantic import BaseModel
 
 from router.backend import field_in_message
+from router.chat_template import Chat, prompt_ids
 from router.core import GenerateDelta, GenerateRequest, RequestError, RouterCore
 from router.openai_protocol import (DEFAULT_COMPLETION_MAX_TOKENS, AssistantMessage, ChatChoice, ChatCompletionChunk,
                                     ChatCompletionRequest, ChatCompletionResponse, ChatLogProbs, ChatStreamChoice,
@@ -96,16 +97,13 @@ def check_model(core: RouterCore, name: str | None) -> str:
 
 
 async def chat_prompt_ids(core: RouterCore, body) -> list[int]:
-    """A chat's messages (ChatCompletionRequest, TokenizeRequest) as the prompt token ids the model runs (checked
-    and tokenized by the core: off the event loop when long)."""
-    tokenizer = core.tokenizer
-    messages = [{"role": m.role, "content": m.text()} for m in body.messages]
-    if getattr(tokenizer, "chat_template", None):
-        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=body.add_generation_prompt)
-    else:  # a model without a template (random test models): a plain transcript
-        text = "".join(f"{m['role']}: {m['content']}\n" for m in messages)
-        text += "assistant:" if body.add_generation_prompt else ""
-    return await core.tokenize(text, "messages", add_special_tokens=False)
+    """A chat's messages (ChatCompletionRequest, TokenizeRequest) as the prompt token ids the model runs
+    (router/chat_template.py, shared with the gRPC Chat RPC)."""
+    chat = Chat(messages=[{"role": m.role, "content": m.text()} for m in body.messages],
+                add_generation_prompt=body.add_generation_prompt,
+                continue_final_message=getattr(body, "continue_final_message", False),
+                chat_template_kwargs=getattr(body, "chat_template_kwargs", None) or {})
+    return await prompt_ids(core, chat)
 
 
 def _sampling_params(body: SamplingRequest, *, max_tokens: int | None, logprobs: int | None):
