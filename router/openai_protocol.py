@@ -89,6 +89,12 @@ class SamplingRequest(_Body):
     stream_options: StreamOptions | None = None
     return_tokens_as_token_ids: bool = False
     """vLLM's extension: logprobs name tokens "token_id:<id>" (exact ids, whatever the detokenizer makes of them)."""
+    use_beam_search: bool = False
+    """vLLM's extension. Beam search is not implemented: true is refused (400 naming the field), not answered by
+    sampling as if it had not been asked."""
+
+    def unsupported_field(self) -> str | None:
+        return "use_beam_search" if self.use_beam_search else super().unsupported_field()
 
     def sampling_params(self, *, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
         """Raises ValueError naming the field when a value is out of range."""
