@@ -133,7 +133,7 @@ def sync() -> None:
         torch.cuda.synchronize()
 
 
-def main(argv=None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="smollm2")
     p.add_argument("--dtype", default="auto", choices=("auto", *_DTYPES, *DTYPE_ALIASES))
@@ -156,7 +156,11 @@ def main(argv=None) -> int:
     p.add_argument("--stream", "--async-engine", action="store_true",
                    help="tandem: hand tokens out per step, as served, and report TTFT and TPOT (module docstring)")
     p.add_argument("--out-dir", default=str(Path(__file__).resolve().parent / "results"))
-    args = p.parse_args(argv)
+    return p
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
 
     from engine.loader import resolve_model
     vocab = resolve_model(args.model).config.vocab_size

@@ -55,7 +55,8 @@ def add_router_args(p: argparse.ArgumentParser) -> None:
     """The router's flags that `tandem up` passes on too (declared once, here)."""
     p.add_argument("--host", default="127.0.0.1", help="address to bind both APIs to (default: 127.0.0.1)")
     p.add_argument("--grpc-port", type=int, default=50051, help="public gRPC API port (default: 50051)")
-    p.add_argument("--http-port", type=int, default=8000, help="OpenAI HTTP API port (default: 8000)")
+    p.add_argument("--port", "--http-port", dest="http_port", type=int, default=8000,
+                   help="OpenAI HTTP API port, vLLM's --port (--http-port: the same; default: 8000)")
     p.add_argument("--policy", choices=POLICIES, default=RouterConfig.policy,
                    help="how to pick instances: " + ", ".join(POLICIES) + " (router/instances.py; default: "
                         f"{RouterConfig.policy})")
@@ -139,7 +140,7 @@ def _bind(host: str, port: int) -> socket.socket:
         sock.bind((host, port))
     except OSError as e:
         sock.close()
-        raise OSError(f"cannot bind the HTTP API to {host}:{port}: {e.strerror} (see --host, --http-port)") from None
+        raise OSError(f"cannot bind the HTTP API to {host}:{port}: {e.strerror} (see --host, --port)") from None
     sock.set_inheritable(True)
     return sock
 
