@@ -235,6 +235,7 @@ def main(argv: list[str] | None = None) -> int:
         tls = TlsConfig.from_cli_args(ns)
         api_key = ApiKey.from_flag(ns.api_key)
         RequestLimit(ns.max_grpc_message_bytes, MAX_MESSAGE_FLAG)
+        RouterLimits(max_sub_requests=ns.max_sub_requests, max_prompt_bytes=ns.max_prompt_bytes)
         AdmissionConfig.from_cli_args(ns)  # (checked here: a bad value is a usage error)
     except ValueError as e:
         parser.error(str(e))

@@ -171,3 +171,13 @@ def test_a_cuda_device_on_a_host_without_one_exits_1_naming_device(capsys):
     assert capsys.readouterr().err.strip().splitlines()[-1] == (
         "tandem generate: device='cuda': this host has no CUDA device (torch.cuda.is_available() is False); use "
         "--device cpu")
+
+
+@pytest.mark.parametrize("argv,message", [(["--max-prompt-bytes", "0"], "max_prompt_bytes=0: must be >= 1"),
+                                          (["--max-sub-requests", "0"], "max_sub_requests=0: must be >= 1")])
+def test_router_limits_are_refused_before_it_starts(capsys, argv, message):
+    from router.server import main
+
+    with pytest.raises(SystemExit) as ei:
+        main(["--prefill", "127.0.0.1:1", "--decode", "127.0.0.1:2", *argv])
+    assert ei.value.code == 2 and capsys.readouterr().err.strip().endswith(message)
