@@ -4,6 +4,9 @@
       --output-len 256 --backend tandem hf
 
 Each backend runs the same prompts in the same invocation; one JSON file per backend run goes to bench/results/.
+`--stream` (or vLLM's `--async-engine`): the tandem backend hands each request's tokens out step by step as the
+services stream them (instead of collecting every output at the end), and adds the mean time to first token and
+time per output token to the table and the JSON.
 """
 from __future__ import annotations
 
@@ -17,6 +20,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.common import git_commit, machine_info, write_json  # noqa: E402
+from engine.config import DTYPE_ALIASES, KV_CACHE_DTYPES, QUANTIZATION_METHODS, _DTYPES, parse_dtype  # noqa: E402
 
 
 def make_prompts(num: int, input_len: int, vocab: int, seed: int) -> list[list[int]]:
@@ -24,7 +28,7 @@ def make_prompts(num: int, input_len: int, vocab: int, seed: int) -> list[list[i
     return torch.randint(10, vocab - 10, (num, input_len), generator=g).tolist()
 
 
-def run_tandem(args, prompts) -> tuple[float, int]:
+def run_tandem(args, prompts) -> tuple[float, int, dict]:
     from engine import LLM, SamplingParams
 
     llm = LLM(args.model, dtype=args.dtype, max_model_len=args.input_len + args.output_len + 16,
@@ -40,14 +44,36 @@ def run_tandem(args, prompts) -> tuple[float, int]:
     sync()
     llm.engine.step_log = []
     t0 = time.perf_counter()
-    outs = llm.generate(prompt_token_ids=prompts, sampling_params=params)
+    if args.stream:
+        n_out, latency = stream_requests(llm.engine, prompts, params, t0)
+    else:
+        outs = llm.generate(prompt_token_ids=prompts, sampling_params=params)
+        n_out, latency = sum(len(o.outputs[0].token_ids) for o in outs), {}
     sync()
     elapsed = time.perf_counter() - t0
     print_step_breakdown(llm.engine.step_log, elapsed)
-    n_out = sum(len(o.outputs[0].token_ids) for o in outs)
     llm.close()
     del llm
-    return elapsed, n_out
+    return elapsed, n_out, latency
+
+
+def stream_requests(engine, prompts, params, t0: float) -> tuple[int, dict]:
+    """Every request added at t0, then each step's new tokens handed out per request as they come (what the
+    services stream): output tokens, and the mean time to first token and per output token after it, in ms."""
+    first, last, count = {}, {}, {}
+    for i, p in enumerate(prompts):
+        engine.add_request(f"bench-{i}", p, params)
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.new_token_ids:
+                now = time.perf_counter()
+                first.setdefault(out.request_id, now)
+                last[out.request_id] = now
+                count[out.request_id] = count.get(out.request_id, 0) + len(out.new_token_ids)
+    ttft = [first[r] - t0 for r in first]
+    tpot = [(last[r] - first[r]) / (count[r] - 1) for r in first if count[r] > 1]
+    return sum(count.values()), {"mean_ttft_ms": round(1e3 * sum(ttft) / max(1, len(ttft)), 2),
+                                 "mean_tpot_ms": round(1e3 * sum(tpot) / max(1, len(tpot)), 2)}
 
 
 def print_step_breakdown(steps, elapsed: float) -> None:
@@ -74,7 +100,7 @@ def run_hf(args, prompts) -> tuple[float, int]:
 
     resolved = resolve_model(args.model)
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    dtype = getattr(torch, args.dtype) if args.dtype != "auto" else (torch.bfloat16 if device == "cuda" else torch.float32)
+    dtype = parse_dtype(args.dtype) if args.dtype != "auto" else (torch.bfloat16 if device == "cuda" else torch.float32)
     if resolved.weights_dir is not None:
         model = AutoModelForCausalLM.from_pretrained(resolved.weights_dir, dtype=dtype).to(device)
     else:
@@ -99,7 +125,7 @@ def run_hf(args, prompts) -> tuple[float, int]:
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
-    return elapsed, n_out
+    return elapsed, n_out, {}
 
 
 def sync() -> None:
@@ -107,10 +133,10 @@ def sync() -> None:
         torch.cuda.synchronize()
 
 
-def main(argv=None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="smollm2")
-    p.add_argument("--dtype", default="auto")
+    p.add_argument("--dtype", default="auto", choices=("auto", *_DTYPES, *DTYPE_ALIASES))
     p.add_argument("--num-prompts", type=int, default=500)
     p.add_argument("--input-len", type=int, default=512)
     p.add_argument("--output-len", type=int, default=256)
@@ -120,15 +146,21 @@ def main(argv=None) -> int:
                    help="512 (default): all 500 prompts of the issue's workload in one batch; 12.7k vs 10.9k output "
                         "tok/s at 256 on the H200 (bench/RESULTS.md). vLLM's offline default on such GPUs is 1024")
     p.add_argument("--max-num-batched-tokens", type=int, default=8192)
-    p.add_argument("--kv-cache-dtype", default="auto")
-    p.add_argument("--quantization", default=None, choices=["fp8"],
+    p.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES)
+    p.add_argument("--quantization", default=None, choices=QUANTIZATION_METHODS,
                    help="the engine's online weight quantization (engine/quant.py); transformers runs unquantized")
     p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
                    help="the engine's async scheduling (default: the engine's, on for CUDA)")
     p.add_argument("--tensor-parallel-size", type=int, default=1, help="the engine's ranks (cuda:0, cuda:1, ...)")
     p.add_argument("--hf-batch-size", type=int, default=256)
+    p.add_argument("--stream", "--async-engine", action="store_true",
+                   help="tandem: hand tokens out per step, as served, and report TTFT and TPOT (module docstring)")
     p.add_argument("--out-dir", default=str(Path(__file__).resolve().parent / "results"))
-    args = p.parse_args(argv)
+    return p
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
 
     from engine.loader import resolve_model
     vocab = resolve_model(args.model).config.vocab_size
@@ -137,7 +169,11 @@ def main(argv=None) -> int:
     rows = []
     # transformers first: it frees its memory on return, while our engine sizes its KV cache from what is free.
     for backend in sorted(args.backend, key=lambda b: b != "hf"):
-        elapsed, n_out = (run_tandem if backend == "tandem" else run_hf)(args, prompts)
+        try:
+            elapsed, n_out, latency = (run_tandem if backend == "tandem" else run_hf)(args, prompts)
+        except ValueError as e:  # what only loading tells: --quantization against the checkpoint's format, ...
+            print(f"throughput: {backend}: {e}", file=sys.stderr)
+            return 1
         total = n_out + args.num_prompts * args.input_len
         rec = dict(backend=backend, gpu=gpu, model=args.model,
                    quantization=args.quantization if backend == "tandem" else None,
@@ -145,11 +181,13 @@ def main(argv=None) -> int:
                    num_prompts=args.num_prompts,
                    input_len=args.input_len, output_len=args.output_len, elapsed_s=round(elapsed, 3),
                    output_tokens_per_s=round(n_out / elapsed, 1), total_tokens_per_s=round(total / elapsed, 1),
+                   stream=args.stream if backend == "tandem" else False, **latency,
                    commit=git_commit()["sha"], date=time.strftime("%Y-%m-%d"), machine=machine_info())
         write_json(Path(args.out_dir) / f"throughput-{backend}-{time.strftime('%Y%m%d-%H%M%S')}.json", rec)
         rows.append(rec)
         print(f"{backend:7s} {elapsed:8.2f} s  {rec['output_tokens_per_s']:10.1f} out tok/s  "
-              f"{rec['total_tokens_per_s']:10.1f} total tok/s", flush=True)
+              f"{rec['total_tokens_per_s']:10.1f} total tok/s"
+              + "".join(f"  {k} {v}" for k, v in latency.items()), flush=True)
         torch.cuda.empty_cache() if torch.cuda.is_available() else None
     if len(rows) == 2:
         by = {r["backend"]: r["output_tokens_per_s"] for r in rows}

@@ -37,8 +37,8 @@ ROLES = {
 }
 
 
-def generate_main(argv: list[str]) -> int:
-    from engine.args import EngineArgs, add_engine_args
+def generate_parser() -> argparse.ArgumentParser:
+    from engine.args import add_engine_args
 
     parser = argparse.ArgumentParser(prog="tandem generate", description="Generate text offline.")
     parser.add_argument("prompt", nargs="+", help="one or more prompts")
@@ -48,6 +48,13 @@ def generate_main(argv: list[str]) -> int:
     parser.add_argument("--temperature", type=float, default=0.0)
     parser.add_argument("--top-p", type=float, default=1.0)
     add_engine_args(parser)
+    return parser
+
+
+def generate_main(argv: list[str]) -> int:
+    from engine.args import EngineArgs
+
+    parser = generate_parser()
     ns = parser.parse_args(argv)
 
     from engine.llm import LLM
@@ -57,8 +64,11 @@ def generate_main(argv: list[str]) -> int:
         params = SamplingParams(max_tokens=ns.max_tokens, temperature=ns.temperature, top_p=ns.top_p)
     except ValueError as e:
         parser.error(str(e))
-    args = EngineArgs.from_cli_args(ns)
-    llm = LLM(**vars(args))
+    try:
+        llm = LLM(**vars(EngineArgs.from_cli_args(ns)))
+    except ValueError as e:  # what only loading tells (engine/args.py): the checkpoint's format, the device
+        print(f"tandem generate: {e}", file=sys.stderr)
+        return 1
     if ns.chat:
         outs = llm.chat([[{"role": "user", "content": p}] for p in ns.prompt], params)
     else:

@@ -1,14 +1,29 @@
-"""Engine flags with vLLM's names, so a vLLM command line carries over. One source for the CLI and the offline API."""
+"""Engine flags with vLLM's names, so a vLLM command line carries over. One source for the CLI and the offline API.
+
+Every value a flag takes is checked when the command line is parsed, by the component dataclass that owns the field
+(its __post_init__): a value it refuses is a usage error naming the flag ("argument --block-size: block_size=0: must
+be in [1, 1024]"), never a worker that dies with a traceback at start. Fields with a fixed set of values list it as
+argparse choices. A few vLLM flags name what Tandem always does (`--enable-chunked-prefill`) or does not have yet
+(`--pipeline-parallel-size`): they take the one value that is true here and refuse the others at parse time.
+What only loading can tell (the checkpoint's format for --quantization, a device that is not there) fails at load
+with a ValueError naming the flag; the commands print it and exit 1.
+"""
 from __future__ import annotations
 
 import argparse
 import ast
 import inspect
-from dataclasses import dataclass, fields
+from dataclasses import MISSING, dataclass, fields
 
-from engine.config import CacheConfig, DeviceConfig, EngineConfig, ModelConfig, ParallelConfig, SchedulerConfig
+import torch
+
+from engine.config import (_DTYPES, DTYPE_ALIASES, KV_CACHE_DTYPES, QUANTIZATION_METHODS, CacheConfig, DeviceConfig,
+                           EngineConfig, ModelConfig, ParallelConfig, SchedulerConfig)
 
 _COMPONENTS = (ModelConfig, CacheConfig, SchedulerConfig, DeviceConfig, ParallelConfig)
+# The fields whose values are a fixed set (argparse lists them in --help and refuses the rest).
+_CHOICES = {"dtype": ("auto", *_DTYPES, *DTYPE_ALIASES), "kv_cache_dtype": KV_CACHE_DTYPES,
+            "quantization": QUANTIZATION_METHODS}
 
 
 @dataclass
@@ -41,8 +56,10 @@ class EngineArgs:
         def build(cls):
             return cls(**{f.name: getattr(self, f.name) for f in fields(cls)})
 
-        return EngineConfig(model=build(ModelConfig), cache=build(CacheConfig), scheduler=build(SchedulerConfig),
-                            device=build(DeviceConfig), parallel=build(ParallelConfig))
+        config = EngineConfig(model=build(ModelConfig), cache=build(CacheConfig), scheduler=build(SchedulerConfig),
+                              device=build(DeviceConfig), parallel=build(ParallelConfig))
+        _check_device(config.device.torch_device)
+        return config
 
     @classmethod
     def from_cli_args(cls, ns: argparse.Namespace) -> "EngineArgs":
@@ -60,6 +77,60 @@ def _field_docs(cls) -> dict[str, str]:
     return docs
 
 
+def _check_device(device: torch.device) -> None:
+    """A CUDA device that this host does not have is a ValueError naming --device (torch would assert)."""
+    if device.type != "cuda":
+        return
+    if not torch.cuda.is_available():
+        raise ValueError(f"device={str(device)!r}: this host has no CUDA device (torch.cuda.is_available() is "
+                         "False); use --device cpu")
+    if device.index is not None and device.index >= torch.cuda.device_count():
+        raise ValueError(f"device={str(device)!r}: this host has {torch.cuda.device_count()} CUDA device(s)")
+
+
+def _checked(cls, name: str, kind):
+    """argparse's type= for field `name` of component `cls`: the value converted by `kind`, then checked by `cls`'s
+    own validation (its ValueError becomes the flag's usage error)."""
+    required = {f.name: "" for f in fields(cls) if f.default is MISSING and f.default_factory is MISSING}
+
+    def parse(raw: str):
+        value = kind(raw)  # (a ValueError here: argparse's "invalid int value: 'x'")
+        try:
+            cls(**{**required, name: value})
+        except ValueError as e:
+            raise argparse.ArgumentTypeError(str(e)) from None
+        return value
+
+    parse.__name__ = kind.__name__
+    return parse
+
+
+class _AlwaysOn(argparse.BooleanOptionalAction):
+    """A vLLM switch for what Tandem always does: the flag is accepted, its --no- form refused naming it."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        if option_string is not None and option_string.startswith("--no-"):
+            raise argparse.ArgumentError(self, f"{self.help.split(';')[0]}: it cannot be turned off")
+        super().__call__(parser, namespace, values, option_string)
+
+
+def _one_stage(raw: str) -> int:
+    value = int(raw)
+    if value != 1:
+        raise argparse.ArgumentTypeError(f"pipeline_parallel_size={value}: Tandem has no pipeline parallelism yet; "
+                                         "only 1 (use --tensor-parallel-size to split a model over GPUs)")
+    return value
+
+
+def add_vllm_compat_args(group) -> None:
+    """vLLM's flags for what needs no setting here (engine/args.py docstring)."""
+    group.add_argument("--enable-chunked-prefill", action=_AlwaysOn, default=True,
+                       help="chunked prefill is always on; --max-num-batched-tokens is the chunk budget (accepted for "
+                            "vLLM command lines; --no-enable-chunked-prefill is refused)")
+    group.add_argument("--pipeline-parallel-size", "-pp", type=_one_stage, default=1,
+                       help="pipeline stages: only 1, no pipeline parallelism yet (accepted for vLLM command lines)")
+
+
 def add_engine_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     group = parser.add_argument_group("engine")
     defaults = EngineArgs()
@@ -73,5 +144,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                 group.add_argument(flag, action=argparse.BooleanOptionalAction, default=default, help=help_text)
                 continue
             kind = {"int": int, "float": float, "int | None": int, "float | None": float}.get(str(f.type), str)
-            group.add_argument(flag, type=kind, default=default, help=f"{help_text} (default: {default})")
+            group.add_argument(flag, type=_checked(cls, f.name, kind), default=default, choices=_CHOICES.get(f.name),
+                               help=f"{help_text} (default: {default})")
+    add_vllm_compat_args(group)
     return parser

@@ -6,14 +6,29 @@ Messages go to the template as HuggingFace's templates read them: role and conte
 template that has no place for them (SmolLM2's, ChatML without tools) leaves them out, as vLLM lets it: the model
 then does not see them (`tool_choice` required or named still holds its output to a call). A template that refuses
 the messages (Llama 3.1's raises on two calls in one turn) is a 400 naming `messages`.
+
+One piece for every chat entry point: the HTTP chat endpoint and /tokenize (router/openai_serving.py) and the gRPC
+Chat RPC (router/grpc_server.py, through `Chat` and `prompt_ids`), so that the same messages become the same prompt
+on both APIs. `chat_template_kwargs` (vLLM's) are more template variables; one that names an apply_chat_template
+parameter of its own (tokenize, return_tensors, ...) is refused.
 """
 from __future__ import annotations
 
+import inspect
 import json
+from dataclasses import dataclass, field
+from typing import Any
 
 import jinja2
+from transformers import PreTrainedTokenizerBase
 
+from router.core import RequestError, RouterCore
 from router.tool_parsers.base import arguments_text
+
+# apply_chat_template's own parameters: a template variable of one of these names would change how it runs (tokenize,
+# return_tensors, ...) rather than what the template sees.
+_RESERVED = frozenset(inspect.signature(PreTrainedTokenizerBase.apply_chat_template).parameters) - {"kwargs"} | {
+    "messages"}
 
 
 class ChatTemplateError(ValueError):
@@ -56,9 +71,21 @@ def _arguments(value, i: int, j: int) -> dict:
     return decoded
 
 
-def render(tokenizer, messages: list[dict], *, tools: list[dict] | None, add_generation_prompt: bool,
-           continue_final_message: bool) -> str:
+def check_template_kwargs(kwargs: Any, name: str = "chat_template_kwargs") -> dict[str, Any]:
+    if not isinstance(kwargs, dict):
+        raise ChatTemplateError(name, f"{name}: must be a JSON object")
+    if reserved := sorted(_RESERVED & set(kwargs)):
+        raise ChatTemplateError(name, f"{name}: {', '.join(reserved)}: reserved (set them as request fields, if at "
+                                      "all)")
+    return kwargs
+
+
+def render(tokenizer, messages: list[dict], *, tools: list[dict] | None = None, add_generation_prompt: bool = True,
+           continue_final_message: bool = False, chat_template_kwargs: dict[str, Any] | None = None) -> str:
     """The prompt text. continue_final_message: the last message stays open (its text is where the reply goes on)."""
+    if not messages:
+        raise ChatTemplateError("messages", "messages: must not be empty")
+    kwargs = check_template_kwargs(chat_template_kwargs or {})
     if add_generation_prompt and continue_final_message:
         raise ChatTemplateError("continue_final_message", "continue_final_message=true: needs "
                                                           "add_generation_prompt=false (a new turn or the last one "
@@ -74,6 +101,45 @@ def render(tokenizer, messages: list[dict], *, tools: list[dict] | None, add_gen
     try:
         return tokenizer.apply_chat_template(messages, tools=tools or None, tokenize=False,
                                              add_generation_prompt=add_generation_prompt,
-                                             continue_final_message=continue_final_message)
+                                             continue_final_message=continue_final_message, **kwargs)
     except (jinja2.TemplateError, ValueError, TypeError, KeyError, IndexError) as e:
         raise ChatTemplateError("messages", f"messages: the model's chat template refused them: {e}") from None
+
+
+@dataclass(frozen=True)
+class Chat:
+    """A chat as the gRPC Chat RPC receives it."""
+    messages: list[dict[str, str]]
+    """{"role": ..., "content": ...}, oldest first."""
+    add_generation_prompt: bool = True
+    """Open an assistant turn after the messages."""
+    continue_final_message: bool = False
+    """Leave the last message open, for the model to continue it."""
+    chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
+    """Extra variables for the template."""
+
+
+def kwargs_from_json(text: str, name: str = "chat_template_kwargs_json") -> dict[str, Any]:
+    """A JSON object's text as template variables; empty text: none."""
+    if not text:
+        return {}
+    try:
+        value = json.loads(text)
+    except ValueError as e:
+        raise RequestError("invalid_argument", name, f"{name}: not JSON ({e})") from None
+    try:
+        return check_template_kwargs(value, name)
+    except ChatTemplateError as e:
+        raise RequestError("invalid_argument", e.field, str(e)) from None
+
+
+async def prompt_ids(core: RouterCore, chat: Chat) -> list[int]:
+    """`chat`'s prompt token ids, checked against --max-prompt-bytes and tokenized by the core (off the event loop
+    when long). The template already put in the special tokens it wants: none are added."""
+    try:
+        text = render(core.tokenizer, chat.messages, add_generation_prompt=chat.add_generation_prompt,
+                      continue_final_message=chat.continue_final_message,
+                      chat_template_kwargs=chat.chat_template_kwargs)
+    except ChatTemplateError as e:
+        raise RequestError("invalid_argument", e.field, str(e)) from None
+    return await core.tokenize(text, "messages", add_special_tokens=False)

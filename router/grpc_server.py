@@ -1,7 +1,8 @@
-"""The public gRPC API (tandem.v1.Generate) over a RouterCore, with grpc.health.v1 and reflection.
+"""The public gRPC API (tandem.v1.Generate) over a RouterCore, with grpc.health.v1 and reflection (v1 and v1alpha).
 
 A thin servicer: protobuf -> GenerateRequest (SamplingParams validates and names the field), RouterCore.generate,
-GenerateDelta -> protobuf. RequestError and ValueError become status codes in serving.errors.grpc_method (the one
+GenerateDelta -> protobuf. Chat renders its messages first, with the HTTP chat endpoint's code
+(router/chat_template.py), then streams as Generate. RequestError and ValueError become status codes in serving.errors.grpc_method (the one
 place): invalid_argument -> INVALID_ARGUMENT, not_found -> NOT_FOUND, resource_exhausted -> RESOURCE_EXHAUSTED,
 unavailable -> UNAVAILABLE, anything else -> INTERNAL (a refusal under load carries trailing metadata retry-after,
 router/admission.py). A client's cancel cancels the handler, which closes the core's stream and so cancels the request
@@ -15,6 +16,7 @@ import uuid
 import grpc
 
 from protos.tandem.v1 import common_pb2, generate_pb2, generate_pb2_grpc
+from router.chat_template import Chat, kwargs_from_json, prompt_ids
 from router.core import GenerateRequest, RequestError, RouterCore
 from serving.auth import ApiKey, ApiKeyInterceptor
 from serving.convert import finish_to_proto, logprobs_to_proto, sampling_from_proto
@@ -37,6 +39,12 @@ class GenerateServicer(generate_pb2_grpc.GenerateServicer):
     def _model(self, name: str) -> str:
         return name or self.core.models()[0]
 
+    def _served(self, name: str) -> str:
+        model = self._model(name)
+        if model not in self.core.models():
+            raise RequestError("not_found", "model", f"model={shown(model)}: not served here")
+        return model
+
     @grpc_method
     async def Generate(self, request, context):
         params = sampling_from_proto(request.params)
@@ -49,6 +57,34 @@ class GenerateServicer(generate_pb2_grpc.GenerateServicer):
                               prompt=None if request.prompt_token_ids else request.prompt,
                               prompt_token_ids=list(request.prompt_token_ids) or None, params=params,
                               trace_headers=trace or None, return_timings=request.return_timings)
+        async for response in self._stream(req):
+            yield response
+
+    @grpc_method
+    async def Chat(self, request, context):
+        sampling_from_proto(request.params)  # (a bad value is refused before the template runs)
+        model = self._served(request.model)
+        chat = Chat(messages=[{"role": m.role, "content": m.content} for m in request.messages],
+                    add_generation_prompt=(request.add_generation_prompt if request.HasField("add_generation_prompt")
+                                           else not request.continue_final_message),
+                    continue_final_message=request.continue_final_message,
+                    chat_template_kwargs=kwargs_from_json(request.chat_template_kwargs_json))
+        ids = await prompt_ids(self.core, chat)
+        self.core.check_token_ids(ids, "messages")  # (the core would name prompt_token_ids, which the client never set)
+        # Unset max_tokens: the rest of the context, as the HTTP chat endpoint (the core refuses a prompt that fills
+        # it).
+        rest = {} if request.params.HasField("max_tokens") else {
+            "max_tokens": max(1, self.core.max_model_len - len(ids))}
+        rid = "chatcmpl-" + uuid.uuid4().hex
+        tag_request(rid)
+        trace = {k: v for k, v in (context.invocation_metadata() or ()) if k in ("traceparent", "tracestate")}
+        req = GenerateRequest(request_id=rid, model=model, prompt=None, prompt_token_ids=ids,
+                              params=sampling_from_proto(request.params, **rest), trace_headers=trace or None)
+        async for response in self._stream(req):
+            yield response
+
+    async def _stream(self, req: GenerateRequest):
+        rid = req.request_id
         async for d in self.core.generate(req):
             delta = common_pb2.TokenDelta(token_ids=d.token_ids, text=d.text,
                                           finish_reason=finish_to_proto(d.finish_reason) if d.finish_reason else 0,
@@ -64,9 +100,7 @@ class GenerateServicer(generate_pb2_grpc.GenerateServicer):
 
     @grpc_method
     async def Tokenize(self, request, context):
-        model = self._model(request.model)
-        if model not in self.core.models():
-            raise RequestError("not_found", "model", f"model={shown(model)}: not served here")
+        self._served(request.model)
         return generate_pb2.TokenizeResponse(token_ids=await self.core.tokenize(request.text))
 
     @grpc_method

@@ -97,6 +97,12 @@ class SamplingRequest(_Body):
     return_timings: bool = False
     """Tandem's extension: each choice's last chunk (or the choice, not streaming) carries `timings`, where its time
     went in seconds: queue_s, prefill_s, kv_transfer_s, first_token_s, mean_itl_s, decode_s."""
+    use_beam_search: bool = False
+    """vLLM's extension. Beam search is not implemented: true is refused (400 naming the field), not answered by
+    sampling as if it had not been asked."""
+
+    def unsupported_field(self) -> str | None:
+        return "use_beam_search" if self.use_beam_search else super().unsupported_field()
 
     def sampling_params(self, *, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
         """Raises ValueError naming the field when a value is out of range."""
@@ -177,6 +183,10 @@ class NamedToolChoice(_Body):
 
 class ChatCompletionRequest(SamplingRequest):
     messages: list[ChatMessage] = Field(min_length=1)
+    continue_final_message: bool = False
+    """vLLM's extension: leave the last message open for the model to continue (needs add_generation_prompt false)."""
+    chat_template_kwargs: dict[str, Any] | None = None
+    """vLLM's extension: extra variables for the chat template (e.g. {"enable_thinking": false})."""
     max_completion_tokens: int | None = None
     """OpenAI's newer name for max_tokens; wins when both are given."""
     logprobs: bool = False

@@ -106,7 +106,8 @@ async def chat_prompt_ids(core: RouterCore, body) -> list[int]:
         text = render(core.tokenizer, template_messages(body.messages),
                       tools=[t.model_dump(exclude_none=True) for t in body.tools] if body.tools else None,
                       add_generation_prompt=body.add_generation_prompt,
-                      continue_final_message=body.continue_final_message)
+                      continue_final_message=body.continue_final_message,
+                      chat_template_kwargs=getattr(body, "chat_template_kwargs", None))
     except ChatTemplateError as e:
         raise APIError(400, str(e), e.field, "invalid_value") from None
     return await core.tokenize(text, "messages", add_special_tokens=False)

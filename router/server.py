@@ -62,7 +62,8 @@ def add_router_args(p: argparse.ArgumentParser) -> None:
     """The router's flags that `tandem up` passes on too (declared once, here)."""
     p.add_argument("--host", default="127.0.0.1", help="address to bind both APIs to (default: 127.0.0.1)")
     p.add_argument("--grpc-port", type=int, default=50051, help="public gRPC API port (default: 50051)")
-    p.add_argument("--http-port", type=int, default=8000, help="OpenAI HTTP API port (default: 8000)")
+    p.add_argument("--port", "--http-port", dest="http_port", type=int, default=8000,
+                   help="OpenAI HTTP API port, vLLM's --port (--http-port: the same; default: 8000)")
     p.add_argument("--policy", choices=POLICIES, default=RouterConfig.policy,
                    help="how to pick instances: " + ", ".join(POLICIES) + " (router/instances.py; default: "
                         f"{RouterConfig.policy})")
@@ -157,7 +158,7 @@ def _bind(host: str, port: int) -> socket.socket:
         sock.bind((host, port))
     except OSError as e:
         sock.close()
-        raise OSError(f"cannot bind the HTTP API to {host}:{port}: {e.strerror} (see --host, --http-port)") from None
+        raise OSError(f"cannot bind the HTTP API to {host}:{port}: {e.strerror} (see --host, --port)") from None
     sock.set_inheritable(True)
     return sock
 
@@ -258,6 +259,7 @@ def main(argv: list[str] | None = None) -> int:
         api_key = ApiKey.from_flag(ns.api_key)
         RequestLimit(ns.max_grpc_message_bytes, MAX_MESSAGE_FLAG)
         set_prefix(ns.metrics_prefix)
+        RouterLimits(max_sub_requests=ns.max_sub_requests, max_prompt_bytes=ns.max_prompt_bytes)
         AdmissionConfig.from_cli_args(ns)  # (checked here: a bad value is a usage error)
         DiscoveryConfig.from_cli_args(ns)
         ToolConfig(ns.tool_call_parser, ns.enable_auto_tool_choice)

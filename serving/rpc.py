@@ -23,8 +23,8 @@ try:  # optional: the GPU image has grpcio only (see serving/health.py)
 except ImportError:  # pragma: no cover - depends on the machine
     health = None
 try:
-    from grpc_reflection.v1alpha import reflection, reflection_pb2
-except ImportError:  # pragma: no cover
+    from serving import reflection
+except ImportError:  # pragma: no cover - grpcio-reflection missing
     reflection = None
 
 log = logging.getLogger("tandem.rpc")
@@ -141,7 +141,8 @@ def add_health_and_reflection(server: grpc.aio.Server, service_names: Iterable[s
                               limit: RequestLimit | None = None):
     """Registers grpc.health.v1 (set each service and "" with `set_serving`) and server reflection, both through
     `add_service` (their requests parsed inside the call; `limit`: the server's). Without grpcio-health-checking a
-    Check-only fallback serves health; without grpcio-reflection there is no reflection."""
+    Check-only fallback serves health; without grpcio-reflection there is no reflection. Reflection answers both
+    grpc.reflection.v1 and v1alpha (serving/reflection.py)."""
     names = list(service_names)
     if health is not None:
         hs = _Health()
@@ -151,9 +152,8 @@ def add_health_and_reflection(server: grpc.aio.Server, service_names: Iterable[s
         server.add_generic_rpc_handlers((hs.handler(),))
         log.warning("grpcio-health-checking is not installed: serving grpc.health.v1 Check only (no Watch)")
     if reflection is not None:
-        add_service(server, reflection_pb2.DESCRIPTOR.services_by_name["ServerReflection"],
-                    reflection.aio.ReflectionServicer(names + [health_codec.SERVICE, reflection.SERVICE_NAME]),
-                    limit=limit)
+        for service, servicer in reflection.servicers(names + [health_codec.SERVICE]):
+            add_service(server, service, servicer, limit=limit)
     else:
         log.warning("grpcio-reflection is not installed: no server reflection")
     return hs

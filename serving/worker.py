@@ -8,6 +8,7 @@ import argparse
 import asyncio
 import logging
 import signal
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from functools import partial
@@ -50,7 +51,7 @@ def build_parser(role: WorkerRole, prog: str | None = None) -> argparse.Argument
     p.add_argument("--shutdown-grace", type=float, default=WorkerConfig.shutdown_grace_s,
                    help=f"on SIGTERM/SIGINT: seconds the requests in flight get to finish, with health NOT_SERVING "
                         f"so routers send no new ones (default: {WorkerConfig.shutdown_grace_s:g})")
-    p.add_argument("--log-level", default="INFO")
+    p.add_argument("--log-level", default="INFO", type=str.upper, choices=("DEBUG", "INFO", "WARNING", "ERROR"))
     add_log_args(p)
     add_tracing_args(p)
     add_tls_args(p)
@@ -129,7 +130,11 @@ def main(role: WorkerRole, argv: list[str] | None = None) -> int:
     from engine import LLMEngine
 
     # A prefill worker's decode CUDA graphs would never replay: it captures only the prompt steps' graphs.
-    engine = LLMEngine.from_engine_args(EngineArgs.from_cli_args(ns), decode_graphs=role.decodes)
+    try:
+        engine = LLMEngine.from_engine_args(EngineArgs.from_cli_args(ns), decode_graphs=role.decodes)
+    except ValueError as e:  # what only loading tells: the checkpoint's format, the device, the memory
+        print(f"tandem {role.name}: {e}", file=sys.stderr)
+        return 1
     start_metrics_server(ns.metrics_port, ns.host)
     uvloop.run(serve(role, engine, ns.host, ns.port, ns.kv_transfer_timeout, shutdown_grace_s=ns.shutdown_grace,
                      tls=tls))

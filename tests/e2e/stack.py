@@ -21,6 +21,8 @@ class Stack:
 
     def __init__(self, *args: str, prefill: int = 1, decode: int = 2, scheme: str = "http",
                  env: dict[str, str] | None = None):
+        # (--colocated: one process, the router with its own engine; it starts no workers)
+        counts = [] if "--colocated" in args else ["--prefill", str(prefill), "--decode", str(decode)]
         base = free_port_block(2 + 2 * (prefill + decode))
         self.http = f"{scheme}://127.0.0.1:{base}"
         self.grpc = f"127.0.0.1:{base + 1}"
@@ -29,7 +31,7 @@ class Stack:
         self.metrics_ports = [base + 2 + prefill + decode + k for k in range(prefill + decode)]
         self.argv = [sys.executable, "-m", "cli", "up", "--http-port", str(base), "--grpc-port",
                      str(base + 1), "--worker-port", str(base + 2), "--metrics-port", str(self.metrics_ports[0]),
-                     "--prefill", str(prefill), "--decode", str(decode), *args]
+                     *counts, *args]
         # (errors=: two processes' long lines can interleave mid-character; a reader that died of it would leave
         # every process blocked on a full pipe)
         self.proc = subprocess.Popen(self.argv, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,

@@ -44,7 +44,7 @@ MAX_TRACEBACKS = 3
 FORBIDDEN = {grpc.StatusCode.UNKNOWN, grpc.StatusCode.INTERNAL}
 # A live server never answers UNAVAILABLE itself: from a worker (or the router's own methods) it means the connection
 # went (a crash, a GOAWAY). Only the router's Generate may pass it on ("no healthy instance").
-MAY_BE_UNAVAILABLE = {"router Generate/Generate"}
+MAY_BE_UNAVAILABLE = {"router Generate/Generate", "router Generate/Chat"}
 PARSE_ERROR = "not a valid message"
 # A refusal names the field, not the whole of a huge value: a status message past 8-16 KiB never arrives (the client
 # answers RESOURCE_EXHAUSTED "received metadata size exceeds ... limit" and drops the connection). The services cut
@@ -54,6 +54,7 @@ TOO_LONG_DETAILS = "metadata size exceeds"
 MAX_LOG_LINE_CHARS = 2000  # the logs quote what callers sent in short (serving.errors.shown)
 MAX_LOG_LINES = 1500  # (about 400 in a run: start-up, and a line per failed transfer or handshake)
 REFLECTION = "/grpc.reflection.v1alpha.ServerReflection/ServerReflectionInfo"
+REFLECTION_V1 = "/grpc.reflection.v1.ServerReflection/ServerReflectionInfo"  # (the same messages on the wire)
 LEGIT_PROMPT = [7, 300, 42, 42, 42, 99, 100, 101, 102, 103, 104, 105, 106, 107, 108, 109, 110, 5, 6]
 VOCAB = 512  # random:tiny's
 
@@ -97,7 +98,8 @@ def _service(module, name: str):
 def methods() -> list[Method]:
     out = []
     for target, module, service, kinds in (
-            ("router", generate_pb2, "Generate", {"Generate": "stream", "Tokenize": "unary", "ListModels": "unary"}),
+            ("router", generate_pb2, "Generate", {"Generate": "stream", "Chat": "stream", "Tokenize": "unary",
+                                                     "ListModels": "unary"}),
             ("prefill-0", prefill_pb2, "Prefill", {"Prefill": "stream", "GetLoad": "unary"}),
             ("decode-0", decode_pb2, "Decode", {"Decode": "stream", "TransferKv": "transfer", "KvHandshake": "unary",
                                                 "GetLoad": "unary"})):
@@ -109,6 +111,7 @@ def methods() -> list[Method]:
     for target in ("router", "prefill-0", "decode-0"):
         out.append(Method(f"{target} Health/Check", target, health_codec.CHECK_METHOD, "unary"))
         out.append(Method(f"{target} Reflection/ServerReflectionInfo", target, REFLECTION, "bidi"))
+        out.append(Method(f"{target} ReflectionV1/ServerReflectionInfo", target, REFLECTION_V1, "bidi"))
     return out
 
 
@@ -123,6 +126,12 @@ def seeds(method: Method, decode_address: str, layout) -> list:
     return {
         "Generate": [generate_pb2.GenerateRequest(prompt_token_ids=prompt, params=_params()),
                      generate_pb2.GenerateRequest(model="random:tiny", prompt="Hello there", params=_params(n=2))],
+        "Chat": [generate_pb2.ChatRequest(messages=[generate_pb2.ChatMessage(role="user", content="Hi")],
+                                          params=_params()),
+                 generate_pb2.ChatRequest(model="random:tiny", params=_params(n=2), add_generation_prompt=False,
+                                          continue_final_message=True, chat_template_kwargs_json='{"x": [1, "y"]}',
+                                          messages=[generate_pb2.ChatMessage(role="system", content="Be brief."),
+                                                    generate_pb2.ChatMessage(role="assistant", content="Sure")])],
         "Tokenize": [generate_pb2.TokenizeRequest(text="Hello there")],
         "ListModels": [generate_pb2.ListModelsRequest()],
         "Prefill": [prefill_pb2.PrefillRequest(request_id="fuzz-p", prompt_token_ids=prompt, params=_params()),

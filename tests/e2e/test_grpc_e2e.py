@@ -20,6 +20,7 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from protos.tandem.v1 import common_pb2, decode_pb2, decode_pb2_grpc, generate_pb2, generate_pb2_grpc, kv_transfer_pb2
 from protos.tandem.v1 import prefill_pb2_grpc
 from ports import free_ports
+from serving import reflection
 
 ROOT = Path(__file__).resolve().parents[2]
 READY_TIMEOUT_S = 240
@@ -37,6 +38,7 @@ class GrpcStack:
         n = 1 + len(decode_extra)
         ports = free_ports(2 + 2 * n)
         self.grpc_port, http_port = ports[0], ports[1]
+        self.http = f"http://127.0.0.1:{http_port}"
         self.prefill_addr = f"127.0.0.1:{ports[2]}"
         self.decode_addrs = [f"127.0.0.1:{p}" for p in ports[3:2 + n]]
         self.metrics_ports = ports[2 + n:]
@@ -331,6 +333,12 @@ def test_tokenize_list_models_health_reflection_metrics(stack):
                 r = await refl.read()
                 await refl.done_writing()
                 names[addr] = {s.name for s in r.list_services_response.service}
+                # grpc.reflection.v1 lists the same (serving/reflection.py)
+                v1 = ch.stream_stream("/grpc.reflection.v1.ServerReflection/ServerReflectionInfo",
+                                      request_serializer=None, response_deserializer=None)
+                raw = await v1(iter([reflection.V1ServerReflectionRequest(list_services="").SerializeToString()])).read()
+                listed = reflection.V1ServerReflectionResponse.FromString(raw).list_services_response.service
+                assert {s.name for s in listed} == names[addr], addr
         return models, toks, names
 
     models, toks, names = asyncio.run(run())
@@ -349,6 +357,27 @@ def test_tokenize_list_models_health_reflection_metrics(stack):
         text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=5).text
         received += sum(float(v) for v in re.findall(r'^tandem:kv_transfer_bytes_total\{[^}]*\} (\S+)$', text, re.M))
     assert 0 < received <= sent  # (bytes in flight when a transfer is cancelled are counted by prefill only)
+
+
+def test_chat_equals_the_http_chat_endpoint(stack):
+    """Chat renders the messages with the HTTP chat endpoint's code (router/chat_template.py): the same tokens
+    come back, through prefill and decode."""
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Name a color."}]
+
+    async def chat():
+        async with grpc.aio.insecure_channel(stack.address) as ch:
+            req = generate_pb2.ChatRequest(messages=[generate_pb2.ChatMessage(**m) for m in messages],
+                                           params=common_pb2.SamplingParams(temperature=0, max_tokens=MAX_TOKENS))
+            return [t async for r in generate_pb2_grpc.GenerateStub(ch).Chat(req, timeout=120)
+                    for t in r.delta.token_ids]
+
+    toks = asyncio.run(chat())
+    r = httpx.post(f"{stack.http}/v1/chat/completions", timeout=120, json={
+        "messages": messages, "temperature": 0, "max_tokens": MAX_TOKENS, "logprobs": True,
+        "return_tokens_as_token_ids": True})
+    assert r.status_code == 200, r.text
+    assert toks == [int(t["token"].removeprefix("token_id:")) for t in r.json()["choices"][0]["logprobs"]["content"]]
+    assert len(toks) == MAX_TOKENS
 
 
 # ------------------------------------------------------------------------------------ a decode instance that refuses

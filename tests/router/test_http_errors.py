@@ -249,3 +249,27 @@ async def test_token_ids_too_many_for_the_context_are_refused_before_they_are_re
     err = _assert_error(await client.post("/detokenize", json={"tokens": [7] * 65}), 400, "tokens")
     assert err["message"].startswith("tokens: 65 ids, more than max_model_len=64")
     assert (await client.post("/detokenize", json={"tokens": [7] * 64})).status_code == 200
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("path,body,param", [
+    ("/v1/completions", {"prompt": "hi", "use_beam_search": True}, "use_beam_search"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "use_beam_search": True},
+     "use_beam_search"),
+    ("/generate", {"prompt": "hi", "use_beam_search": True}, "use_beam_search"),
+    ("/v1/chat/completions", {"messages": [{"role": "assistant", "content": "hi"}], "continue_final_message": True},
+     "continue_final_message"),  # (with add_generation_prompt's default, true)
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}],
+                              "chat_template_kwargs": {"tokenize": True}}, "chat_template_kwargs"),
+])
+async def test_vllm_extensions_not_honoured_are_400_naming_the_field(client, path, body, param):
+    """Beam search does not exist here: use_beam_search true is refused, not answered by sampling; the chat
+    template's options that cannot work together are refused naming the field (router/chat_template.py)."""
+    err = _assert_error(await client.post(path, json=body), 400, param)
+    assert err["message"].startswith(param), err
+
+
+@pytest.mark.anyio
+async def test_use_beam_search_false_is_an_ordinary_request(client):
+    r = await client.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2, "use_beam_search": False})
+    assert r.status_code == 503  # accepted, and then no worker is up (see above)

@@ -16,7 +16,7 @@ _sym_db = _symbol_database.Default()
 from protos.tandem.v1 import common_pb2 as tandem_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18tandem/v1/generate.proto\x12\ttandem.v1\x1a\x16tandem/v1/common.proto\"\x8d\x01\n\x0fGenerateRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0e\n\x06prompt\x18\x02 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x03 \x03(\x05\x12)\n\x06params\x18\x04 \x01(\x0b\x32\x19.tandem.v1.SamplingParams\x12\x16\n\x0ereturn_timings\x18\x05 \x01(\x08\"\xa8\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05index\x18\x02 \x01(\r\x12$\n\x05\x64\x65lta\x18\x03 \x01(\x0b\x32\x15.tandem.v1.TokenDelta\x12\x1f\n\x05usage\x18\x04 \x01(\x0b\x32\x10.tandem.v1.Usage\x12*\n\x07timings\x18\x05 \x01(\x0b\x32\x19.tandem.v1.RequestTimings\"W\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x03 \x01(\r\".\n\x0fTokenizeRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\"%\n\x10TokenizeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\"\x13\n\x11ListModelsRequest\";\n\x12ListModelsResponse\x12\x0e\n\x06models\x18\x01 \x03(\t\x12\x15\n\rmax_model_len\x18\x02 \x01(\r\"\x88\x01\n\x0eRequestTimings\x12\x0f\n\x07queue_s\x18\x01 \x01(\x01\x12\x11\n\tprefill_s\x18\x02 \x01(\x01\x12\x15\n\rkv_transfer_s\x18\x03 \x01(\x01\x12\x15\n\rfirst_token_s\x18\x04 \x01(\x01\x12\x12\n\nmean_itl_s\x18\x05 \x01(\x01\x12\x10\n\x08\x64\x65\x63ode_s\x18\x06 \x01(\x01\x32\xe1\x01\n\x08Generate\x12\x45\n\x08Generate\x12\x1a.tandem.v1.GenerateRequest\x1a\x1b.tandem.v1.GenerateResponse0\x01\x12\x43\n\x08Tokenize\x12\x1a.tandem.v1.TokenizeRequest\x1a\x1b.tandem.v1.TokenizeResponse\x12I\n\nListModels\x12\x1c.tandem.v1.ListModelsRequest\x1a\x1d.tandem.v1.ListModelsResponseBI\n\rdev.tandem.v1P\x01Z6github.com/tandem-llm/tandem/protos/tandem/v1;tandemv1b\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18tandem/v1/generate.proto\x12\ttandem.v1\x1a\x16tandem/v1/common.proto\"\x8d\x01\n\x0fGenerateRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0e\n\x06prompt\x18\x02 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x03 \x03(\x05\x12)\n\x06params\x18\x04 \x01(\x0b\x32\x19.tandem.v1.SamplingParams\x12\x16\n\x0ereturn_timings\x18\x05 \x01(\x08\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"\xf2\x01\n\x0b\x43hatRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12(\n\x08messages\x18\x02 \x03(\x0b\x32\x16.tandem.v1.ChatMessage\x12)\n\x06params\x18\x03 \x01(\x0b\x32\x19.tandem.v1.SamplingParams\x12\"\n\x15\x61\x64\x64_generation_prompt\x18\x04 \x01(\x08H\x00\x88\x01\x01\x12\x1e\n\x16\x63ontinue_final_message\x18\x05 \x01(\x08\x12!\n\x19\x63hat_template_kwargs_json\x18\x06 \x01(\tB\x18\n\x16_add_generation_prompt\"\xa8\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05index\x18\x02 \x01(\r\x12$\n\x05\x64\x65lta\x18\x03 \x01(\x0b\x32\x15.tandem.v1.TokenDelta\x12\x1f\n\x05usage\x18\x04 \x01(\x0b\x32\x10.tandem.v1.Usage\x12*\n\x07timings\x18\x05 \x01(\x0b\x32\x19.tandem.v1.RequestTimings\"W\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x03 \x01(\r\".\n\x0fTokenizeRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\"%\n\x10TokenizeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\"\x13\n\x11ListModelsRequest\";\n\x12ListModelsResponse\x12\x0e\n\x06models\x18\x01 \x03(\t\x12\x15\n\rmax_model_len\x18\x02 \x01(\r\"\x88\x01\n\x0eRequestTimings\x12\x0f\n\x07queue_s\x18\x01 \x01(\x01\x12\x11\n\tprefill_s\x18\x02 \x01(\x01\x12\x15\n\rkv_transfer_s\x18\x03 \x01(\x01\x12\x15\n\rfirst_token_s\x18\x04 \x01(\x01\x12\x12\n\nmean_itl_s\x18\x05 \x01(\x01\x12\x10\n\x08\x64\x65\x63ode_s\x18\x06 \x01(\x01\x32\xa0\x02\n\x08Generate\x12\x45\n\x08Generate\x12\x1a.tandem.v1.GenerateRequest\x1a\x1b.tandem.v1.GenerateResponse0\x01\x12=\n\x04\x43hat\x12\x16.tandem.v1.ChatRequest\x1a\x1b.tandem.v1.GenerateResponse0\x01\x12\x43\n\x08Tokenize\x12\x1a.tandem.v1.TokenizeRequest\x1a\x1b.tandem.v1.TokenizeResponse\x12I\n\nListModels\x12\x1c.tandem.v1.ListModelsRequest\x1a\x1d.tandem.v1.ListModelsResponseBI\n\rdev.tandem.v1P\x01Z6github.com/tandem-llm/tandem/protos/tandem/v1;tandemv1b\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -26,20 +26,24 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['DESCRIPTOR']._serialized_options = b'\n\rdev.tandem.v1P\001Z6github.com/tandem-llm/tandem/protos/tandem/v1;tandemv1'
   _globals['_GENERATEREQUEST']._serialized_start=64
   _globals['_GENERATEREQUEST']._serialized_end=205
-  _globals['_GENERATERESPONSE']._serialized_start=208
-  _globals['_GENERATERESPONSE']._serialized_end=376
-  _globals['_USAGE']._serialized_start=378
-  _globals['_USAGE']._serialized_end=465
-  _globals['_TOKENIZEREQUEST']._serialized_start=467
-  _globals['_TOKENIZEREQUEST']._serialized_end=513
-  _globals['_TOKENIZERESPONSE']._serialized_start=515
-  _globals['_TOKENIZERESPONSE']._serialized_end=552
-  _globals['_LISTMODELSREQUEST']._serialized_start=554
-  _globals['_LISTMODELSREQUEST']._serialized_end=573
-  _globals['_LISTMODELSRESPONSE']._serialized_start=575
-  _globals['_LISTMODELSRESPONSE']._serialized_end=634
-  _globals['_REQUESTTIMINGS']._serialized_start=637
-  _globals['_REQUESTTIMINGS']._serialized_end=773
-  _globals['_GENERATE']._serialized_start=776
-  _globals['_GENERATE']._serialized_end=1001
+  _globals['_CHATMESSAGE']._serialized_start=207
+  _globals['_CHATMESSAGE']._serialized_end=251
+  _globals['_CHATREQUEST']._serialized_start=254
+  _globals['_CHATREQUEST']._serialized_end=496
+  _globals['_GENERATERESPONSE']._serialized_start=499
+  _globals['_GENERATERESPONSE']._serialized_end=667
+  _globals['_USAGE']._serialized_start=669
+  _globals['_USAGE']._serialized_end=756
+  _globals['_TOKENIZEREQUEST']._serialized_start=758
+  _globals['_TOKENIZEREQUEST']._serialized_end=804
+  _globals['_TOKENIZERESPONSE']._serialized_start=806
+  _globals['_TOKENIZERESPONSE']._serialized_end=843
+  _globals['_LISTMODELSREQUEST']._serialized_start=845
+  _globals['_LISTMODELSREQUEST']._serialized_end=864
+  _globals['_LISTMODELSRESPONSE']._serialized_start=866
+  _globals['_LISTMODELSRESPONSE']._serialized_end=925
+  _globals['_REQUESTTIMINGS']._serialized_start=928
+  _globals['_REQUESTTIMINGS']._serialized_end=1064
+  _globals['_GENERATE']._serialized_start=1067
+  _globals['_GENERATE']._serialized_end=1355
 # @@protoc_insertion_point(module_scope)

@@ -39,6 +39,11 @@ class GenerateStub:
                 request_serializer=tandem_dot_v1_dot_generate__pb2.GenerateRequest.SerializeToString,
                 response_deserializer=tandem_dot_v1_dot_generate__pb2.GenerateResponse.FromString,
                 _registered_method=True)
+        self.Chat = channel.unary_stream(
+                '/tandem.v1.Generate/Chat',
+                request_serializer=tandem_dot_v1_dot_generate__pb2.ChatRequest.SerializeToString,
+                response_deserializer=tandem_dot_v1_dot_generate__pb2.GenerateResponse.FromString,
+                _registered_method=True)
         self.Tokenize = channel.unary_unary(
                 '/tandem.v1.Generate/Tokenize',
                 request_serializer=tandem_dot_v1_dot_generate__pb2.TokenizeRequest.SerializeToString,
@@ -58,6 +63,15 @@ class GenerateServicer:
         """Generate completions for one prompt, streaming deltas as tokens are produced. Cancelling the call cancels
         the request on every service. Errors: INVALID_ARGUMENT (message names the field), NOT_FOUND (unknown
         model), RESOURCE_EXHAUSTED (no decode instance has room), UNAVAILABLE (no healthy instance).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Chat(self, request, context):
+        """Chat: the messages through the served model's chat template (as POST /v1/chat/completions renders them), then
+        generate from that prompt, streaming as Generate does. Errors as Generate's; a chat the template refuses is
+        INVALID_ARGUMENT naming messages.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -83,6 +97,11 @@ def add_GenerateServicer_to_server(servicer, server):
             'Generate': grpc.unary_stream_rpc_method_handler(
                     servicer.Generate,
                     request_deserializer=tandem_dot_v1_dot_generate__pb2.GenerateRequest.FromString,
+                    response_serializer=tandem_dot_v1_dot_generate__pb2.GenerateResponse.SerializeToString,
+            ),
+            'Chat': grpc.unary_stream_rpc_method_handler(
+                    servicer.Chat,
+                    request_deserializer=tandem_dot_v1_dot_generate__pb2.ChatRequest.FromString,
                     response_serializer=tandem_dot_v1_dot_generate__pb2.GenerateResponse.SerializeToString,
             ),
             'Tokenize': grpc.unary_unary_rpc_method_handler(
@@ -122,6 +141,33 @@ class Generate:
             target,
             '/tandem.v1.Generate/Generate',
             tandem_dot_v1_dot_generate__pb2.GenerateRequest.SerializeToString,
+            tandem_dot_v1_dot_generate__pb2.GenerateResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Chat(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/tandem.v1.Generate/Chat',
+            tandem_dot_v1_dot_generate__pb2.ChatRequest.SerializeToString,
             tandem_dot_v1_dot_generate__pb2.GenerateResponse.FromString,
             options,
             channel_credentials,
