@@ -65,7 +65,7 @@ class StructuredOutputsParams:
             # lists an object's properties in the schema's order.
             try:
                 self.json = json.dumps(schema, separators=(",", ":"), ensure_ascii=False)
-            except (TypeError, ValueError) as e:
+            except (TypeError, ValueError, RecursionError) as e:
                 raise ValueError(f"structured_outputs.json: not a JSON value ({e})") from None
             _check_size("structured_outputs.json", self.json)
         for name in ("regex", "grammar", "structural_tag", "whitespace_pattern"):
@@ -83,6 +83,9 @@ class StructuredOutputsParams:
                                  f"{MAX_CHOICES}")
             self.choice = list(self.choice)
             _check_size("structured_outputs.choice", "".join(self.choice))
+        for name in ("disable_any_whitespace", "disable_additional_properties"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"structured_outputs.{name}={getattr(self, name)!r}: must be true or false")
         if self.json_object is not None and self.json_object is not True:
             raise ValueError(f"structured_outputs.json_object={self.json_object!r}: must be true or unset")
         if self.whitespace_pattern is not None:
