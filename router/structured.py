@@ -6,7 +6,9 @@ runs (engine/sampling_params.py, StructuredOutputsParams):
   "json_schema": {"name", "schema", "strict", "description"}}, and vLLM's {"type": "structural_tag", ...};
 - vLLM's `structured_outputs` object (StructuredOutputsParams' fields);
 - vLLM's legacy `guided_json`, `guided_regex`, `guided_choice`, `guided_grammar` (+ `guided_whitespace_pattern`).
-At most one spelling per request (400 naming both otherwise). Checking a constraint parses it with xgrammar, which
+At most one constraint per request (400 naming both otherwise); a `structured_outputs` object that names no kind
+only gives its options (`disable_any_whitespace`, ...) to the constraint of another spelling, as vLLM merges
+`response_format` into it. Checking a constraint parses it with xgrammar, which
 takes time that grows with its size: `prepare` does it on a worker thread before the endpoint is built, and the
 body keeps the result (or the error, raised as a 400 where the sampling parameters are built).
 """
@@ -23,6 +25,7 @@ from engine.sampling_params import StructuredOutputsParams
 _LEGACY = ("guided_json", "guided_regex", "guided_choice", "guided_grammar")
 _LEGACY_KIND = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice",
                 "guided_grammar": "grammar"}
+_KINDS = {"json", "regex", "choice", "grammar", "json_object", "structural_tag"}
 
 
 class StructuredFields(BaseModel):
@@ -58,14 +61,14 @@ class StructuredFields(BaseModel):
 
 async def prepare(body) -> None:
     """Checks the body's constraint on a worker thread (a no-op for a body without one)."""
-    if not isinstance(body, StructuredFields) or not _sources(body):
+    if not isinstance(body, StructuredFields) or not (_sources(body) or body.structured_outputs):
         return
     body._structured = await asyncio.to_thread(_build, body)
 
 
 def _sources(body: StructuredFields) -> list[str]:
     names = [n for n in _LEGACY if getattr(body, n) is not None]
-    if body.structured_outputs is not None:
+    if body.structured_outputs is not None and _KINDS & set(body.structured_outputs):
         names.append("structured_outputs")
     rf = body.response_format
     if rf is not None and rf.get("type") != "text":
@@ -85,6 +88,9 @@ def _params(body: StructuredFields) -> StructuredOutputsParams | None:
     if not sources:
         if body.guided_whitespace_pattern is not None:
             raise ValueError("guided_whitespace_pattern: applies only with guided_json or a JSON response_format")
+        if body.structured_outputs:
+            raise ValueError("structured_outputs: names no constraint (one of json, regex, choice, grammar, "
+                             "json_object, structural_tag), and no response_format or guided_* field gives one")
         return None
     if len(sources) > 1:
         raise ValueError(f"{sources[0]}: give one output constraint, not also {', '.join(sources[1:])}")
@@ -98,6 +104,8 @@ def _params(body: StructuredFields) -> StructuredOutputsParams | None:
         field, kw = source, {_LEGACY_KIND[source]: getattr(body, source)}
     if ws is not None:
         kw.setdefault("whitespace_pattern", ws)
+    if source != "structured_outputs" and body.structured_outputs:  # options only (see the module docstring)
+        kw = {**body.structured_outputs, **kw}
     try:
         return StructuredOutputsParams.from_dict(kw)
     except TypeError as e:  # a field of the wrong shape that from_dict passed on

@@ -179,3 +179,13 @@ def test_bitmask_fast_path_matches_reference(batch, vocab):
     ref[rows] = masked
     assert torch.equal(fast, ref)
     assert torch.isfinite(fast[0]).all()
+
+
+def test_structural_tag_both_forms(manager, tokenizer):
+    tag = {"type": "structural_tag", "format": {"type": "const_string", "value": "hi there"}}
+    text, ended = walk(manager, tokenizer, S(structural_tag=json.dumps(tag)), 0)
+    assert ended and text == "hi there"
+    legacy = {"structures": [{"begin": "<f>", "schema": {"type": "object"}, "end": "</f>"}], "triggers": ["<f>"]}
+    S(structural_tag=json.dumps(legacy))  # vLLM's older form parses too
+    with pytest.raises(ValueError, match="structured_outputs.structural_tag: invalid"):
+        S(structural_tag='{"structures": 3}')
