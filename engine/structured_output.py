@@ -26,12 +26,10 @@ import re
 import threading
 from collections import OrderedDict
 from functools import lru_cache
-from typing import TYPE_CHECKING
 
 import torch
 
-if TYPE_CHECKING:
-    from engine.sampling_params import SamplingParams, StructuredOutputsParams
+# (No import of engine.sampling_params, even for types: it imports this module to check constraints.)
 
 log = logging.getLogger(__name__)
 
@@ -96,8 +94,8 @@ def _parse(key: tuple):
     raise AssertionError(kind)
 
 
-def check_constraint(so: "StructuredOutputsParams") -> None:
-    """Raises ValueError naming the field when xgrammar cannot take the constraint."""
+def check_constraint(so) -> None:
+    """Raises ValueError naming the field when xgrammar cannot take the constraint (a StructuredOutputsParams)."""
     try:
         _parse(so.key())
     except Exception as e:  # noqa: BLE001 - xgrammar raises RuntimeError, its own errors, KeyError/TypeError above
@@ -174,8 +172,9 @@ class GrammarManager:
     def _compile(self, key: tuple):
         return self.compiler().compile_grammar(_parse(key))
 
-    def grammar_for(self, params: "SamplingParams") -> RequestGrammar | None:
-        """The request's grammar (its compile started or shared), or None for an unconstrained request."""
+    def grammar_for(self, params) -> RequestGrammar | None:
+        """The grammar of a request with these SamplingParams (its compile started or shared), or None for an
+        unconstrained request."""
         so = params.structured_outputs
         if so is None:
             return None
