@@ -180,7 +180,7 @@ class LLMEngine:
                 f"than max_model_len={max_model_len}: raise --kv-cache-memory / --gpu-memory-utilization or lower "
                 f"--max-model-len")
         self.scheduler = Scheduler(config.scheduler, self.kv)
-        # Structured outputs: compiles on a worker thread; the requests that wait for theirs (engine/structured_output.py)
+        # Structured outputs (engine/structured_output.py): compiles off this thread; the requests waiting for one
         self.grammars = GrammarManager(self.tokenizer, self.runner.hf_config.vocab_size, self.eos_token_ids)
         self._grammar_waiting: list[Request] = []
         if self.runner.device.type == "cuda":

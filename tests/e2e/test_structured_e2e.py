@@ -28,14 +28,14 @@ class Pet(BaseModel):
 
 @pytest.fixture(scope="module")
 def disaggregated():
-    s = Stack("--model", "random:tiny", prefill=1, decode=1).wait_ready()
+    s = Stack("--model", "random:tiny", prefill=1, decode=1).wait_ready(timeout=600)
     yield s
     s.stop()
 
 
 @pytest.fixture(scope="module")
 def colocated():
-    s = Stack("--model", "random:tiny", colocated=True).wait_ready()
+    s = Stack("--model", "random:tiny", colocated=True).wait_ready(timeout=600)
     yield s
     s.stop()
 
@@ -106,7 +106,7 @@ def test_smollm2_parse_validates():
         city: Annotated[str, Field(pattern=r"^[A-Za-z ]{1,20}$")]
         country: Annotated[str, Field(pattern=r"^[A-Za-z ]{1,20}$")]
 
-    s = Stack("--model", "smollm2", "--max-model-len", "2048", prefill=1, decode=1).wait_ready()
+    s = Stack("--model", "smollm2", "--max-model-len", "2048", prefill=1, decode=1).wait_ready(timeout=600)
     try:
         completion = client(s).chat.completions.parse(
             model="smollm2", messages=[{"role": "user", "content": "Which city is the capital of France? "
