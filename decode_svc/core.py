@@ -52,7 +52,7 @@ from kv_transfer.metrics import KvPathMetrics
 from kv_transfer.receiver import KvReceiver
 from protos.tandem.v1 import common_pb2, decode_pb2, kv_transfer_pb2
 from serving.config import KvTransferConfig
-from serving.convert import delta_to_proto, sampling_from_proto
+from serving.convert import delta_to_proto, sampling_from_proto_off_loop
 from serving.errors import ServiceError
 from serving.hops import hop
 from serving.metrics import Metrics
@@ -176,7 +176,7 @@ class DecodeCore(WorkerCore):
         if request_id in self._reqs:
             raise ServiceError(grpc.StatusCode.ALREADY_EXISTS, f"request_id={request_id!r}: already in flight")
         hop(request_id, "decode.in")
-        params = sampling_from_proto(params_msg, n=1)
+        params = await sampling_from_proto_off_loop(params_msg, n=1)
         prior = list(prior)
         self.check_prior(prompt, prior, params)
         kv_tokens = len(prompt) + len(prior)  # what the transfer covers: prompt and prior outputs

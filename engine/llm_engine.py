@@ -15,6 +15,7 @@ more step: that step's token for it is dropped (finished requests are skipped), 
 """
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import gc
 import logging
@@ -35,6 +36,7 @@ from engine.quant import Fp8Linear
 from engine.request import FINISH_REASONS, FINISHED, Request, RequestStatus
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
+from engine.structured_output import GrammarManager
 from engine.tp_executor import TPDriver
 
 log = logging.getLogger(__name__)
@@ -190,6 +192,9 @@ class LLMEngine:
                 f"than max_model_len={max_model_len}: raise --kv-cache-memory / --gpu-memory-utilization or lower "
                 f"--max-model-len")
         self.scheduler = Scheduler(config.scheduler, self.kv)
+        # Structured outputs (engine/structured_output.py): compiles off this thread; the requests waiting for one
+        self.grammars = GrammarManager(self.tokenizer, self.runner.hf_config.vocab_size, self.eos_token_ids)
+        self._grammar_waiting: list[Request] = []
         if self.runner.device.type == "cuda":
             warm_up_attention(self.runner)
             if not config.model.enforce_eager:
@@ -220,6 +225,9 @@ class LLMEngine:
 
     def _shutdown(self, graceful: bool = True) -> None:
         """graceful=False: the workers are killed (they may be inside a collective rank 0 will never join)."""
+        grammars = getattr(self, "grammars", None)
+        if grammars is not None:
+            grammars.close()
         if self.driver is None:
             return
         if self.runner is not None:  # NCCL will not destroy a communicator that a live CUDA graph captured
@@ -305,6 +313,7 @@ class LLMEngine:
             rid = request_id if params.n == 1 else f"{request_id}#{i}"
             req = Request(rid, prompt_token_ids, params, max_tokens, parent_id=request_id, index=i, kv_hold=kv_hold)
             self._resume(req, prior)
+            self._attach_grammar(req)  # (the same for every child: the first raises before any is queued)
             self.requests[rid] = req
             self.scheduler.add_request(req)
             ids.append(rid)
@@ -399,6 +408,7 @@ class LLMEngine:
         max_tokens = self.validate(prompt_token_ids, params, prior)
         req = Request(request_id, prompt_token_ids, params, max_tokens)
         self._resume(req, prior)
+        self._attach_grammar(req)
         hits, num_hit_tokens = self.kv.get_computed_blocks(req)
         if (not self.scheduler.can_reserve(req, hits)
                 or not self.kv.allocate_slots(req, req.num_tokens - num_hit_tokens, hits)):
@@ -436,6 +446,8 @@ class LLMEngine:
         With async scheduling the next step is already running on the device when this returns."""
         outputs, self._pending = self._pending, []
         t0 = time.perf_counter()
+        if self._grammar_waiting:
+            outputs += self._activate_grammars()
         prev, self._launched = self._launched, None
         if prev is not None and prev.handle.needs_sync:
             outputs += self._read_step(prev)
@@ -457,6 +469,10 @@ class LLMEngine:
         if not self.async_scheduling and self._launched is not None:
             launched, self._launched = self._launched, None
             outputs += self._read_step(launched)
+        if sched.is_empty and prev is None and self._grammar_waiting and not outputs:
+            # Nothing to run until a grammar compiles: wait for one a moment rather than spin the engine thread.
+            concurrent.futures.wait([r.grammar.future for r in self._grammar_waiting], timeout=0.01,
+                                    return_when=concurrent.futures.FIRST_COMPLETED)
         self._record_stats(sched, t0)
         return outputs
 
@@ -507,8 +523,52 @@ class LLMEngine:
         if self.step_log is not None:
             self.step_log.append(self.last_stats)
 
+    def _attach_grammar(self, req: Request) -> None:
+        """Gives a structured-outputs request its grammar; one already compiled is activated at once (a cached
+        constraint), so that prior outputs the grammar refuses are a ValueError here."""
+        grammar = self.grammars.grammar_for(req.sampling_params)
+        if grammar is None:
+            return
+        req.grammar = grammar
+        if grammar.future.done():
+            err = grammar.activate(req.output_token_ids)
+            if err is not None:
+                raise ValueError(err if "structured_outputs:" in err else f"prior_output_token_ids: {err}")
+        else:
+            self._grammar_waiting.append(req)
+
+    def _activate_grammars(self) -> list[StepOutput]:
+        """Activates the grammars whose compile finished; a request whose grammar failed ends (aborted)."""
+        outputs, still = [], []
+        for req in self._grammar_waiting:
+            if req.is_finished:
+                continue
+            if req.status == RequestStatus.RESERVED or not req.grammar.future.done():
+                still.append(req)  # (a reservation activates once committed: its first token is not known yet)
+                continue
+            err = req.grammar.activate(req.output_token_ids)
+            if err is None and not req.grammar.terminated:
+                continue
+            if err is not None:
+                log.warning("request %s: %s; aborting it", req.request_id, err)
+                req.kv_hold = False
+            self.scheduler.finish(req, RequestStatus.FINISHED_ABORTED if err else RequestStatus.FINISHED_STOPPED)
+            outputs.append(self._output(req, [], None))
+            self._forget(req)
+        self._grammar_waiting = still
+        return outputs
+
     def _append_token(self, req: Request, token: int, logprobs: dict[int, float] | None) -> StepOutput:
         req.output_token_ids.append(token)
+        grammar = req.grammar
+        if grammar is not None and grammar.active and grammar.advance(req.output_token_ids) is not None:
+            # Only a token the mask allowed is sampled: a refused one came from elsewhere (a prefill instance's
+            # first token that another constraint drew). It ends this request, not the batch.
+            log.warning("request %s: token %d is not allowed by its structured_outputs; aborting it",
+                        req.request_id, token)
+            req.kv_hold = False
+            self.scheduler.finish(req, RequestStatus.FINISHED_ABORTED)
+            return self._output(req, [token], logprobs)
         if req.first_token_time is None:
             req.first_token_time = time.monotonic()
         if req.logprobs is not None and logprobs is not None:
@@ -573,6 +633,8 @@ class LLMEngine:
                         req.output_text = text[: i + len(s)] if p.include_stop_str_in_output else text[:i]
                         req.stop_reason = s
                         return RequestStatus.FINISHED_STOPPED
+        if req.grammar is not None and req.grammar.terminated:  # it accepted the end (even with ignore_eos)
+            return RequestStatus.FINISHED_STOPPED
         if n_out >= req.max_tokens or len(req.prompt_token_ids) + n_out >= self.max_model_len:
             return RequestStatus.FINISHED_LENGTH
         return None

@@ -69,6 +69,13 @@ class Request:
         self.sent_text_len = 0
         self.logprobs: list[dict[int, float]] | None = [] if sampling_params.logprobs is not None else None
         self.cumulative_logprob = 0.0
+        # Structured outputs: a RequestGrammar (engine/structured_output.py), set by the engine; the scheduler
+        # leaves the request alone until it is active (compiled, matcher caught up with output_token_ids).
+        self.grammar = None
+
+    @property
+    def grammar_pending(self) -> bool:
+        return self.grammar is not None and self.grammar.matcher is None
 
     @property
     def num_tokens(self) -> int:

@@ -1,8 +1,11 @@
 """`Sampler`: turns one step's logits into one token per running sequence.
 
 The order is vLLM's:
+0. structured outputs: a row with a grammar gets -inf at every token its grammar forbids now (vLLM applies the
+   grammar bitmask to the logits before its sampler runs, so everything below sees the masked logits);
 1. logprobs are taken from the raw logits (log_softmax before any processing);
-2. min_tokens: EOS and stop_token_ids are masked while the output is shorter than min_tokens;
+2. min_tokens: EOS and stop_token_ids are masked while the output is shorter than min_tokens (not on a row with a
+   grammar: the grammar decides where the output may end, and masking the end it requires would leave no token);
 3. repetition penalty over prompt + output tokens (divide positive / multiply negative logits);
 4. frequency and presence penalties over output tokens;
 5. greedy rows take the argmax; the others go through temperature, top-k, top-p, min-p and a draw.
@@ -28,6 +31,7 @@ from typing import Protocol
 import torch
 
 from engine.sampling_params import SamplingParams
+from engine.structured_output import apply_token_bitmask, fill_bitmask
 
 
 class SamplingState(Protocol):
@@ -38,6 +42,8 @@ class SamplingState(Protocol):
     output_token_ids: list[int]
     seed: int | None  # the completion's seed (SamplingParams.seed + its index among the n), None: unseeded
     num_computed_tokens: int  # at sampling time: the tokens before the one drawn (its position)
+    # Optional: a RequestGrammar (engine/structured_output.py) whose matcher stands after output_token_ids.
+    # grammar: RequestGrammar | None
 
 
 @dataclass
@@ -89,6 +95,13 @@ class Sampler:
         assert logits.shape[1] == self.vocab_size, (logits.shape, self.vocab_size)
         params = [s.sampling_params for s in states]
         logits = logits.float()
+        grammar_rows = [i for i, s in enumerate(states) if getattr(s, "grammar", None) is not None]
+        if grammar_rows:
+            grammars = [states[i].grammar for i in grammar_rows]
+            assert all(g.active for g in grammars), "a request is scheduled before its grammar compiled"
+            bitmask = fill_bitmask(grammars, grammar_rows, len(states), self.vocab_size)
+            logits = logits.clone()  # (not the runner's buffer: a CUDA graph's output is reused)
+            apply_token_bitmask(logits, bitmask, grammar_rows)
         # One pass over the rows for what the batch needs (most steps: plain greedy or plain sampling, no logprobs).
         any_logprobs = any_min_tokens = False
         penalty_rows = []
@@ -107,7 +120,7 @@ class Sampler:
         if any_logprobs:
             raw_logprobs = torch.log_softmax(logits, dim=-1)  # [B, V]
 
-        min_tokens_masks = self._min_tokens_masks(states) if any_min_tokens else []
+        min_tokens_masks = self._min_tokens_masks(states, grammar_rows) if any_min_tokens else []
         if not sample_rows and not penalty_rows and not min_tokens_masks:
             token_ids = logits.argmax(dim=-1)  # fast path: plain greedy
         else:
@@ -122,16 +135,21 @@ class Sampler:
                 rows = _tensor(sample_rows, torch.int64, logits.device)
                 token_ids[rows] = self._sample(logits[rows], sub)
 
-        return DeviceSample(token_ids, raw_logprobs, params, needs_host_tokens=bool(penalty_rows) or any_min_tokens)
+        # A grammar row's next mask needs this step's token accepted into its matcher: the engine reads this step
+        # before it launches the next (a sync under async scheduling, for the steps that have such a row).
+        return DeviceSample(token_ids, raw_logprobs, params,
+                            needs_host_tokens=bool(penalty_rows) or any_min_tokens or bool(grammar_rows))
 
     # ---- logits processing -------------------------------------------------------------------------------
 
-    def _min_tokens_masks(self, states: Sequence[SamplingState]) -> list[tuple[int, list[int]]]:
-        """(row, token ids to mask) for every row whose output is still shorter than min_tokens."""
+    def _min_tokens_masks(self, states: Sequence[SamplingState],
+                          skip_rows: list[int] = ()) -> list[tuple[int, list[int]]]:
+        """(row, token ids to mask) for every row whose output is still shorter than min_tokens (but skip_rows)."""
         masks = []
+        skip = set(skip_rows)
         for i, s in enumerate(states):
             p = s.sampling_params
-            if len(s.output_token_ids) < p.min_tokens:
+            if len(s.output_token_ids) < p.min_tokens and i not in skip:
                 ids = list(p.stop_token_ids) + ([] if p.ignore_eos else self.eos_token_ids)
                 ids = [t for t in ids if t < self.vocab_size]
                 if ids:

@@ -6,13 +6,119 @@ Every invalid value raises `ValueError` naming the field, the value and the allo
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import json
+from dataclasses import dataclass, fields
 
 # vLLM treats a temperature below this as greedy (and resets top_p/top_k/min_p to "off").
 _SAMPLING_EPS = 1e-5
 MAX_N = 128
 MAX_LOGPROBS = 20
 _INT32_MAX = 2**31 - 1
+# A constraint's text (a JSON schema, regex, grammar, structural tag, or the choices together) is bounded: it goes
+# with every sub-request to the workers, and compiling it costs time that grows with its size.
+MAX_STRUCTURED_OUTPUT_BYTES = 64 * 1024
+MAX_CHOICES = 1024
+_KINDS = ("json", "regex", "choice", "grammar", "json_object", "structural_tag")
+
+
+@dataclass
+class StructuredOutputsParams:
+    """A constraint on the output, as vLLM's: exactly one of the kinds, and options for JSON.
+    The engine compiles it into a grammar (engine/structured_output.py) that masks the logits at every step."""
+    json: str | dict | None = None
+    """A JSON schema (text or object): the output is one JSON value that validates against it."""
+    regex: str | None = None
+    """The output fully matches this regular expression."""
+    choice: list[str] | None = None
+    """The output is exactly one of these strings."""
+    grammar: str | None = None
+    """An EBNF grammar (GBNF syntax, root rule `root`) the output belongs to."""
+    json_object: bool | None = None
+    """True: the output is any JSON object (OpenAI's response_format json_object)."""
+    structural_tag: str | None = None
+    """xgrammar's structural tag (JSON text): free text in which tagged regions follow their schemas."""
+    disable_any_whitespace: bool = False
+    """JSON: one fixed separator between tokens (", " and ": ", as vLLM's xgrammar backend), not any whitespace."""
+    disable_additional_properties: bool = False
+    """JSON: objects of the schema that do not say otherwise take no properties beyond those listed."""
+    whitespace_pattern: str | None = None
+    """JSON: a regex for whitespace (outlines' option); the xgrammar backend does not take it."""
+
+    def __post_init__(self) -> None:
+        given = [k for k in _KINDS if getattr(self, k) not in (None, False)]
+        if len(given) != 1:
+            raise ValueError(f"structured_outputs: exactly one of {', '.join(_KINDS)} must be set, got "
+                             f"{', '.join(given) if given else 'none'}")
+        if self.json is not None:
+            if isinstance(self.json, str):
+                _check_size("structured_outputs.json", self.json)
+                try:
+                    schema = json.loads(self.json)
+                except ValueError as e:
+                    raise ValueError(f"structured_outputs.json: not valid JSON ({e})") from None
+            else:
+                schema = self.json
+            if not isinstance(schema, (dict, bool)):
+                raise ValueError(f"structured_outputs.json: a JSON schema must be an object or a boolean, got "
+                                 f"{type(schema).__name__}")
+            # The canonical text: one cache entry per schema whatever its spacing. Not its key order: the output
+            # lists an object's properties in the schema's order.
+            try:
+                self.json = json.dumps(schema, separators=(",", ":"), ensure_ascii=False)
+            except (TypeError, ValueError, RecursionError) as e:
+                raise ValueError(f"structured_outputs.json: not a JSON value ({e})") from None
+            _check_size("structured_outputs.json", self.json)
+        for name in ("regex", "grammar", "structural_tag", "whitespace_pattern"):
+            value = getattr(self, name)
+            if value is not None:
+                if not isinstance(value, str) or not value:
+                    raise ValueError(f"structured_outputs.{name}: must be a non-empty string")
+                _check_size(f"structured_outputs.{name}", value)
+        if self.choice is not None:
+            if (not isinstance(self.choice, (list, tuple)) or not self.choice
+                    or not all(isinstance(c, str) and c for c in self.choice)):
+                raise ValueError("structured_outputs.choice: must be a non-empty list of non-empty strings")
+            if len(self.choice) > MAX_CHOICES:
+                raise ValueError(f"structured_outputs.choice: {len(self.choice)} choices, must be at most "
+                                 f"{MAX_CHOICES}")
+            self.choice = list(self.choice)
+            _check_size("structured_outputs.choice", "".join(self.choice))
+        for name in ("disable_any_whitespace", "disable_additional_properties"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"structured_outputs.{name}={getattr(self, name)!r}: must be true or false")
+        if self.json_object is not None and self.json_object is not True:
+            raise ValueError(f"structured_outputs.json_object={self.json_object!r}: must be true or unset")
+        if self.whitespace_pattern is not None:
+            raise ValueError("structured_outputs.whitespace_pattern: not supported by the xgrammar backend; use "
+                             "disable_any_whitespace=true for compact JSON")
+        from engine.structured_output import check_constraint  # (imports xgrammar only when a request asks)
+
+        check_constraint(self)
+
+    @property
+    def kind(self) -> str:
+        return next(k for k in _KINDS if getattr(self, k) not in (None, False))
+
+    def key(self) -> tuple:
+        """The canonical constraint: equal keys compile to the same grammar."""
+        value = getattr(self, self.kind)
+        return (self.kind, tuple(value) if isinstance(value, list) else value, self.disable_any_whitespace,
+                self.disable_additional_properties)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "StructuredOutputsParams":
+        names = {f.name for f in fields(cls)}
+        unknown = sorted(set(d) - names)
+        if unknown:
+            raise ValueError(f"structured_outputs: unknown field(s) {', '.join(unknown)} (known: "
+                             f"{', '.join(sorted(names))})")
+        return cls(**d)
+
+
+def _check_size(field: str, text: str) -> None:
+    n = len(text.encode())
+    if n > MAX_STRUCTURED_OUTPUT_BYTES:
+        raise ValueError(f"{field}: {n} bytes, must be at most {MAX_STRUCTURED_OUTPUT_BYTES}")
 
 
 @dataclass
@@ -51,6 +157,8 @@ class SamplingParams:
     """Return the log-probabilities of the top `logprobs` tokens plus the sampled one; 0 = only the sampled one."""
     skip_special_tokens: bool = True
     """Leave special tokens out of the detokenized text."""
+    structured_outputs: StructuredOutputsParams | None = None
+    """A constraint the output follows (JSON schema, regex, choice, grammar); None = unconstrained."""
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -60,6 +168,12 @@ class SamplingParams:
         else:
             self.stop = list(self.stop)
         self.stop_token_ids = [] if self.stop_token_ids is None else list(self.stop_token_ids)
+        if isinstance(self.structured_outputs, dict):
+            self.structured_outputs = StructuredOutputsParams.from_dict(self.structured_outputs)
+        elif self.structured_outputs is not None and not isinstance(self.structured_outputs,
+                                                                    StructuredOutputsParams):
+            raise ValueError(f"structured_outputs={self.structured_outputs!r}: must be a StructuredOutputsParams, "
+                             "a dict of its fields, or None")
         self._verify()
         if self.temperature < _SAMPLING_EPS:
             # As vLLM: greedy ignores the truncation parameters.

@@ -93,6 +93,9 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
+            if req.grammar_pending:  # decode side: committed before its grammar compiled
+                i += 1
+                continue
             num_out, inflight = len(req.output_token_ids), req.num_inflight_tokens
             # An input may be the one token in flight (the model runner takes it from the last step's samples).
             num_new = len(req.prompt_token_ids) + num_out + (inflight > 0) - req.num_computed_tokens
@@ -118,9 +121,13 @@ class Scheduler:
 
         # Admit waiting requests only when nothing had to be preempted this step, and while the watermark holds.
         room = None  # headroom(), once a request is checked against it; less each admitted request's need
+        compiling = []  # waiting requests whose grammar is still compiling: they keep their place in the queue
         while (not out.preempted and self.waiting and budget > 0
                and len(self.running) < self.config.max_num_seqs):
             req = self.waiting[0]
+            if req.grammar_pending:
+                compiling.append(self.waiting.popleft())
+                continue
             assert req.num_inflight_tokens == 0, req  # the step that preempted it admitted nobody
             if req.swapped_blocks is not None:  # its KV is on the host: back in, then on from where it was
                 if self.init_ratio and (self.running or self.reserved):
@@ -158,6 +165,8 @@ class Scheduler:
             self.running.append(req)
             out.scheduled.append((req, num_new))
             budget -= num_new
+        if compiling:
+            self.waiting.extendleft(reversed(compiling))
 
         samples_list = out.samples
         for req, n in out.scheduled:

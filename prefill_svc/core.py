@@ -44,7 +44,7 @@ from kv_transfer.sender import KvSender, OutgoingTransfer
 from prefill_svc.allowlist import DecodeAllowlist
 from protos.tandem.v1 import common_pb2, decode_pb2_grpc, prefill_pb2
 from serving.config import KvTransferConfig
-from serving.convert import delta_to_proto, sampling_from_proto
+from serving.convert import delta_to_proto, sampling_from_proto_off_loop
 from serving.discovery import DiscoveryConfig, Resolver
 from serving.errors import ServiceError
 from serving.hops import hop
@@ -227,11 +227,12 @@ class PrefillCore(WorkerCore):
         kv_timeout_s = self.kv_timeout(kv_timeout_s)
         if request_id in self._reqs:
             raise ServiceError(grpc.StatusCode.ALREADY_EXISTS, f"request_id={request_id!r}: already in flight")
-        params = sampling_from_proto(params_msg, n=1)  # validates the request's own parameters
+        params = await sampling_from_proto_off_loop(params_msg, n=1)  # validates the request's own parameters
         prior = list(prior)
         self.check_prior(prompt, prior, params)
         k = len(prior)  # the engine request ends at the token after the prior ones, which all count
-        first_params = sampling_from_proto(params_msg, n=1, max_tokens=k + 1, min_tokens=min(params.min_tokens, k + 1))
+        first_params = await sampling_from_proto_off_loop(params_msg, n=1, max_tokens=k + 1,
+                                                          min_tokens=min(params.min_tokens, k + 1))
         hop(request_id, "prefill.in")
         loop = asyncio.get_running_loop()
         kv_tokens = len(prompt) + k  # what the KV covers (the first new token has none yet)

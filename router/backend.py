@@ -56,7 +56,7 @@ class NoRoom(RequestError):
 
 
 # An engine's ValueError names the field first ("max_tokens=0: must be >= 1"), maybe behind a service's "name: ".
-_FIELD_IN_MESSAGE = re.compile(r"^(?:[\w.]+: )?(\w+)[=:]")
+_FIELD_IN_MESSAGE = re.compile(r"^(?:[\w.]+: )?(\w+)[=:.]")  # (a nested field: its top-level name)
 
 
 def field_in_message(message: str) -> str | None:

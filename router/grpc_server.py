@@ -19,7 +19,7 @@ from protos.tandem.v1 import common_pb2, generate_pb2, generate_pb2_grpc
 from router.chat_template import Chat, kwargs_from_json, prompt_ids
 from router.core import GenerateRequest, RequestError, RouterCore
 from serving.auth import ApiKey, ApiKeyInterceptor
-from serving.convert import finish_to_proto, logprobs_to_proto, sampling_from_proto
+from serving.convert import finish_to_proto, logprobs_to_proto, sampling_from_proto_off_loop
 from serving.errors import grpc_method, shown
 from serving.logs import tag_request
 from serving.rpc import RequestLimit, add_health_and_reflection, add_port, add_service, new_server, set_serving
@@ -47,7 +47,7 @@ class GenerateServicer(generate_pb2_grpc.GenerateServicer):
 
     @grpc_method
     async def Generate(self, request, context):
-        params = sampling_from_proto(request.params)
+        params = await sampling_from_proto_off_loop(request.params)
         if request.prompt and request.prompt_token_ids:
             raise RequestError("invalid_argument", "prompt", "prompt: give exactly one of prompt and prompt_token_ids")
         rid = "cmpl-" + uuid.uuid4().hex

@@ -35,6 +35,7 @@ from starlette.requests import ClientDisconnect
 from prometheus_client import Counter
 from pydantic import BaseModel, ValidationError
 
+from router import structured
 from router.core import NOT_READY, SHUTTING_DOWN, RequestError, RouterCore
 from router.openai_protocol import (ChatCompletionRequest, ChatCompletionResponse, CompletionRequest,
                                     CompletionResponse, DetokenizeRequest, DetokenizeResponse, HealthStatus, ModelCard,
@@ -160,6 +161,7 @@ async def _parse(request: Request, model: type[BaseModel]):
     if (name := body.unsupported_field()) is not None:
         raise APIError(400, f"{name}={_shown(getattr(body, name))}: not supported by this server; leave it out",
                        name, "unsupported")
+    await structured.prepare(body)  # (a constraint is checked off the event loop)
     return body
 
 

@@ -14,6 +14,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints, model_serializer
 
 from engine.sampling_params import SamplingParams
+from router.structured import StructuredFields
 
 # Completions default to 16 tokens (OpenAI's and vLLM's default); chat defaults to the rest of the context.
 DEFAULT_COMPLETION_MAX_TOKENS = 16
@@ -69,7 +70,7 @@ _SAMPLING_FIELDS = ("n", "presence_penalty", "frequency_penalty", "repetition_pe
                     "min_tokens", "skip_special_tokens")
 
 
-class SamplingRequest(_Body):
+class SamplingRequest(_Body, StructuredFields):
     """Fields every generating endpoint shares; names as OpenAI's API and vLLM's extensions (top_k, min_p, ...)."""
     model: str | None = None
     n: int | None = None
@@ -107,7 +108,8 @@ class SamplingRequest(_Body):
     def sampling_params(self, *, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
         """Raises ValueError naming the field when a value is out of range."""
         kwargs = {name: getattr(self, name) for name in _SAMPLING_FIELDS if getattr(self, name) is not None}
-        return SamplingParams(**kwargs, max_tokens=max_tokens, logprobs=logprobs)
+        return SamplingParams(**kwargs, max_tokens=max_tokens, logprobs=logprobs,
+                              structured_outputs=self.structured_outputs_params())
 
     @property
     def include_usage(self) -> bool:
@@ -204,8 +206,7 @@ class ChatCompletionRequest(SamplingRequest):
     parallel_tool_calls: bool = True
     """false: at most one call per reply."""
     functions: list[Any] | None = None
-    response_format: dict[str, Any] | None = None
-    _unsupported = {"functions": (None, []), "response_format": (None, {"type": "text"})}
+    _unsupported = {"functions": (None, [])}
 
 
 class TokenizeRequest(_Body):

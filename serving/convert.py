@@ -2,6 +2,7 @@
 logprobs, token deltas."""
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 from protos.tandem.v1 import common_pb2
@@ -24,8 +25,55 @@ def sampling_from_proto(msg: common_pb2.SamplingParams, **overrides: Any):
         kw["stop"] = list(msg.stop)
     if msg.stop_token_ids:
         kw["stop_token_ids"] = list(msg.stop_token_ids)
+    if msg.HasField("structured_outputs"):
+        kw["structured_outputs"] = structured_from_proto(msg.structured_outputs)
     kw.update(overrides)
     return SamplingParams(**kw)
+
+
+async def sampling_from_proto_off_loop(msg: common_pb2.SamplingParams, **overrides: Any):
+    """sampling_from_proto, on a worker thread when the params carry a constraint (checking one parses it: time
+    that grows with its size, which the event loop must not spend)."""
+    if msg.HasField("structured_outputs"):
+        return await asyncio.to_thread(sampling_from_proto, msg, **overrides)
+    return sampling_from_proto(msg, **overrides)
+
+
+# StructuredOutputsParams' kinds <-> the oneof's fields
+_SO_KINDS = {"json": "json_schema", "regex": "regex", "grammar": "grammar", "json_object": "json_object",
+             "structural_tag": "structural_tag", "choice": "choice"}
+_SO_FIELDS = {v: k for k, v in _SO_KINDS.items()}
+
+
+def structured_from_proto(msg: common_pb2.StructuredOutputs):
+    """The engine's StructuredOutputsParams (validated: ValueError names the field)."""
+    from engine.sampling_params import StructuredOutputsParams
+
+    which = msg.WhichOneof("kind")
+    if which is None:
+        raise ValueError("structured_outputs: exactly one of json_schema, regex, choice, grammar, json_object, "
+                         "structural_tag must be set, got none")
+    value = getattr(msg, which)
+    if which == "choice":
+        value = list(value.choices)
+    return StructuredOutputsParams(
+        **{_SO_FIELDS[which]: value}, disable_any_whitespace=msg.disable_any_whitespace,
+        disable_additional_properties=msg.disable_additional_properties,
+        whitespace_pattern=msg.whitespace_pattern if msg.HasField("whitespace_pattern") else None)
+
+
+def structured_to_proto(so) -> common_pb2.StructuredOutputs:
+    msg = common_pb2.StructuredOutputs(disable_any_whitespace=so.disable_any_whitespace,
+                                       disable_additional_properties=so.disable_additional_properties)
+    if so.whitespace_pattern is not None:
+        msg.whitespace_pattern = so.whitespace_pattern
+    kind = so.kind
+    value = getattr(so, kind)
+    if kind == "choice":
+        msg.choice.choices.extend(value)
+    else:  # (json is canonical JSON text once validated)
+        setattr(msg, _SO_KINDS[kind], value)
+    return msg
 
 
 def sampling_to_proto(params) -> common_pb2.SamplingParams:
@@ -36,6 +84,9 @@ def sampling_to_proto(params) -> common_pb2.SamplingParams:
             setattr(msg, f, v)
     msg.stop.extend(params.stop or [])
     msg.stop_token_ids.extend(params.stop_token_ids or [])
+    so = getattr(params, "structured_outputs", None)
+    if so is not None:
+        msg.structured_outputs.CopyFrom(structured_to_proto(so))
     return msg
 
 

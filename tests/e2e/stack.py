@@ -20,18 +20,23 @@ class Stack:
     """`tandem up` as a child process; its output (and its children's) is kept in `lines`."""
 
     def __init__(self, *args: str, prefill: int = 1, decode: int = 2, scheme: str = "http",
-                 env: dict[str, str] | None = None):
-        # (--colocated: one process, the router with its own engine; it starts no workers)
-        counts = [] if "--colocated" in args else ["--prefill", str(prefill), "--decode", str(decode)]
-        base = free_port_block(2 + 2 * (prefill + decode))
+                 env: dict[str, str] | None = None, colocated: bool = False):
+        """colocated (or --colocated in args): `tandem up --colocated` (the router alone, one engine; prefill and
+        decode are ignored)."""
+        if "--colocated" in args:
+            colocated, args = True, tuple(a for a in args if a != "--colocated")
+        if colocated:
+            prefill = decode = 0
+        base = free_port_block(2 + 2 * max(1, prefill + decode))
         self.http = f"{scheme}://127.0.0.1:{base}"
         self.grpc = f"127.0.0.1:{base + 1}"
         self.worker_ports = {f"{role}-{i}": base + 2 + k for k, (role, i) in enumerate(
             [("prefill", i) for i in range(prefill)] + [("decode", i) for i in range(decode)])}
-        self.metrics_ports = [base + 2 + prefill + decode + k for k in range(prefill + decode)]
+        self.metrics_ports = [base + 2 + prefill + decode + k for k in range(max(1, prefill + decode))]
         self.argv = [sys.executable, "-m", "cli", "up", "--http-port", str(base), "--grpc-port",
                      str(base + 1), "--worker-port", str(base + 2), "--metrics-port", str(self.metrics_ports[0]),
-                     *counts, *args]
+                     *(["--colocated"] if colocated else ["--prefill", str(prefill), "--decode", str(decode)]),
+                     *args]
         # (errors=: two processes' long lines can interleave mid-character; a reader that died of it would leave
         # every process blocked on a full pipe)
         self.proc = subprocess.Popen(self.argv, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,

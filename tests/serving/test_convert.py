@@ -5,7 +5,7 @@ from dataclasses import fields
 
 import pytest
 
-from engine.sampling_params import SamplingParams
+from engine.sampling_params import SamplingParams, StructuredOutputsParams
 from protos.tandem.v1 import common_pb2
 from serving.convert import (delta_to_proto, finish_from_proto, finish_to_proto, logprobs_from_proto, logprobs_to_proto, sampling_from_proto, sampling_to_proto)
 
@@ -23,6 +23,12 @@ def test_every_sampling_field_has_a_proto_field():
                    include_stop_str_in_output=True, ignore_eos=True, max_tokens=77, min_tokens=3, logprobs=5,
                    skip_special_tokens=False),
     SamplingParams(temperature=0.0, max_tokens=1, logprobs=0),
+    SamplingParams(structured_outputs=StructuredOutputsParams(json={"type": "object"}, disable_any_whitespace=True,
+                                                              disable_additional_properties=True)),
+    SamplingParams(structured_outputs=StructuredOutputsParams(choice=["a", "b c"])),
+    SamplingParams(structured_outputs=StructuredOutputsParams(regex=r"\d+")),
+    SamplingParams(structured_outputs=StructuredOutputsParams(grammar='root ::= "x"')),
+    SamplingParams(structured_outputs=StructuredOutputsParams(json_object=True)),
 ])
 def test_sampling_params_round_trip(params):
     """(max_tokens=None, "up to the context", does not cross: the router resolves it first.)"""
@@ -35,6 +41,10 @@ def test_bad_values_raise_naming_the_field():
         sampling_from_proto(common_pb2.SamplingParams(max_tokens=-1))
     with pytest.raises(ValueError, match="^top_p="):
         sampling_from_proto(common_pb2.SamplingParams(top_p=1.5))
+    with pytest.raises(ValueError, match="^structured_outputs.regex: invalid"):
+        sampling_from_proto(common_pb2.SamplingParams(structured_outputs=common_pb2.StructuredOutputs(regex="(")))
+    with pytest.raises(ValueError, match="^structured_outputs: exactly one of"):
+        sampling_from_proto(common_pb2.SamplingParams(structured_outputs=common_pb2.StructuredOutputs()))
 
 
 def test_finish_reasons_and_logprobs():

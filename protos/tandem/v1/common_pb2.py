@@ -15,7 +15,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16tandem/v1/common.proto\x12\ttandem.v1\"\xac\x05\n\x0eSamplingParams\x12\x0e\n\x01n\x18\x01 \x01(\x05H\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x02 \x01(\x01H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x01H\x02\x88\x01\x01\x12\x12\n\x05top_k\x18\x04 \x01(\x05H\x03\x88\x01\x01\x12\x12\n\x05min_p\x18\x05 \x01(\x01H\x04\x88\x01\x01\x12\x11\n\x04seed\x18\x06 \x01(\x03H\x05\x88\x01\x01\x12\x17\n\nmax_tokens\x18\x07 \x01(\x05H\x06\x88\x01\x01\x12\x17\n\nmin_tokens\x18\x08 \x01(\x05H\x07\x88\x01\x01\x12\x0c\n\x04stop\x18\t \x03(\t\x12\x16\n\x0estop_token_ids\x18\n \x03(\x05\x12\x17\n\nignore_eos\x18\x0b \x01(\x08H\x08\x88\x01\x01\x12\x15\n\x08logprobs\x18\x0c \x01(\x05H\t\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\r \x01(\x01H\n\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\x0e \x01(\x01H\x0b\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x0f \x01(\x01H\x0c\x88\x01\x01\x12 \n\x13skip_special_tokens\x18\x10 \x01(\x08H\r\x88\x01\x01\x12\'\n\x1ainclude_stop_str_in_output\x18\x11 \x01(\x08H\x0e\x88\x01\x01\x42\x04\n\x02_nB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x08\n\x06_min_pB\x07\n\x05_seedB\r\n\x0b_max_tokensB\r\n\x0b_min_tokensB\r\n\x0b_ignore_eosB\x0b\n\t_logprobsB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\x15\n\x13_repetition_penaltyB\x16\n\x14_skip_special_tokensB\x1d\n\x1b_include_stop_str_in_output\"1\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"?\n\x10PositionLogprobs\x12+\n\ncandidates\x18\x01 \x03(\x0b\x32\x17.tandem.v1.TokenLogprob\"\xbc\x01\n\nTokenDelta\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x0c\n\x04text\x18\x02 \x01(\t\x12-\n\x08logprobs\x18\x03 \x03(\x0b\x32\x1b.tandem.v1.PositionLogprobs\x12.\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x17.tandem.v1.FinishReason\x12\x13\n\x0bstop_reason\x18\x05 \x01(\t\x12\x19\n\x11num_output_tokens\x18\x06 \x01(\r\"\x10\n\x0eGetLoadRequest\"\x96\x02\n\x0cInstanceLoad\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x1c\n\x14num_requests_running\x18\x03 \x01(\r\x12\x1c\n\x14num_requests_waiting\x18\x04 \x01(\r\x12\x19\n\x11num_queued_tokens\x18\x05 \x01(\x04\x12\x17\n\x0fnum_used_blocks\x18\x06 \x01(\r\x12\x18\n\x10num_total_blocks\x18\x07 \x01(\r\x12\x16\n\x0ekv_cache_usage\x18\x08 \x01(\x02\x12\x12\n\nblock_size\x18\t \x01(\r\x12\x15\n\rmax_model_len\x18\n \x01(\r\x12\x1c\n\x14num_tracked_requests\x18\x0b \x01(\r*x\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x42I\n\rdev.tandem.v1P\x01Z6github.com/tandem-llm/tandem/protos/tandem/v1;tandemv1b\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16tandem/v1/common.proto\x12\ttandem.v1\"\xe6\x05\n\x0eSamplingParams\x12\x0e\n\x01n\x18\x01 \x01(\x05H\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x02 \x01(\x01H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x01H\x02\x88\x01\x01\x12\x12\n\x05top_k\x18\x04 \x01(\x05H\x03\x88\x01\x01\x12\x12\n\x05min_p\x18\x05 \x01(\x01H\x04\x88\x01\x01\x12\x11\n\x04seed\x18\x06 \x01(\x03H\x05\x88\x01\x01\x12\x17\n\nmax_tokens\x18\x07 \x01(\x05H\x06\x88\x01\x01\x12\x17\n\nmin_tokens\x18\x08 \x01(\x05H\x07\x88\x01\x01\x12\x0c\n\x04stop\x18\t \x03(\t\x12\x16\n\x0estop_token_ids\x18\n \x03(\x05\x12\x17\n\nignore_eos\x18\x0b \x01(\x08H\x08\x88\x01\x01\x12\x15\n\x08logprobs\x18\x0c \x01(\x05H\t\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\r \x01(\x01H\n\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\x0e \x01(\x01H\x0b\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x0f \x01(\x01H\x0c\x88\x01\x01\x12 \n\x13skip_special_tokens\x18\x10 \x01(\x08H\r\x88\x01\x01\x12\'\n\x1ainclude_stop_str_in_output\x18\x11 \x01(\x08H\x0e\x88\x01\x01\x12\x38\n\x12structured_outputs\x18\x12 \x01(\x0b\x32\x1c.tandem.v1.StructuredOutputsB\x04\n\x02_nB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x08\n\x06_min_pB\x07\n\x05_seedB\r\n\x0b_max_tokensB\r\n\x0b_min_tokensB\r\n\x0b_ignore_eosB\x0b\n\t_logprobsB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\x15\n\x13_repetition_penaltyB\x16\n\x14_skip_special_tokensB\x1d\n\x1b_include_stop_str_in_output\"\xbc\x02\n\x11StructuredOutputs\x12\x15\n\x0bjson_schema\x18\x01 \x01(\tH\x00\x12\x0f\n\x05regex\x18\x02 \x01(\tH\x00\x12\x34\n\x06\x63hoice\x18\x03 \x01(\x0b\x32\".tandem.v1.StructuredOutputChoicesH\x00\x12\x11\n\x07grammar\x18\x04 \x01(\tH\x00\x12\x15\n\x0bjson_object\x18\x05 \x01(\x08H\x00\x12\x18\n\x0estructural_tag\x18\x06 \x01(\tH\x00\x12\x1e\n\x16\x64isable_any_whitespace\x18\x07 \x01(\x08\x12%\n\x1d\x64isable_additional_properties\x18\x08 \x01(\x08\x12\x1f\n\x12whitespace_pattern\x18\t \x01(\tH\x01\x88\x01\x01\x42\x06\n\x04kindB\x15\n\x13_whitespace_pattern\"*\n\x17StructuredOutputChoices\x12\x0f\n\x07\x63hoices\x18\x01 \x03(\t\"1\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"?\n\x10PositionLogprobs\x12+\n\ncandidates\x18\x01 \x03(\x0b\x32\x17.tandem.v1.TokenLogprob\"\xbc\x01\n\nTokenDelta\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x0c\n\x04text\x18\x02 \x01(\t\x12-\n\x08logprobs\x18\x03 \x03(\x0b\x32\x1b.tandem.v1.PositionLogprobs\x12.\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x17.tandem.v1.FinishReason\x12\x13\n\x0bstop_reason\x18\x05 \x01(\t\x12\x19\n\x11num_output_tokens\x18\x06 \x01(\r\"\x10\n\x0eGetLoadRequest\"\x96\x02\n\x0cInstanceLoad\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x1c\n\x14num_requests_running\x18\x03 \x01(\r\x12\x1c\n\x14num_requests_waiting\x18\x04 \x01(\r\x12\x19\n\x11num_queued_tokens\x18\x05 \x01(\x04\x12\x17\n\x0fnum_used_blocks\x18\x06 \x01(\r\x12\x18\n\x10num_total_blocks\x18\x07 \x01(\r\x12\x16\n\x0ekv_cache_usage\x18\x08 \x01(\x02\x12\x12\n\nblock_size\x18\t \x01(\r\x12\x15\n\rmax_model_len\x18\n \x01(\r\x12\x1c\n\x14num_tracked_requests\x18\x0b \x01(\r*x\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x42I\n\rdev.tandem.v1P\x01Z6github.com/tandem-llm/tandem/protos/tandem/v1;tandemv1b\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -23,18 +23,22 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'tandem.v1.common_pb2', _glo
 if not _descriptor._USE_C_DESCRIPTORS:
   _globals['DESCRIPTOR']._loaded_options = None
   _globals['DESCRIPTOR']._serialized_options = b'\n\rdev.tandem.v1P\001Z6github.com/tandem-llm/tandem/protos/tandem/v1;tandemv1'
-  _globals['_FINISHREASON']._serialized_start=1330
-  _globals['_FINISHREASON']._serialized_end=1450
+  _globals['_FINISHREASON']._serialized_start=1751
+  _globals['_FINISHREASON']._serialized_end=1871
   _globals['_SAMPLINGPARAMS']._serialized_start=38
-  _globals['_SAMPLINGPARAMS']._serialized_end=722
-  _globals['_TOKENLOGPROB']._serialized_start=724
-  _globals['_TOKENLOGPROB']._serialized_end=773
-  _globals['_POSITIONLOGPROBS']._serialized_start=775
-  _globals['_POSITIONLOGPROBS']._serialized_end=838
-  _globals['_TOKENDELTA']._serialized_start=841
-  _globals['_TOKENDELTA']._serialized_end=1029
-  _globals['_GETLOADREQUEST']._serialized_start=1031
-  _globals['_GETLOADREQUEST']._serialized_end=1047
-  _globals['_INSTANCELOAD']._serialized_start=1050
-  _globals['_INSTANCELOAD']._serialized_end=1328
+  _globals['_SAMPLINGPARAMS']._serialized_end=780
+  _globals['_STRUCTUREDOUTPUTS']._serialized_start=783
+  _globals['_STRUCTUREDOUTPUTS']._serialized_end=1099
+  _globals['_STRUCTUREDOUTPUTCHOICES']._serialized_start=1101
+  _globals['_STRUCTUREDOUTPUTCHOICES']._serialized_end=1143
+  _globals['_TOKENLOGPROB']._serialized_start=1145
+  _globals['_TOKENLOGPROB']._serialized_end=1194
+  _globals['_POSITIONLOGPROBS']._serialized_start=1196
+  _globals['_POSITIONLOGPROBS']._serialized_end=1259
+  _globals['_TOKENDELTA']._serialized_start=1262
+  _globals['_TOKENDELTA']._serialized_end=1450
+  _globals['_GETLOADREQUEST']._serialized_start=1452
+  _globals['_GETLOADREQUEST']._serialized_end=1468
+  _globals['_INSTANCELOAD']._serialized_start=1471
+  _globals['_INSTANCELOAD']._serialized_end=1749
 # @@protoc_insertion_point(module_scope)

@@ -1,0 +1,235 @@
+"""Structured outputs: the grammars that constrain what a request may generate, through xgrammar.
+
+The life of a constrained request (SamplingParams.structured_outputs set):
+1. `StructuredOutputsParams` checks the constraint where it is built (router, services, offline API):
+   `check_constraint` parses it into an xgrammar `Grammar` (no tokenizer needed, linear in its size; cached by
+   the canonical constraint), so a schema, regex or grammar xgrammar cannot take is a ValueError naming the field.
+2. The engine asks its `GrammarManager` for the request's `RequestGrammar`. Compiling a grammar against the
+   vocabulary (the token masks xgrammar precomputes) can take from milliseconds to minutes for a large schema, so
+   it runs on the manager's worker thread, never in the engine's step or on an event loop, once per distinct
+   constraint (a bounded LRU of compiled grammars; n > 1 completions and repeated schemas share one).
+3. Until its grammar is compiled the request is not scheduled (vLLM's WAITING_FOR_FSM); then the engine builds its
+   matcher and replays the output tokens it already has (a migrated request's prior outputs, the first token the
+   prefill instance drew): a matcher always stands after the request's last output token.
+4. Each step that samples for it, the sampler fills the request's row of a token bitmask from the matcher
+   (`fill_bitmask`) and masks the logits with it (`apply_token_bitmask`) before any other processing (vLLM applies
+   the grammar bitmask to the logits before its sampler runs). After the step the engine accepts the sampled token
+   into the matcher; when the matcher terminates (it accepted the end-of-sequence token) the request finishes with
+   "stop".
+"""
+from __future__ import annotations
+
+import concurrent.futures
+import json
+import logging
+import re
+import threading
+from collections import OrderedDict
+from functools import lru_cache
+
+import torch
+
+# (No import of engine.sampling_params, even for types: it imports this module to check constraints.)
+
+log = logging.getLogger(__name__)
+
+# Distinct constraints whose compiled grammars an engine keeps (each holds per-state token masks: up to a few MB
+# for a large schema over a 150k-token vocabulary).
+MAX_CACHED_GRAMMARS = 256
+# xgrammar's errors start with "[time] /path/file.cc:line: "; the rest is the message for the user.
+_XGR_PREFIX = re.compile(r"^\[[0-9:]+\] \S+:\d+: ")
+
+
+def _xgr():
+    import xgrammar
+
+    return xgrammar
+
+
+def _clean(e: Exception) -> str:
+    return _XGR_PREFIX.sub("", str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__)
+
+
+def _no_additional_properties(schema):
+    """The schema with `additionalProperties: false` on every object schema that does not say (vLLM's
+    disable_additional_properties)."""
+    if isinstance(schema, dict):
+        out = {k: _no_additional_properties(v) for k, v in schema.items()}
+        if (out.get("type") == "object" or "properties" in out) and "additionalProperties" not in out:
+            out["additionalProperties"] = False
+        return out
+    if isinstance(schema, list):
+        return [_no_additional_properties(v) for v in schema]
+    return schema
+
+
+def _choice_grammar(choices: tuple[str, ...]) -> str:
+    """EBNF whose root is exactly one of the strings (JSON string literals are valid EBNF literals for xgrammar)."""
+    return "root ::= " + " | ".join(json.dumps(c, ensure_ascii=False) for c in choices)
+
+
+@lru_cache(maxsize=MAX_CACHED_GRAMMARS)
+def _parse(key: tuple):
+    """The xgrammar Grammar of a canonical constraint (StructuredOutputsParams.key())."""
+    xgr = _xgr()
+    kind, value, compact, no_additional = key
+    if kind == "json" or kind == "json_object":
+        schema = json.loads(value) if kind == "json" else {"type": "object"}
+        if no_additional:
+            schema = _no_additional_properties(schema)
+        return xgr.Grammar.from_json_schema(json.dumps(schema), any_whitespace=not compact)
+    if kind == "regex":
+        return xgr.Grammar.from_regex(value)
+    if kind == "choice":
+        return xgr.Grammar.from_ebnf(_choice_grammar(value))
+    if kind == "grammar":
+        return xgr.Grammar.from_ebnf(value)
+    if kind == "structural_tag":
+        tag = json.loads(value)
+        if isinstance(tag, dict) and "structures" in tag:  # the legacy form vLLM also takes
+            items = [xgr.StructuralTagItem(begin=s["begin"], schema=json.dumps(s["schema"]), end=s["end"])
+                     for s in tag["structures"]]
+            return xgr.Grammar.from_structural_tag(items, tag["triggers"])
+        return xgr.Grammar.from_structural_tag(value)
+    raise AssertionError(kind)
+
+
+def check_constraint(so) -> None:
+    """Raises ValueError naming the field when xgrammar cannot take the constraint (a StructuredOutputsParams)."""
+    try:
+        _parse(so.key())
+    except Exception as e:  # noqa: BLE001 - xgrammar raises RuntimeError, its own errors, KeyError/TypeError above
+        raise ValueError(f"structured_outputs.{so.kind}: invalid ({_clean(e)})") from None
+
+
+class RequestGrammar:
+    """One request's grammar: the compile it waits for, then its matcher, which stands after the first
+    `num_accepted` output tokens."""
+
+    __slots__ = ("future", "matcher", "num_accepted")
+
+    def __init__(self, future: concurrent.futures.Future):
+        self.future = future
+        self.matcher = None
+        self.num_accepted = 0
+
+    @property
+    def active(self) -> bool:
+        return self.matcher is not None
+
+    def activate(self, output_token_ids: list[int]) -> str | None:
+        """Builds the matcher (the compile is done) and replays the output so far; returns why it cannot, or None."""
+        try:
+            compiled = self.future.result()
+        except Exception as e:  # noqa: BLE001
+            return f"structured_outputs: the grammar did not compile ({_clean(e)})"
+        self.matcher = _xgr().GrammarMatcher(compiled)
+        return self.advance(output_token_ids)
+
+    def advance(self, output_token_ids: list[int]) -> str | None:
+        """Accepts the output tokens not accepted yet; returns the error of the first one the grammar refuses."""
+        while self.num_accepted < len(output_token_ids):
+            token = output_token_ids[self.num_accepted]
+            if self.matcher.is_terminated() or not self.matcher.accept_token(token):
+                return (f"output token {self.num_accepted} (id {token}) is not allowed by the request's "
+                        "structured_outputs")
+            self.num_accepted += 1
+        return None
+
+    @property
+    def terminated(self) -> bool:
+        return self.matcher is not None and self.matcher.is_terminated()
+
+
+class GrammarManager:
+    """One engine's grammars: the tokenizer's vocabulary as xgrammar sees it (built on the first constrained
+    request, on the worker thread), the compiler, and the LRU of compiles (finished or under way)."""
+
+    def __init__(self, tokenizer, vocab_size: int, stop_token_ids: list[int],
+                 max_cached: int = MAX_CACHED_GRAMMARS):
+        """vocab_size: the model's logits width, which may exceed the tokenizer's vocabulary (padding rows: the
+        grammar never allows them)."""
+        self.tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        self.stop_token_ids = list(stop_token_ids)
+        self.max_cached = max_cached
+        self._compiler = None
+        self._compiler_lock = threading.Lock()
+        self._cache: OrderedDict[tuple, concurrent.futures.Future] = OrderedDict()
+        self._executor: concurrent.futures.ThreadPoolExecutor | None = None
+        self.num_compiles = 0  # compiles started (cache misses)
+
+    def compiler(self):
+        with self._compiler_lock:
+            if self._compiler is None:
+                xgr = _xgr()
+                info = xgr.TokenizerInfo.from_huggingface(self.tokenizer, vocab_size=self.vocab_size,
+                                                          stop_token_ids=self.stop_token_ids or None)
+                # Our LRU keeps the compiled grammars; xgrammar's own cache would keep a second copy.
+                self._compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
+            return self._compiler
+
+    def _compile(self, key: tuple):
+        return self.compiler().compile_grammar(_parse(key))
+
+    def grammar_for(self, params) -> RequestGrammar | None:
+        """The grammar of a request with these SamplingParams (its compile started or shared), or None for an
+        unconstrained request."""
+        so = params.structured_outputs
+        if so is None:
+            return None
+        key = so.key()
+        fut = self._cache.get(key)
+        if fut is not None:
+            self._cache.move_to_end(key)
+            return RequestGrammar(fut)
+        if self._executor is None:
+            self._executor = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar")
+        fut = self._executor.submit(self._compile, key)
+        self.num_compiles += 1
+        self._cache[key] = fut
+        fut.add_done_callback(lambda f, key=key: (f.cancelled() or f.exception() is not None) and self._drop(key, f))
+        while len(self._cache) > self.max_cached:
+            self._cache.popitem(last=False)  # requests that hold its future keep it alive
+        return RequestGrammar(fut)
+
+    def _drop(self, key: tuple, fut: concurrent.futures.Future) -> None:
+        """A failed compile leaves the cache (the next request with it tries again). Runs on the worker thread, or
+        in grammar_for when the future is already done: pop is atomic under the GIL."""
+        if self._cache.get(key) is fut:
+            self._cache.pop(key, None)
+
+    def close(self) -> None:
+        if self._executor is not None:
+            self._executor.shutdown(wait=False, cancel_futures=True)
+
+
+# ---- the token bitmask ----------------------------------------------------------------------------------------
+def fill_bitmask(grammars: list[RequestGrammar], rows: list[int], batch: int, vocab_size: int) -> torch.Tensor:
+    """[batch, ceil(vocab_size / 32)] int32 on the CPU: bit t of row r is set when row r may take token t. Rows
+    without a grammar allow every token."""
+    xgr = _xgr()
+    bitmask = xgr.allocate_token_bitmask(batch, vocab_size)  # all bits set
+    for g, row in zip(grammars, rows):
+        g.matcher.fill_next_token_bitmask(bitmask, row)
+    return bitmask
+
+
+def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int]) -> None:
+    """In place: logits [B, V] float32 get -inf at the tokens bitmask [B, W] (CPU int32) forbids, on `rows` only.
+    xgrammar's kernels: its C++ loop on the CPU, its CUDA / Triton kernel on a GPU."""
+    vocab = logits.shape[1]
+    if logits.device.type == "cuda":
+        mask = bitmask.pin_memory().to(logits.device, non_blocking=True)
+    else:
+        mask = bitmask
+    _xgr().apply_token_bitmask_inplace(logits, mask, vocab_size=vocab, indices=rows)
+
+
+def apply_token_bitmask_reference(logits: torch.Tensor, bitmask: torch.Tensor) -> None:
+    """Plain-torch reference of apply_token_bitmask on every row: logits [B, V], bitmask [B, ceil(V / 32)] int32."""
+    vocab = logits.shape[1]
+    shifts = torch.arange(32, dtype=torch.int32, device=bitmask.device)
+    bits = (bitmask.unsqueeze(-1) >> shifts) & 1  # [B, W, 32]: bit j of word w is token 32 * w + j
+    allowed = bits.flatten(1)[:, :vocab].bool().to(logits.device)  # [B, V]
+    logits.masked_fill_(~allowed, float("-inf"))
