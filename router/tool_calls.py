@@ -16,10 +16,11 @@ The life of a chat request with `tools`:
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field, fields, replace
+from dataclasses import dataclass, field, replace
 
 from router.tool_parsers import PARSERS, ToolCall, ToolParser
 from router.tool_parsers.base import Event, arguments_text, decode_object
+from engine.sampling_params import StructuredOutputsParams
 
 AUTO_FLAGS = "--enable-auto-tool-choice and --tool-call-parser"
 
@@ -86,18 +87,13 @@ def tool_choice_constraint(tools: list[dict], choice: str | dict, parallel: bool
 
 
 def constrained(params, schema: dict, choice) -> object:
-    """params with the structured-outputs grammar `schema` (engine.sampling_params.StructuredOutputsParams, from the
-    structured-outputs work); a ToolChoiceError while this build lacks it."""
-    if "structured_outputs" not in {f.name for f in fields(params)}:
-        raise ToolChoiceError("tool_choice", f"tool_choice={_shown(choice)}: needs structured outputs (the grammar "
-                                             "that makes the model call the tool), which this server does not have "
-                                             "yet; use tool_choice auto or none", "unsupported")
-    from engine.sampling_params import StructuredOutputsParams
-
+    """params with the structured-outputs grammar `schema` (engine.sampling_params.StructuredOutputsParams)."""
     if params.structured_outputs is not None:
         raise ToolChoiceError("tool_choice", f"tool_choice={_shown(choice)}: constrains the output already; leave "
                                              "response_format (or structured_outputs) out")
-    return replace(params, structured_outputs=StructuredOutputsParams(json=schema))
+    # Compact JSON (no free whitespace between tokens): a call's arguments need none, and a weak model could
+    # otherwise spend max_tokens on whitespace and end mid-call.
+    return replace(params, structured_outputs=StructuredOutputsParams(json=schema, disable_any_whitespace=True))
 
 
 def _shown(choice) -> str:
