@@ -24,7 +24,7 @@ def make_prompts(num: int, input_len: int, vocab: int, seed: int) -> list[list[i
     return torch.randint(10, vocab - 10, (num, input_len), generator=g).tolist()
 
 
-def run_tandem(args, prompts) -> tuple[float, int]:
+def run_tandem(args, prompts) -> tuple[float, int, dict]:
     from engine import LLM, SamplingParams
 
     llm = LLM(args.model, dtype=args.dtype, max_model_len=args.input_len + args.output_len + 16,
@@ -44,10 +44,26 @@ def run_tandem(args, prompts) -> tuple[float, int]:
     sync()
     elapsed = time.perf_counter() - t0
     print_step_breakdown(llm.engine.step_log, elapsed)
+    steps = step_stats(llm.engine.step_log, len(prompts) * args.input_len)
     n_out = sum(len(o.outputs[0].token_ids) for o in outs)
     llm.close()
     del llm
-    return elapsed, n_out
+    return elapsed, n_out, steps
+
+
+def step_stats(steps, prompt_tokens: int) -> dict:
+    """What `tandem plan --from-bench` reads (engine/capacity.py): the mean time of a pure decode step (each advances
+    every running request by one token: the requests' TPOT), the mean decode batch, and the prompt tokens per
+    second of the steps that carried prompt tokens (mixed steps' decode tokens are a small share of them)."""
+    pre = [s for s in steps if s.num_batched_tokens > s.num_seqs]
+    dec = [s for s in steps if s.num_batched_tokens == s.num_seqs]
+    out = {}
+    if dec:
+        out["tpot_ms_mean"] = round(1e3 * sum(s.step_seconds for s in dec) / len(dec), 4)
+        out["mean_decode_batch"] = round(sum(s.num_seqs for s in dec) / len(dec), 2)
+    if pre:
+        out["prefill_tokens_per_s"] = round(prompt_tokens / sum(s.step_seconds for s in pre), 1)
+    return out
 
 
 def print_step_breakdown(steps, elapsed: float) -> None:
@@ -67,7 +83,7 @@ def print_step_breakdown(steps, elapsed: float) -> None:
           ", ".join(f"({s.num_batched_tokens}, {s.num_seqs}, {1e3 * s.step_seconds:.0f})" for s in pre[:8]))
 
 
-def run_hf(args, prompts) -> tuple[float, int]:
+def run_hf(args, prompts) -> tuple[float, int, dict]:
     from transformers import AutoModelForCausalLM
 
     from engine.loader import load_weights, resolve_model
@@ -99,7 +115,7 @@ def run_hf(args, prompts) -> tuple[float, int]:
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
-    return elapsed, n_out
+    return elapsed, n_out, {}
 
 
 def sync() -> None:
@@ -137,7 +153,7 @@ def main(argv=None) -> int:
     rows = []
     # transformers first: it frees its memory on return, while our engine sizes its KV cache from what is free.
     for backend in sorted(args.backend, key=lambda b: b != "hf"):
-        elapsed, n_out = (run_tandem if backend == "tandem" else run_hf)(args, prompts)
+        elapsed, n_out, steps = (run_tandem if backend == "tandem" else run_hf)(args, prompts)
         total = n_out + args.num_prompts * args.input_len
         rec = dict(backend=backend, gpu=gpu, model=args.model,
                    quantization=args.quantization if backend == "tandem" else None,
@@ -145,6 +161,7 @@ def main(argv=None) -> int:
                    num_prompts=args.num_prompts,
                    input_len=args.input_len, output_len=args.output_len, elapsed_s=round(elapsed, 3),
                    output_tokens_per_s=round(n_out / elapsed, 1), total_tokens_per_s=round(total / elapsed, 1),
+                   kv_cache_dtype=args.kv_cache_dtype if backend == "tandem" else None, **steps,
                    commit=git_commit()["sha"], date=time.strftime("%Y-%m-%d"), machine=machine_info())
         write_json(Path(args.out_dir) / f"throughput-{backend}-{time.strftime('%Y%m%d-%H%M%S')}.json", rec)
         rows.append(rec)
