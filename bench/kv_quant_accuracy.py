@@ -117,6 +117,7 @@ def main(argv=None) -> int:
             outs = [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": x} for x in ids], greedy)]
         finally:
             kernels.rotary.write_kv_ref = original
+        print(f"{mode}: done", flush=True)
         if ref is None:
             ref = (logits, outs)
             continue

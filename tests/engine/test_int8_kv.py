@@ -49,8 +49,9 @@ def test_cache_holds_each_rows_scale_and_dequantizes_to_the_written_kv():
 
 
 def test_greedy_agreement_with_the_fp32_cache():
-    """Measured (2026-12-02, random:tiny, 8 prompts x 24 greedy tokens): int8 175 of 192 tokens equal to the fp32
-    cache's, fp8 (per-layer scales) 63 of 192; a random model's logits are near ties, so one flip changes the rest."""
+    """Free-running greedy tokens equal to the fp32 cache's, position by position (a random model's logits are near
+    ties: one flip changes the rest of that output). bench/kv_quant_accuracy.py measured 233 of 256 (8 prompts x 32
+    tokens) for int8 and 137 of 256 for fp8 (docs/kernels.md); the bound here leaves room for other prompts."""
     outs = {kv: [o.outputs[0].token_ids for o in tiny(kv).generate(PROMPTS, GREEDY)] for kv in ("auto", "int8")}
     same = sum(x == y for a, b in zip(outs["auto"], outs["int8"]) for x, y in zip(a, b))
     first = [next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), len(a)) for a, b in zip(outs["auto"],
@@ -97,3 +98,29 @@ def test_int8_kv_next_token_agrees_on_smollm2(smollm2_dir):
     rel = ((b - a).norm(dim=-1) / a.norm(dim=-1)).mean().item()
     assert agree >= 0.97, f"next-token agreement {agree:.1%}"
     assert rel < 0.05, f"mean logits relative error {rel:.3f}"
+
+
+def test_int8_kv_stacks_on_4_bit_and_fp8_weights(tiny_qwen2_dir, tmp_path):
+    """--kv-cache-dtype int8 with a 4-bit (AWQ) checkpoint and with --quantization fp8: both load and decode.
+    Teacher-forced against the same weights with float32 KV, measured (2026-12-02, CPU): float weights 99.7% argmax
+    agreement / 0.82% mean logits error, AWQ g32 98.3% / 0.75%, fp8 weights 89.4% / 7.4% (fp8 weights quantize
+    each activation row to fp8, which turns the cache's small differences into whole fp8 steps; not investigated
+    further). docs/quantization.md."""
+    from test_cuda_parity import step_logits
+    from test_quant_w4 import PROBE, teacher_forced, write_w4_checkpoint
+
+    ckpt = write_w4_checkpoint(tiny_qwen2_dir, tmp_path / "w4", "awq", 32)
+    kw = dict(device="cpu", kv_cache_memory=0.02, max_model_len=512)
+    gen = torch.Generator().manual_seed(3)
+    probes = [torch.randint(300, 512, (n,), generator=gen).tolist() + PROBE[:24] for n in (9, 30, 64, 150)]
+    measured = {}
+    for name, model, extra in (("float", str(tiny_qwen2_dir), {}), ("awq-g32", str(ckpt), {}),
+                               ("fp8-weights", str(tiny_qwen2_dir), {"quantization": "fp8"})):
+        base, int8 = LLM(model, **kw, **extra), LLM(model, kv_cache_dtype="int8", **kw, **extra)
+        assert int8.engine.runner.kv_dtype == torch.int8
+        assert len(int8.generate([{"prompt_token_ids": PROBE[:5]}], GREEDY)[0].outputs[0].token_ids) == 24
+        measured[name] = teacher_forced([step_logits(base, p) for p in probes], [step_logits(int8, p) for p in probes])
+    print("int8 KV vs float32 KV on the same weights (argmax agreement, mean logits rel. error):", measured)
+    bounds = {"float": (0.97, 0.02), "awq-g32": (0.95, 0.02), "fp8-weights": (0.85, 0.10)}
+    for name, (agree, rel) in measured.items():
+        assert agree >= bounds[name][0] and rel < bounds[name][1], (name, agree, rel)
