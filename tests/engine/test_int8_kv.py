@@ -96,6 +96,8 @@ def test_int8_kv_next_token_agrees_on_smollm2(smollm2_dir):
     a, b = logits["auto"], logits["int8"]
     agree = (a.argmax(-1) == b.argmax(-1)).float().mean().item()
     rel = ((b - a).norm(dim=-1) / a.norm(dim=-1)).mean().item()
+    print(f"smollm2 int8 KV vs float32 KV, teacher-forced over {a.shape[0]} positions: argmax agreement {agree:.1%}, "
+          f"mean logits relative error {rel:.2%}")
     assert agree >= 0.97, f"next-token agreement {agree:.1%}"
     assert rel < 0.05, f"mean logits relative error {rel:.3f}"
 
