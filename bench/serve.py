@@ -449,6 +449,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--metrics-url", action="append", default=None,
                    help="Prometheus pages to read tandem:kv_transfer_seconds and each role's "
                         "tandem:time_to_first_token_seconds from (repeat for several; default: BASE_URL/metrics)")
+    p.add_argument("--prefill-instances", type=int, default=1,
+                   help="prefill instances behind --base-url (recorded for `tandem plan --from-bench`; default: 1)")
+    p.add_argument("--decode-instances", type=int, default=1,
+                   help="decode instances behind --base-url (recorded for `tandem plan --from-bench`; default: 1)")
     p.add_argument("--result-file", "--json", default=None, help="where to write the JSON (default: none)")
     p.add_argument("--compare", nargs="+", metavar="LABEL=FILE", default=None,
                    help="print one table from result files of earlier runs, then exit (no server needed)")

@@ -52,9 +52,10 @@ def run_tandem(args, prompts) -> tuple[float, int, dict]:
     sync()
     elapsed = time.perf_counter() - t0
     print_step_breakdown(llm.engine.step_log, elapsed)
+    steps = step_stats(llm.engine.step_log, len(prompts) * args.input_len)
     llm.close()
     del llm
-    return elapsed, n_out, latency
+    return elapsed, n_out, {**latency, **steps}
 
 
 def stream_requests(engine, prompts, params, t0: float) -> tuple[int, dict]:
@@ -76,6 +77,21 @@ def stream_requests(engine, prompts, params, t0: float) -> tuple[int, dict]:
                                  "mean_tpot_ms": round(1e3 * sum(tpot) / max(1, len(tpot)), 2)}
 
 
+def step_stats(steps, prompt_tokens: int) -> dict:
+    """What `tandem plan --from-bench` reads (engine/capacity.py): the mean time of a pure decode step (each advances
+    every running request by one token: the requests' TPOT), the mean decode batch, and the prompt tokens per
+    second of the steps that carried prompt tokens (mixed steps' decode tokens are a small share of them)."""
+    pre = [s for s in steps if s.num_batched_tokens > s.num_seqs]
+    dec = [s for s in steps if s.num_batched_tokens == s.num_seqs]
+    out = {}
+    if dec:
+        out["tpot_ms_mean"] = round(1e3 * sum(s.step_seconds for s in dec) / len(dec), 4)
+        out["mean_decode_batch"] = round(sum(s.num_seqs for s in dec) / len(dec), 2)
+    if pre:
+        out["prefill_tokens_per_s"] = round(prompt_tokens / sum(s.step_seconds for s in pre), 1)
+    return out
+
+
 def print_step_breakdown(steps, elapsed: float) -> None:
     """Where the time went: steps that carried prefill tokens vs pure decode steps (each step ends in a host sync
     for the sampled ids, so step wall time is real GPU + host time)."""
@@ -93,7 +109,7 @@ def print_step_breakdown(steps, elapsed: float) -> None:
           ", ".join(f"({s.num_batched_tokens}, {s.num_seqs}, {1e3 * s.step_seconds:.0f})" for s in pre[:8]))
 
 
-def run_hf(args, prompts) -> tuple[float, int]:
+def run_hf(args, prompts) -> tuple[float, int, dict]:
     from transformers import AutoModelForCausalLM
 
     from engine.loader import load_weights, resolve_model
@@ -181,7 +197,8 @@ def main(argv=None) -> int:
                    num_prompts=args.num_prompts,
                    input_len=args.input_len, output_len=args.output_len, elapsed_s=round(elapsed, 3),
                    output_tokens_per_s=round(n_out / elapsed, 1), total_tokens_per_s=round(total / elapsed, 1),
-                   stream=args.stream if backend == "tandem" else False, **latency,
+                   stream=args.stream if backend == "tandem" else False,
+                   kv_cache_dtype=args.kv_cache_dtype if backend == "tandem" else None, **latency,
                    commit=git_commit()["sha"], date=time.strftime("%Y-%m-%d"), machine=machine_info())
         write_json(Path(args.out_dir) / f"throughput-{backend}-{time.strftime('%Y%m%d-%H%M%S')}.json", rec)
         rows.append(rec)

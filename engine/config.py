@@ -7,7 +7,7 @@ import torch
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 DTYPE_ALIASES = {"fp32": "float32", "float": "float32", "half": "float16", "fp16": "float16", "bf16": "bfloat16"}
-KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "int8")
 QUANTIZATION_METHODS = ("fp8", "awq", "gptq", "compressed-tensors")
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")  # engine/model.py runs these
 # The linears engine/model.py fuses (fuse_projections), by their names inside a decoder layer: fused -> shards in order.
@@ -76,7 +76,7 @@ class CacheConfig:
     gpu_memory_utilization: float = 0.9
     """Fraction of GPU memory the engine may use for weights, activations and the KV cache."""
     kv_cache_dtype: str = "auto"
-    """KV cache dtype: auto (the model dtype) or fp8 (e4m3 with per-layer scales)."""
+    """KV cache dtype: auto (the model dtype), fp8 (e4m3 with per-layer scales) or int8 (a scale per token and KV head, computed as it is written)."""
     enable_prefix_caching: bool = True
     """Reuse KV blocks of identical prompt prefixes (automatic prefix caching)."""
     num_gpu_blocks_override: int | None = None

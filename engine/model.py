@@ -33,6 +33,8 @@ class LayerKV:
     v_cache: torch.Tensor
     k_scale: float = 1.0
     v_scale: float = 1.0
+    k_scale_cache: torch.Tensor | None = None  # [num_blocks, block_size, num_kv_heads] float32: an int8 cache's
+    v_scale_cache: torch.Tensor | None = None  # scale per slot and KV head (a strided view, beside the values)
 
 
 def rope_parameters(config) -> dict:
@@ -136,10 +138,12 @@ class Attention(nn.Module):
         k = k.reshape(T, self.num_kv_heads, self.head_dim)
         v = v.reshape(T, self.num_kv_heads, self.head_dim)
         q, k = kernels.rotary_embedding_write_kv(positions, q, k, v, cos_sin_cache, kv.k_cache, kv.v_cache,
-                                                 meta.slot_mapping, kv.k_scale, kv.v_scale)
+                                                 meta.slot_mapping, kv.k_scale, kv.v_scale,
+                                                 k_scale_cache=kv.k_scale_cache, v_scale_cache=kv.v_scale_cache)
         o = kernels.paged_attention(q, kv.k_cache, kv.v_cache, meta.block_tables, meta.seq_lens,
                                     meta.query_start_loc, meta.max_query_len, meta.max_seq_len, self.scale,
-                                    kv.k_scale, kv.v_scale, k=k, v=v)  # [T, H, D]
+                                    kv.k_scale, kv.v_scale, k=k, v=v, k_scale_cache=kv.k_scale_cache,
+                                    v_scale_cache=kv.v_scale_cache)  # [T, H, D]
         return self.o_proj(o.reshape(T, self.num_heads * self.head_dim))
 
 

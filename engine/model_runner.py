@@ -22,6 +22,7 @@ from engine.request import Request
 from engine.sampler import DeviceSample, Sampler, SamplerOutput, to_device_nowait
 from engine.scheduler import SchedulerOutput
 from engine.utils import cdiv
+from kernels.quant_int8 import INT8_ROW_PAD, int8_cache_views
 
 log = logging.getLogger(__name__)
 
@@ -30,7 +31,46 @@ FP8_KV_HEADROOM = 4.0  # K and V may grow 4-8x past the calibration prompt's bef
 
 
 def kv_cache_torch_dtype(kv_cache_dtype: str, model_dtype: torch.dtype) -> torch.dtype:
+    if kv_cache_dtype == "int8":
+        return torch.int8
     return torch.float8_e4m3fn if kv_cache_dtype.startswith("fp8") else model_dtype
+
+
+def kv_row_bytes(kv_dtype: torch.dtype, head_dim: int) -> int:
+    """Bytes of one (slot, KV head) row of K or V in the cache: an int8 row carries its float32 scale after its
+    values (kernels/quant_int8.py)."""
+    if kv_dtype == torch.int8:
+        return head_dim + INT8_ROW_PAD
+    return head_dim * torch.empty((), dtype=kv_dtype).element_size()
+
+
+def allocate_kv_cache(num_blocks: int, num_layers: int, block_size: int, num_kv_heads: int, head_dim: int,
+                      kv_dtype: torch.dtype, device, zero: bool = False) -> torch.Tensor:
+    """The engine's KV cache, one contiguous tensor [num_blocks, num_layers, 2, block_size, num_kv_heads, row]:
+    row = head_dim values, or for int8 head_dim values then their float32 scale's 4 bytes. Each block's bytes (its
+    scales included) are one contiguous range: prefix caching shares blocks by id and every KV transfer path moves
+    block bytes, so the scales go wherever their values go."""
+    if kv_dtype == torch.int8 and head_dim % 4:
+        raise ValueError(f"kv_cache_dtype=int8: head_dim={head_dim} must be a multiple of 4 (each row's float32 "
+                         "scale is stored after its values, 4-byte aligned); use auto or fp8")
+    row = head_dim + INT8_ROW_PAD if kv_dtype == torch.int8 else head_dim
+    alloc = torch.zeros if zero else torch.empty
+    return alloc(num_blocks, num_layers, 2, block_size, num_kv_heads, row, dtype=kv_dtype, device=device)
+
+
+def layer_kv_views(kv_cache: torch.Tensor, k_scales: list[float] | None = None,
+                   v_scales: list[float] | None = None) -> list[LayerKV]:
+    """Each layer's K/V views of an allocate_kv_cache tensor (with an int8 cache's per-slot scale views)."""
+    num_layers = kv_cache.shape[1]
+    k_scales, v_scales = k_scales or [1.0] * num_layers, v_scales or [1.0] * num_layers
+    layers = []
+    for l in range(num_layers):
+        if kv_cache.dtype == torch.int8:
+            (kc, ks), (vc, vs) = int8_cache_views(kv_cache[:, l, 0]), int8_cache_views(kv_cache[:, l, 1])
+            layers.append(LayerKV(kc, vc, k_scale_cache=ks, v_scale_cache=vs))
+        else:
+            layers.append(LayerKV(kv_cache[:, l, 0], kv_cache[:, l, 1], k_scales[l], v_scales[l]))
+    return layers
 
 
 @dataclass
@@ -119,10 +159,10 @@ class ModelRunner:
         self.num_blocks = self._num_blocks()
         if self.tp_size > 1:  # block ids mean the same on every rank
             self.num_blocks = min_over_ranks(self.num_blocks, self.device)
-        # [num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim]: one block's bytes for all layers together.
+        # [num_blocks, num_layers, 2, block_size, num_kv_heads, row]: one block's bytes for all layers together.
         # Unwritten slots are never read as valid: attention masks (and on the CPU clears) everything past seq_lens.
-        self.kv_cache = torch.empty(self.num_blocks, self.num_layers, 2, self.block_size, self.num_kv_heads,
-                                    self.head_dim, dtype=self.kv_dtype, device=self.device)
+        self.kv_cache = allocate_kv_cache(self.num_blocks, self.num_layers, self.block_size, self.num_kv_heads,
+                                          self.head_dim, self.kv_dtype, self.device)
         # fp8 KV stores x / scale: per-layer scales calibrated once here (see calibrate_kv_scales), 1.0 otherwise.
         # With tensor parallelism each rank calibrates its own KV heads (the calibration forward runs on every rank).
         self.k_scales, self.v_scales = (self.calibrate_kv_scales() if self.kv_dtype == torch.float8_e4m3fn
@@ -130,8 +170,7 @@ class ModelRunner:
         # DecodeGraphs and PrefillGraphs, captured by enable_cuda_graphs() once the engine knows max_model_len
         self.graphs = None
         self.prefill_graphs = None
-        self.kv_layers = [LayerKV(self.kv_cache[:, l, 0], self.kv_cache[:, l, 1], self.k_scales[l], self.v_scales[l])
-                          for l in range(self.num_layers)]
+        self.kv_layers = layer_kv_views(self.kv_cache, self.k_scales, self.v_scales)
 
     def release_cuda_graphs(self) -> None:
         """Destroys the captured CUDA graphs. Before a tensor-parallel group is torn down: NCCL (>= 2.26) will not
@@ -149,8 +188,7 @@ class ModelRunner:
 
     @property
     def kv_bytes_per_block(self) -> int:
-        elem = torch.empty((), dtype=self.kv_dtype).element_size()
-        return 2 * self.num_layers * self.block_size * self.num_kv_heads * self.head_dim * elem
+        return 2 * self.num_layers * self.block_size * self.num_kv_heads * kv_row_bytes(self.kv_dtype, self.head_dim)
 
     def _num_blocks(self) -> int:
         cache = self.config.cache
@@ -173,9 +211,9 @@ class ModelRunner:
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(self.device)
         n = min(self.config.scheduler.max_num_batched_tokens, self.hf_config.max_position_embeddings)
-        dummy_cache = torch.zeros(1, self.num_layers, 2, self.block_size, self.num_kv_heads, self.head_dim,
-                                  dtype=self.kv_dtype, device=self.device)
-        layers = [LayerKV(dummy_cache[:, l, 0], dummy_cache[:, l, 1]) for l in range(self.num_layers)]
+        dummy_cache = allocate_kv_cache(1, self.num_layers, self.block_size, self.num_kv_heads, self.head_dim,
+                                        self.kv_dtype, self.device, zero=True)
+        layers = layer_kv_views(dummy_cache)
         meta = AttentionMetadata(
             slot_mapping=torch.full((n,), -1, dtype=torch.int64, device=self.device),
             block_tables=torch.zeros(1, 1, dtype=torch.int32, device=self.device),
@@ -470,7 +508,8 @@ def warm_up_attention(runner: ModelRunner) -> None:
     for cfg in prefill_configs(h // runner.num_kv_heads, runner.head_dim, q.element_size(), kv_fp8=kv_fp8):
         try:
             paged_attention_triton(q, kv.k_cache, kv.v_cache, tables, seq_lens, qsl, 32, 32, 1.0, kv.k_scale,
-                                   kv.v_scale, config=cfg, k=k, v=v)
+                                   kv.v_scale, config=cfg, k=k, v=v, k_scale_cache=kv.k_scale_cache,
+                                   v_scale_cache=kv.v_scale_cache)
         except Exception as e:  # a variant this head size cannot use (e.g. shared memory): never picked either
             log.debug("attention warm-up: block_m=%d skipped (%s)", cfg["block_m"], e)
     torch.cuda.synchronize()

@@ -12,7 +12,11 @@
     sequences   = blocks // ceil(max_model_len / block_size)      (how many max_model_len requests fit at once)
 
 Like vLLM's rule of thumb, it leaves no room for activations, CUDA graphs or the allocator's slack: the engine's
-profiled numbers will be somewhat lower.
+profiled numbers will be somewhat lower. An int8 KV cache stores each (token, KV head) row's float32 scale after
+its values: head_dim + 4 bytes a row.
+
+`tandem plan --from-bench results.json [--target-rps R] [--headroom 0.3]` answers from a measured benchmark
+instead: peak concurrency per instance and instance counts for a request rate (engine/capacity.py).
 """
 
 from __future__ import annotations
@@ -30,7 +34,8 @@ from engine.config import DTYPE_ALIASES, FUSED_LINEARS, CacheConfig, ModelConfig
 from engine.utils import cdiv
 
 _DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
-_KV_DTYPE_BYTES = {"fp8": 1, "fp8_e4m3": 1}
+_KV_DTYPE_BYTES = {"fp8": 1, "fp8_e4m3": 1, "int8": 1}
+_INT8_ROW_PAD = 4  # an int8 row's float32 scale (kernels/quant_int8.INT8_ROW_PAD)
 _UNITS = {
     "": 1, "b": 1,
     "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
@@ -173,12 +178,14 @@ def weight_bytes_of(config: PretrainedConfig, dtype: str, quantization: str | No
 def _resolve_kv_dtype(kv_cache_dtype: str, dtype: str) -> str:
     if kv_cache_dtype == "auto":
         return dtype
+    if kv_cache_dtype == "int8":
+        return "int8"
     if kv_cache_dtype in _KV_DTYPE_BYTES:
         return "fp8_e4m3"
     name = DTYPE_ALIASES.get(kv_cache_dtype, kv_cache_dtype)
     if name not in _DTYPE_BYTES:
         raise ValueError(
-            f"kv_cache_dtype={kv_cache_dtype!r}: must be one of auto, fp8, fp8_e4m3, {', '.join(_DTYPE_BYTES)}"
+            f"kv_cache_dtype={kv_cache_dtype!r}: must be one of auto, fp8, fp8_e4m3, int8, {', '.join(_DTYPE_BYTES)}"
         )
     return name
 
@@ -225,7 +232,8 @@ def plan(
     weight_bytes = weight_bytes_of(config, wdtype, quantization)
     nkv = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
     hd = _head_dim(config)
-    kv_per_token = 2 * config.num_hidden_layers * nkv * hd * kv_elem
+    row = hd * kv_elem + (_INT8_ROW_PAD if kvdtype == "int8" else 0)
+    kv_per_token = 2 * config.num_hidden_layers * nkv * row
     kv_memory = int(memory_bytes * gpu_memory_utilization) - weight_bytes
     num_blocks = max(kv_memory, 0) // (block_size * kv_per_token)
     return Plan(
@@ -249,15 +257,16 @@ def _quantized_label(quantization: str | None) -> str:
 
 
 def format_plan(p: Plan) -> str:
-    kv_elem = p.kv_bytes_per_token // (2 * p.num_layers * p.num_kv_heads * p.head_dim)
+    row = p.kv_bytes_per_token // (2 * p.num_layers * p.num_kv_heads)
+    row_text = f"({p.head_dim} + {_INT8_ROW_PAD} B scale)" if p.kv_cache_dtype == "int8" else \
+        f"{p.head_dim} head_dim x {row // p.head_dim} B"
     rows = [
         ("model", f"{p.model} ({p.architecture})"),
         ("parameters", f"{p.num_params:,}"),
         (f"weights ({p.dtype}{_quantized_label(p.quantization)})",
          f"{p.weight_bytes:,} B = {_gib(p.weight_bytes)}"),
         (f"KV bytes per token ({p.kv_cache_dtype})",
-         f"{p.kv_bytes_per_token:,} = 2 x {p.num_layers} layers x {p.num_kv_heads} kv heads x {p.head_dim} head_dim "
-         f"x {kv_elem} B"),
+         f"{p.kv_bytes_per_token:,} = 2 x {p.num_layers} layers x {p.num_kv_heads} kv heads x {row_text}"),
         ("usable memory", f"{_gib(p.memory_bytes)} x {p.gpu_memory_utilization:g} = "
                           f"{_gib(int(p.memory_bytes * p.gpu_memory_utilization))}"),
         ("left for KV cache", _gib(p.kv_memory_bytes)),
@@ -277,11 +286,21 @@ def format_plan(p: Plan) -> str:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="tandem plan", description="KV-cache sizing: bytes per token and how many sequences fit in a memory budget."
+        prog="tandem plan", description="KV-cache sizing: bytes per token and how many sequences fit in a memory budget "
+        "(--model --memory --max-model-len); or, from a measured benchmark (--from-bench), peak concurrency per "
+        "instance and the prefill and decode instances a request rate needs."
     )
-    parser.add_argument("--model", required=True, help="smollm2, random:<preset>, a HuggingFace dir or a .gguf file")
-    parser.add_argument("--memory", required=True, help="device memory, e.g. 80GiB, 80GB, 512MiB")
-    parser.add_argument("--max-model-len", required=True, help="context length of one sequence (tokens)")
+    parser.add_argument("--model", help="smollm2, random:<preset>, a HuggingFace dir or a .gguf file")
+    parser.add_argument("--memory", help="device memory, e.g. 80GiB, 80GB, 512MiB")
+    parser.add_argument("--max-model-len", help="context length of one sequence (tokens)")
+    parser.add_argument("--from-bench", metavar="RESULTS_JSON",
+                        help="a JSON bench/throughput.py or bench/serve.py wrote: plan capacity from its measurements")
+    parser.add_argument("--target-rps", help="with --from-bench: the request rate (req/s) to size instances for")
+    parser.add_argument("--headroom", default=None,
+                        help="with --from-bench: capacity kept free, in [0, 1) (default 0.3: 30%%)")
+    parser.add_argument("--bench-rate", default=None,
+                        help="with a bench/serve.py sweep: the run (request rate) to read (default: the run with "
+                             "the highest output throughput)")
     parser.add_argument("--dtype", default=ModelConfig.dtype, help="weight dtype: auto, bfloat16, float16, float32")
     parser.add_argument("--kv-cache-dtype", default=CacheConfig.kv_cache_dtype,
                         help="auto (the weight dtype), fp8, or a float dtype")
@@ -309,6 +328,11 @@ def main(argv: list[str] | None = None) -> int:
     """Print the plan; exit status 1 when not even one max_model_len sequence fits, 2 on bad arguments."""
     parser = build_parser()
     ns = parser.parse_args(argv)
+    if ns.from_bench is not None:
+        return _main_from_bench(parser, ns)
+    for flag in ("model", "memory", "max_model_len"):
+        if getattr(ns, flag) is None:
+            parser.error(f"--{flag.replace('_', '-')} is required (or --from-bench RESULTS_JSON)")
     try:
         memory = parse_size(ns.memory, "--memory")
     except ValueError as e:
@@ -335,6 +359,39 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(msg)
     print(format_plan(p))
     return 0 if p.fits else 1
+
+
+def _number_flag(parser: argparse.ArgumentParser, flag: str, text: str | None) -> float | None:
+    if text is None:
+        return None
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not math.isfinite(value):
+        parser.error(f"{flag}={text!r}: must be a number")
+    return value
+
+
+def _main_from_bench(parser: argparse.ArgumentParser, ns: argparse.Namespace) -> int:
+    from engine.capacity import DEFAULT_HEADROOM, capacity_plan, format_capacity, read_measurement
+
+    given = [f"--{f.replace('_', '-')}" for f in ("model", "memory", "max_model_len") if getattr(ns, f) is not None]
+    if given:
+        parser.error(f"{', '.join(given)}: not used with --from-bench (the benchmark measured its own setup)")
+    target = _number_flag(parser, "--target-rps", ns.target_rps)
+    headroom = _number_flag(parser, "--headroom", ns.headroom)
+    headroom = DEFAULT_HEADROOM if headroom is None else headroom
+    if target is not None and target <= 0:
+        parser.error(f"--target-rps={ns.target_rps!r}: must be > 0")
+    if not 0.0 <= headroom < 1.0:
+        parser.error(f"--headroom={ns.headroom!r}: must be in [0, 1), e.g. 0.3 for 30%")
+    try:
+        m = read_measurement(ns.from_bench, _number_flag(parser, "--bench-rate", ns.bench_rate))
+    except ValueError as e:
+        parser.error(f"--from-bench {e}")
+    print(format_capacity(capacity_plan(m, target, headroom)))
+    return 0
 
 
 if __name__ == "__main__":

@@ -21,19 +21,24 @@ from kernels.rotary import (rotary_embedding_ref, rotary_embedding_triton, rotar
 
 
 def paged_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, max_query_len, max_seq_len,
-                    scale, k_scale=1.0, v_scale=1.0, *, k=None, v=None):
+                    scale, k_scale=1.0, v_scale=1.0, *, k=None, v=None, k_scale_cache=None, v_scale_cache=None):
     """k/v (optional): this step's keys and values as just written to the cache; the CUDA kernel may read the
-    step's own keys from them (the torch paths read the cache)."""
+    step's own keys from them (the torch paths read the cache). k_scale_cache/v_scale_cache: an int8 cache's
+    scales per slot and KV head ([num_blocks, block_size, num_kv_heads] float32)."""
     if q.is_cuda:
         return paged_attention_triton(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, max_query_len,
-                                      max_seq_len, scale, k_scale, v_scale, k=k, v=v)
+                                      max_seq_len, scale, k_scale, v_scale, k=k, v=v, k_scale_cache=k_scale_cache,
+                                      v_scale_cache=v_scale_cache)
     return paged_attention_torch(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, max_query_len,
-                                 max_seq_len, scale, k_scale, v_scale)
+                                 max_seq_len, scale, k_scale, v_scale, k_scale_cache=k_scale_cache,
+                                 v_scale_cache=v_scale_cache)
 
 
-def write_kv(k, v, k_cache, v_cache, slot_mapping, k_scale=1.0, v_scale=1.0) -> None:
+def write_kv(k, v, k_cache, v_cache, slot_mapping, k_scale=1.0, v_scale=1.0, *, k_scale_cache=None,
+             v_scale_cache=None) -> None:
     fn = write_kv_triton if k.is_cuda else write_kv_ref
-    fn(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale)
+    fn(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale, k_scale_cache=k_scale_cache,
+       v_scale_cache=v_scale_cache)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -49,10 +54,12 @@ def rotary_embedding(positions, q, k, cos_sin_cache):
 
 
 def rotary_embedding_write_kv(positions, q, k, v, cos_sin_cache, k_cache, v_cache, slot_mapping, k_scale=1.0,
-                              v_scale=1.0):
-    """rotary_embedding, then write_kv of the rotated k and v (one launch on CUDA); returns the rotated (q, k)."""
+                              v_scale=1.0, *, k_scale_cache=None, v_scale_cache=None):
+    """rotary_embedding, then write_kv of the rotated k and v (one launch on CUDA, but for an int8 cache); returns
+    the rotated (q, k)."""
     fn = rotary_embedding_write_kv_triton if q.is_cuda else rotary_embedding_write_kv_ref
-    return fn(positions, q, k, v, cos_sin_cache, k_cache, v_cache, slot_mapping, k_scale, v_scale)
+    return fn(positions, q, k, v, cos_sin_cache, k_cache, v_cache, slot_mapping, k_scale, v_scale,
+              k_scale_cache=k_scale_cache, v_scale_cache=v_scale_cache)
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:

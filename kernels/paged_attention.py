@@ -13,7 +13,9 @@ The Triton kernel (one launch for a mixed batch, as vLLM's unified Triton attent
   - split context (flash decoding): with NUM_SEGMENTS > 1 each program covers one slice of the keys and writes an
     unnormalized partial output with its running max and sum; _reduce_segments_kernel combines them.
 fp8 caches are converted to the query dtype on load; k_scale is folded into the softmax scale and v_scale into the
-output.
+output. An int8 cache (k_scale_cache / v_scale_cache: a float32 scale per slot and KV head, kernels/quant_int8.py)
+is converted exactly to the query dtype on load; each key's scale multiplies its column of raw scores, each
+value's scale its column of probabilities before P @ V, so dequantization costs one multiply per score.
 """
 from __future__ import annotations
 
@@ -27,6 +29,8 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 from kernels._checks import (FLOAT_DTYPES, FP8_DTYPE, check_out, check_same_device, check_tensor, interpreting,
                              sm_count)
+from kernels.kv_write import INT8_DTYPE, check_int8_scales
+from kernels.quant_int8 import dequantize_int8_rows_ref
 
 
 def gather_kv_ref(
@@ -35,6 +39,7 @@ def gather_kv_ref(
     max_seq_len: int,
     scale: float = 1.0,
     dtype: torch.dtype | None = None,
+    scale_cache: torch.Tensor | None = None,  # [num_blocks, block_size, num_kv_heads] float32 (int8 cache)
 ) -> torch.Tensor:  # [num_seqs, max_seq_len, num_kv_heads, head_dim]
     """Reads each sequence's first max_seq_len cached tokens through its block table (dequantized)."""
     num_seqs = block_tables.shape[0]
@@ -43,6 +48,9 @@ def gather_kv_ref(
     ids = block_tables[:, :num_blocks_needed].long()
     out = cache[ids]  # [num_seqs, nb, block_size, Hkv, D]
     out = out.reshape(num_seqs, num_blocks_needed * block_size, *cache.shape[2:])[:, :max_seq_len]
+    if scale_cache is not None:  # stale slots' scales may be anything, NaN too: the callers clear those slots
+        scales = scale_cache[ids].reshape(num_seqs, num_blocks_needed * block_size, -1)[:, :max_seq_len]
+        out = dequantize_int8_rows_ref(out, scales, dtype or torch.float32)
     if dtype is not None:
         out = out.to(dtype)
     if scale != 1.0:
@@ -83,14 +91,18 @@ def paged_attention_ref(
     scale: float,
     k_scale: float = 1.0,
     v_scale: float = 1.0,
+    *,
+    k_scale_cache: torch.Tensor | None = None,  # [num_blocks, block_size, num_kv_heads] float32 (int8 cache)
+    v_scale_cache: torch.Tensor | None = None,
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
     """Plain-torch reference: pads the batch to [num_seqs, max_query_len] and masks, in float32."""
     num_heads = q.shape[1]
     group = num_heads // k_cache.shape[2]
     device = q.device
+    check_int8_scales(k_cache, v_cache, k_scale_cache, v_scale_cache)
 
-    k = gather_kv_ref(k_cache, block_tables, max_seq_len, k_scale, torch.float32)  # [S, L, Hkv, D]
-    v = gather_kv_ref(v_cache, block_tables, max_seq_len, v_scale, torch.float32)
+    k = gather_kv_ref(k_cache, block_tables, max_seq_len, k_scale, torch.float32, k_scale_cache)  # [S, L, Hkv, D]
+    v = gather_kv_ref(v_cache, block_tables, max_seq_len, v_scale, torch.float32, v_scale_cache)
     # Slots past seq_len (the tail of the last block, padding block 0) hold stale bytes, NaN among them in an fp8
     # cache: a zero probability times NaN is NaN, so they must not reach the matmuls.
     stale = torch.arange(max_seq_len, device=device)[None, :] >= seq_lens.long()[:, None]  # [S, L]
@@ -123,12 +135,17 @@ def paged_attention_torch(
     scale: float,
     k_scale: float = 1.0,
     v_scale: float = 1.0,
+    *,
+    k_scale_cache: torch.Tensor | None = None,  # [num_blocks, block_size, num_kv_heads] float32 (int8 cache)
+    v_scale_cache: torch.Tensor | None = None,
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
     """The CPU engine's path: the reference's padding, with torch's SDPA doing grouped-query attention (no K/V
-    copy per query head, no float32 copy of 16-bit inputs). Slots past seq_len are masked and cleared."""
+    copy per query head, no float32 copy of 16-bit inputs). Slots past seq_len are masked and cleared. An int8
+    cache is dequantized into the gathered copies (in float32, then rounded to q's dtype)."""
     num_tokens, num_seqs, device = q.shape[0], seq_lens.shape[0], q.device
-    k = gather_kv_ref(k_cache, block_tables, max_seq_len, k_scale, q.dtype).transpose(1, 2)  # [S, Hkv, L, D]
-    v = gather_kv_ref(v_cache, block_tables, max_seq_len, v_scale, q.dtype).transpose(1, 2)
+    k = gather_kv_ref(k_cache, block_tables, max_seq_len, k_scale, q.dtype,
+                      k_scale_cache).transpose(1, 2)  # [S, Hkv, L, D]
+    v = gather_kv_ref(v_cache, block_tables, max_seq_len, v_scale, q.dtype, v_scale_cache).transpose(1, 2)
     k_pos = torch.arange(max_seq_len, device=device)
     # Slots past seq_len may hold anything (NaN too), and a masked weight of 0 times NaN is NaN: clear them in the
     # gathered copies (advanced indexing copied them, so this never touches the cache).
@@ -173,6 +190,8 @@ def _attend_tiles(
     bt_row_ptr,  # SOURCE 0: this sequence's block-table row
     kc_ptr, vc_ptr,  # SOURCE 0: k/v cache already offset to this KV head
     stride_kc_b, stride_kc_s, stride_vc_b, stride_vc_s,
+    ks_ptr, vs_ptr,  # SOURCE 0, INT8: the slots' k/v scales, offset to this KV head
+    stride_ks_b, stride_ks_s, stride_vs_b, stride_vs_s,
     kn_ptr, vn_ptr,  # SOURCE 1: the step's new k/v, offset to this sequence's first query row and this KV head
     stride_kn_t, stride_vn_t,
     k_desc, v_desc,  # SOURCE 2: TMA descriptors over the step's new k/v as [num_tokens, num_kv_heads * head_dim]
@@ -184,6 +203,7 @@ def _attend_tiles(
     SOURCE: tl.constexpr,  # 0: the paged cache through the block table; 1: new k/v by pointers; 2: by TMA
     MASK: tl.constexpr,  # 0: every row sees every key; 1: causal (key <= q_pos); 2: keys < kv_end only
     DOT_FP32: tl.constexpr, PRECISION: tl.constexpr,
+    INT8: tl.constexpr,  # SOURCE 0 is an int8 cache: the scores times each key's scale, P times each value's
 ):
     """Keys past kv_end are never loaded (K and V read as 0; the stale tail of a cache block may hold NaN). With a
     causal mask a valid row sees only keys < kv_end anyway, so the score mask needs no kv_end test (it cost
@@ -220,13 +240,26 @@ def _attend_tiles(
         else:
             k = tl.load(k_ptrs)
             v = tl.load(v_ptrs)
-        k = k.to(q.dtype)  # fp8 -> query dtype is exact
+        k = k.to(q.dtype)  # fp8 (or int8, |x| <= 127) -> query dtype is exact
         v = v.to(q.dtype)
 
         s = tl.dot(q, k, input_precision=PRECISION)  # [BLOCK_M, TILE_N] raw scores
+        if INT8:  # masked keys' scales read as 0: a stale slot's scale may be NaN
+            ks_ptrs = ks_ptr + blk * stride_ks_b + off * stride_ks_s  # [TILE_N]
+            vs_ptrs = vs_ptr + blk * stride_vs_b + off * stride_vs_s
+            if MASKED:
+                k_row_scale = tl.load(ks_ptrs, mask=key_ok, other=0.0)
+                v_row_scale = tl.load(vs_ptrs, mask=key_ok, other=0.0)
+            else:
+                k_row_scale = tl.load(ks_ptrs)
+                v_row_scale = tl.load(vs_ptrs)
+            s = s * k_row_scale[None, :]
         p, alpha, l_i, m_i = _online_softmax(s, l_i, m_i, q_pos, keys, key_ok, qk_scale, MASK)
         acc = acc * alpha[:, None]
-        acc = tl.dot(p.to(v.dtype), v, acc, input_precision=PRECISION)
+        if INT8:
+            acc = tl.dot((p * v_row_scale[None, :]).to(v.dtype), v, acc, input_precision=PRECISION)
+        else:
+            acc = tl.dot(p.to(v.dtype), v, acc, input_precision=PRECISION)
     return acc, l_i, m_i
 
 
@@ -371,6 +404,8 @@ def _paged_attention_kernel(
     v_desc,
     k_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim]
     v_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    k_scale_cache_ptr,  # [num_blocks, block_size, num_kv_heads] float32 (INT8)
+    v_scale_cache_ptr,  # [num_blocks, block_size, num_kv_heads] float32 (INT8)
     block_tables_ptr,  # [num_seqs, max_blocks]
     seq_lens_ptr,  # [num_seqs]
     qsl_ptr,  # [num_seqs + 1]
@@ -382,6 +417,8 @@ def _paged_attention_kernel(
     stride_o_t, stride_o_h,
     stride_kc_b, stride_kc_s, stride_kc_h,
     stride_vc_b, stride_vc_s, stride_vc_h,
+    stride_ks_b, stride_ks_s, stride_ks_h,
+    stride_vs_b, stride_vs_s, stride_vs_h,
     stride_bt,
     stride_kn_t, stride_kn_h, stride_vn_t, stride_vn_h,
     QUERIES_PER_KV: tl.constexpr,
@@ -399,6 +436,7 @@ def _paged_attention_kernel(
     OPAQUE_ZERO: tl.constexpr,  # False under the interpreter (no inline PTX there)
     FP8X4: tl.constexpr,  # fp8 cache read as int32 words of four values (k/v_cache_ptr, strides in words): 0 no,
     #                       1 unpacked by shifts and casts, 2 by cvt.rn.f16x2.e4m3x2 (fp16 dots on a GPU)
+    INT8: tl.constexpr,  # an int8 cache with a scale per slot and KV head
 ):
     # Last query blocks first: under the causal mask they see the most keys, so the cheap ones fill the tail.
     q_block = tl.num_programs(0) - 1 - tl.program_id(0)
@@ -429,6 +467,8 @@ def _paged_attention_kernel(
     bt_row_ptr = block_tables_ptr + seq.to(tl.int64) * stride_bt
     kc_ptr = k_cache_ptr + kv_head * stride_kc_h
     vc_ptr = v_cache_ptr + kv_head * stride_vc_h
+    ks_ptr = k_scale_cache_ptr + kv_head * stride_ks_h
+    vs_ptr = v_scale_cache_ptr + kv_head * stride_vs_h
     # Keys this tile needs: up to its last query's position.
     kv_end = context_len + tl.minimum((q_block_local + 1) * BLOCK_Q, q_len)
     if NEW_KV == 0:
@@ -464,14 +504,16 @@ def _paged_attention_kernel(
         q = _load_q(q_base, q_rows, row_ok, d, HEAD_DIM, DOT_FP32, FP8_VIA_FP16)
         acc, l_i, m_i = _attend_tiles(
             acc, l_i, m_i, q, q_pos, bt_row_ptr, kc_ptr, vc_ptr, stride_kc_b, stride_kc_s, stride_vc_b, stride_vc_s,
+            ks_ptr, vs_ptr, stride_ks_b, stride_ks_s, stride_vs_b, stride_vs_s,
             k_new_ptr, v_new_ptr, stride_kn_t, stride_vn_t, k_desc, v_desc, 0, 0,
             qk_scale, kv_end, tile_lo, tl.minimum(tile_hi, full_tiles),
-            HEAD_DIM, HEAD_DIM_PAD, BLOCK_SIZE, TILE_N, 0, 0, DOT_FP32, PRECISION)
+            HEAD_DIM, HEAD_DIM_PAD, BLOCK_SIZE, TILE_N, 0, 0, DOT_FP32, PRECISION, INT8)
         acc, l_i, m_i = _attend_tiles(
             acc, l_i, m_i, q, q_pos, bt_row_ptr, kc_ptr, vc_ptr, stride_kc_b, stride_kc_s, stride_vc_b, stride_vc_s,
+            ks_ptr, vs_ptr, stride_ks_b, stride_ks_s, stride_vs_b, stride_vs_s,
             k_new_ptr, v_new_ptr, stride_kn_t, stride_vn_t, k_desc, v_desc, 0, 0,
             qk_scale, kv_end, tl.maximum(tile_lo, full_tiles), tile_hi,
-            HEAD_DIM, HEAD_DIM_PAD, BLOCK_SIZE, TILE_N, 0, 1, DOT_FP32, PRECISION)
+            HEAD_DIM, HEAD_DIM_PAD, BLOCK_SIZE, TILE_N, 0, 1, DOT_FP32, PRECISION, INT8)
     else:
         q = _load_q(q_base, q_rows, row_ok, d, HEAD_DIM, DOT_FP32, FP8_VIA_FP16)
         # The cached prefix [0, context_len) from the cache: every row sees all of it (only its last, partial tile
@@ -482,14 +524,16 @@ def _paged_attention_kernel(
         ctx_full = context_len // TILE_N
         acc, l_i, m_i = _attend_tiles(
             acc, l_i, m_i, q, q_pos, bt_row_ptr, kc_ptr, vc_ptr, stride_kc_b, stride_kc_s, stride_vc_b, stride_vc_s,
+            ks_ptr, vs_ptr, stride_ks_b, stride_ks_s, stride_vs_b, stride_vs_s,
             k_new_ptr, v_new_ptr, stride_kn_t, stride_vn_t, k_desc, v_desc, 0, 0,
             qk_scale, context_len, 0, ctx_full,
-            HEAD_DIM, HEAD_DIM_PAD, BLOCK_SIZE, TILE_N, 0, 0, DOT_FP32, PRECISION)
+            HEAD_DIM, HEAD_DIM_PAD, BLOCK_SIZE, TILE_N, 0, 0, DOT_FP32, PRECISION, INT8)
         acc, l_i, m_i = _attend_tiles(
             acc, l_i, m_i, q, q_pos, bt_row_ptr, kc_ptr, vc_ptr, stride_kc_b, stride_kc_s, stride_vc_b, stride_vc_s,
+            ks_ptr, vs_ptr, stride_ks_b, stride_ks_s, stride_vs_b, stride_vs_s,
             k_new_ptr, v_new_ptr, stride_kn_t, stride_vn_t, k_desc, v_desc, 0, 0,
             qk_scale, context_len, ctx_full, tl.cdiv(context_len, TILE_N),
-            HEAD_DIM, HEAD_DIM_PAD, BLOCK_SIZE, TILE_N, 0, 2, DOT_FP32, PRECISION)
+            HEAD_DIM, HEAD_DIM_PAD, BLOCK_SIZE, TILE_N, 0, 2, DOT_FP32, PRECISION, INT8)
         kn_ptr = k_new_ptr + q_start.to(tl.int64) * stride_kn_t + kv_head * stride_kn_h
         vn_ptr = v_new_ptr + q_start.to(tl.int64) * stride_vn_t + kv_head * stride_vn_h
         # Counted inside the chunk: key j of the new ones is visible to the query q_local >= j.
@@ -497,14 +541,16 @@ def _paged_attention_kernel(
         new_full = (q_first + 1) // TILE_N
         acc, l_i, m_i = _attend_tiles(
             acc, l_i, m_i, q, q_local, bt_row_ptr, kc_ptr, vc_ptr, stride_kc_b, stride_kc_s, stride_vc_b, stride_vc_s,
+            ks_ptr, vs_ptr, stride_ks_b, stride_ks_s, stride_vs_b, stride_vs_s,
             kn_ptr, vn_ptr, stride_kn_t, stride_vn_t, k_desc, v_desc, q_start, kv_head * HEAD_DIM,
             qk_scale, new_end, 0, new_full,
-            HEAD_DIM, HEAD_DIM_PAD, BLOCK_SIZE, TILE_N, NEW_KV, 0, DOT_FP32, PRECISION)
+            HEAD_DIM, HEAD_DIM_PAD, BLOCK_SIZE, TILE_N, NEW_KV, 0, DOT_FP32, PRECISION, INT8)
         acc, l_i, m_i = _attend_tiles(
             acc, l_i, m_i, q, q_local, bt_row_ptr, kc_ptr, vc_ptr, stride_kc_b, stride_kc_s, stride_vc_b, stride_vc_s,
+            ks_ptr, vs_ptr, stride_ks_b, stride_ks_s, stride_vs_b, stride_vs_s,
             kn_ptr, vn_ptr, stride_kn_t, stride_vn_t, k_desc, v_desc, q_start, kv_head * HEAD_DIM,
             qk_scale, new_end, new_full, tl.cdiv(new_end, TILE_N),
-            HEAD_DIM, HEAD_DIM_PAD, BLOCK_SIZE, TILE_N, NEW_KV, 1, DOT_FP32, PRECISION)
+            HEAD_DIM, HEAD_DIM_PAD, BLOCK_SIZE, TILE_N, NEW_KV, 1, DOT_FP32, PRECISION, INT8)
 
     # The rows' addresses again, from a zero the compiler cannot see through: computed before the loops, they were
     # kept live through them (registers, and spills in the largest tiles: bench/RESULTS.md).
@@ -686,6 +732,8 @@ def paged_attention_triton(
     config: dict[str, int] | None = None,  # overrides default_config's entries (tests and bench/kernels.py)
     k: torch.Tensor | None = None,  # [num_tokens, num_kv_heads, head_dim] this step's keys, as written to the cache
     v: torch.Tensor | None = None,  # [num_tokens, num_kv_heads, head_dim] this step's values
+    k_scale_cache: torch.Tensor | None = None,  # [num_blocks, block_size, num_kv_heads] float32 (int8 cache)
+    v_scale_cache: torch.Tensor | None = None,
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
     """The device values (seq_lens, query_start_loc, block_tables) are trusted, not checked (that needs a host
     sync); max_query_len and max_seq_len only steer the launch configuration.
@@ -695,9 +743,11 @@ def paged_attention_triton(
     no block-table lookups) instead of from the cache; the result is the same."""
     check_tensor("q", q, ndim=3, dtypes=FLOAT_DTYPES)
     num_tokens, num_heads, head_dim = q.shape
-    check_tensor("k_cache", k_cache, ndim=4, dtypes=(q.dtype, FP8_DTYPE), shape=(None, None, None, head_dim))
+    check_tensor("k_cache", k_cache, ndim=4, dtypes=(q.dtype, FP8_DTYPE, INT8_DTYPE),
+                 shape=(None, None, None, head_dim))
     num_blocks, block_size, num_kv_heads, _ = k_cache.shape
     check_tensor("v_cache", v_cache, ndim=4, dtypes=(k_cache.dtype,), shape=tuple(k_cache.shape))
+    int8 = check_int8_scales(k_cache, v_cache, k_scale_cache, v_scale_cache)
     check_tensor("block_tables", block_tables, ndim=2, dtypes=(torch.int32, torch.int64))
     num_seqs = block_tables.shape[0]
     check_tensor("seq_lens", seq_lens, ndim=1, dtypes=(torch.int32, torch.int64), shape=(num_seqs,))
@@ -773,23 +823,26 @@ def paged_attention_triton(
             kc, vc = k_words, v_words
             # 2 (the PTX conversion) needs fp16 dot operands and a compiler (not the interpreter)
             fp8x4 = 2 if cfg["fp8x4"] == 2 and not dot_fp32 and (fp8_via_fp16 or q.dtype == torch.float16) else 1
+    ks, vs = (k_scale_cache, v_scale_cache) if int8 else (kc[:, :, :, 0], vc[:, :, :, 0])  # unused without int8
     grid = (num_tokens // block_q + num_seqs, num_kv_heads, num_segments)
     maxnreg = {} if interpreting() or not cfg["maxnreg"] else {"maxnreg": cfg["maxnreg"]}
     LAST_LAUNCH["kernel"] = _paged_attention_kernel[grid](
         out, seg_out, seg_max, seg_sum,
-        q, k, v, k_desc, v_desc, kc, vc, block_tables, seq_lens, query_start_loc,
+        q, k, v, k_desc, v_desc, kc, vc, ks, vs, block_tables, seq_lens, query_start_loc,
         float(scale) * float(k_scale) * math.log2(math.e), float(v_scale),
         num_seqs, num_heads,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         kc.stride(0), kc.stride(1), kc.stride(2),
         vc.stride(0), vc.stride(1), vc.stride(2),
+        ks.stride(0), ks.stride(1), ks.stride(2),
+        vs.stride(0), vs.stride(1), vs.stride(2),
         block_tables.stride(0),
         k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         QUERIES_PER_KV=queries_per_kv, HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad, BLOCK_SIZE=block_size,
         BLOCK_M=block_m, BLOCK_Q=block_q, TILE_N=tile_n, NUM_SEGMENTS=num_segments,
         DOT_FP32=dot_fp32, PRECISION="ieee" if dot_fp32 else "tf32",
         FP8_VIA_FP16=fp8_via_fp16,
-        NEW_KV=new_kv, OPAQUE_ZERO=not interpreting(), FP8X4=fp8x4, num_warps=cfg["num_warps"],
+        NEW_KV=new_kv, OPAQUE_ZERO=not interpreting(), FP8X4=fp8x4, INT8=int8, num_warps=cfg["num_warps"],
         num_stages=cfg["num_stages"], **maxnreg,
     )
     if num_segments > 1:

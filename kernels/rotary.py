@@ -12,7 +12,7 @@ import triton
 import triton.language as tl
 
 from kernels._checks import FLOAT_DTYPES, FP8_DTYPE, check_out, check_same_device, check_tensor, interpreting
-from kernels.kv_write import _to_cache, write_kv_ref
+from kernels.kv_write import _to_cache, write_kv_ref, write_kv_triton
 
 
 def rotary_embedding_ref(
@@ -155,10 +155,14 @@ def rotary_embedding_write_kv_ref(
     slot_mapping: torch.Tensor,  # [num_tokens]; -1 skips the token's KV write
     k_scale: float = 1.0,
     v_scale: float = 1.0,
+    *,
+    k_scale_cache: torch.Tensor | None = None,  # [num_blocks, block_size, num_kv_heads] float32 (int8 cache)
+    v_scale_cache: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """rotary_embedding_ref, then write_kv_ref of the rotated k and v; returns the rotated (q, k)."""
     q_rot, k_rot = rotary_embedding_ref(positions, q, k, cos_sin_cache)
-    write_kv_ref(k_rot, v, k_cache, v_cache, slot_mapping, k_scale, v_scale)
+    write_kv_ref(k_rot, v, k_cache, v_cache, slot_mapping, k_scale, v_scale, k_scale_cache=k_scale_cache,
+                 v_scale_cache=v_scale_cache)
     return q_rot, k_rot
 
 
@@ -235,10 +239,20 @@ def rotary_embedding_write_kv_triton(
     *,
     q_out: torch.Tensor | None = None,
     k_out: torch.Tensor | None = None,
+    k_scale_cache: torch.Tensor | None = None,  # [num_blocks, block_size, num_kv_heads] float32 (int8 cache)
+    v_scale_cache: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """rotary_embedding_triton + write_kv_triton in one launch: returns the rotated (q, k) (new tensors unless
     q_out / k_out are given; q_out=q, k_out=k rotates in place) and writes rotated k and v to their slots.
-    Positions and slots are not range-checked on the device (a host sync), as in the two kernels."""
+    Positions and slots are not range-checked on the device (a host sync), as in the two kernels.
+
+    An int8 cache takes the two launches: its write reduces each row to its scale first, which the fused kernel's
+    half-row layout does not do (not measured as a cost; docs/kernels.md)."""
+    if k_cache.dtype == torch.int8 or k_scale_cache is not None:
+        q_out, k_out = rotary_embedding_triton(positions, q, k, cos_sin_cache, q_out=q_out, k_out=k_out)
+        write_kv_triton(k_out, v, k_cache, v_cache, slot_mapping, k_scale, v_scale, k_scale_cache=k_scale_cache,
+                        v_scale_cache=v_scale_cache)
+        return q_out, k_out
     check_tensor("positions", positions, ndim=1, dtypes=(torch.int32, torch.int64), last_dim_contiguous=False)
     check_tensor("q", q, ndim=3, dtypes=FLOAT_DTYPES)
     num_tokens, num_heads, head_dim = q.shape

@@ -13,6 +13,10 @@ from protos.tandem.v1 import kv_transfer_pb2
 from serving.errors import shown
 
 LAYOUT_NAME = "block_layer_kv_token_head_dim"
+# An int8 cache's rows carry their float32 scale after their head_dim values (kernels/quant_int8.py): a block's
+# bytes are its values and its scales, and both sides must agree on that as on the rest.
+LAYOUT_NAME_INT8 = "block_layer_kv_token_head_dim_scale"
+INT8_ROW_PAD = 4  # bytes of the scale after each int8 row (kernels/quant_int8.INT8_ROW_PAD)
 
 
 # glibc's malloc for the transfer path's large short-lived buffers (each message's bytes, several copies per side:
@@ -42,18 +46,22 @@ def retain_freed_memory() -> bool:
 
 
 def layout_of(kv_cache: torch.Tensor) -> kv_transfer_pb2.KvLayout:
-    """The layout of an engine's kv_cache [num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim]."""
-    _, num_layers, two, block_size, num_kv_heads, head_dim = kv_cache.shape
+    """The layout of an engine's kv_cache [num_blocks, num_layers, 2, block_size, num_kv_heads, row]: row = head_dim
+    values, or for an int8 cache head_dim values then the row's float32 scale."""
+    _, num_layers, two, block_size, num_kv_heads, row = kv_cache.shape
     assert two == 2, kv_cache.shape
-    block_bytes = num_layers * 2 * block_size * num_kv_heads * head_dim * kv_cache.element_size()
-    return kv_transfer_pb2.KvLayout(dtype=str(kv_cache.dtype).removeprefix("torch."), layout=LAYOUT_NAME,
-                                    block_size=block_size, num_layers=num_layers, num_kv_heads=num_kv_heads,
-                                    head_dim=head_dim, block_bytes=block_bytes)
+    int8 = kv_cache.dtype == torch.int8
+    block_bytes = num_layers * 2 * block_size * num_kv_heads * row * kv_cache.element_size()
+    return kv_transfer_pb2.KvLayout(dtype=str(kv_cache.dtype).removeprefix("torch."),
+                                    layout=LAYOUT_NAME_INT8 if int8 else LAYOUT_NAME, block_size=block_size,
+                                    num_layers=num_layers, num_kv_heads=num_kv_heads,
+                                    head_dim=row - INT8_ROW_PAD if int8 else row, block_bytes=block_bytes)
 
 
 def layout_mismatch(mine: kv_transfer_pb2.KvLayout, theirs: kv_transfer_pb2.KvLayout) -> str | None:
-    """None when the layouts agree, else a message naming the first field that differs."""
-    for f in ("layout", "dtype", "block_size", "num_layers", "num_kv_heads", "head_dim", "block_bytes"):
+    """None when the layouts agree, else a message naming the first field that differs (the dtype first: caches of
+    two dtypes also differ in layout name and block bytes, and the dtype is what the operator set)."""
+    for f in ("dtype", "layout", "block_size", "num_layers", "num_kv_heads", "head_dim", "block_bytes"):
         a, b = getattr(theirs, f), getattr(mine, f)
         if a != b:
             return f"layout.{f}={shown(a)}: this decode instance's KV cache has {f}={b!r}"

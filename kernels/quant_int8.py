@@ -1,0 +1,63 @@
+"""Symmetric int8 quantization of K/V rows for the int8 KV cache: x[..., :] = x_q[..., :] * scale[...].
+
+One row is one token's key (or value) for one KV head, head_dim values: scale = max(amax(|x|) * float32(1 / 127),
+MIN_SCALE) in float32 (a product, not a quotient: torch on CUDA divides by a scalar as a product with its
+reciprocal), x_q = x / scale rounded half away from zero, in [-127, 127] (-128 is never stored, so the range is
+symmetric). The scale is computed from the row itself when it is written (dynamic, no calibration), and stored
+beside the row in the cache (kernels/kv_write.py writes, kernels/paged_attention.py reads; docs/kernels.md says why
+per token and head rather than one static scale per head).
+
+The engine's int8 cache rows are INT8_ROW_PAD bytes longer than head_dim: head_dim int8 values, then the row's
+float32 scale (engine/model_runner.py carves the two views out of one tensor, so every block's bytes, scales
+included, move together through prefix caching and every KV transfer path).
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+INT8_MAX = 127.0
+INV_INT8_MAX = 1.0 / INT8_MAX
+# A row of zeros gets this scale instead of 0 (x / 0 would be NaN); any row with amax below 127 * MIN_SCALE keeps
+# |x_q| < 127, so nothing overflows.
+MIN_SCALE = 1e-12
+INT8_ROW_PAD = 4  # bytes after each cache row's head_dim values: its float32 scale
+_INT8_MAX = tl.constexpr(INT8_MAX)
+_INV_INT8_MAX = tl.constexpr(INV_INT8_MAX)
+_MIN_SCALE = tl.constexpr(MIN_SCALE)
+
+
+def quantize_int8_rows_ref(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [..., head_dim] float -> (x_q [..., head_dim] int8, scale [...] float32), the rule above."""
+    xf = x.to(torch.float32)
+    scale = (xf.abs().amax(dim=-1) * torch.tensor(INV_INT8_MAX, dtype=torch.float32)).clamp(min=MIN_SCALE)
+    y = xf / scale[..., None]
+    y = torch.sign(y) * torch.floor(y.abs() + 0.5)
+    return y.clamp(-INT8_MAX, INT8_MAX).to(torch.int8), scale
+
+
+def dequantize_int8_rows_ref(x_q: torch.Tensor, scale: torch.Tensor,
+                             dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """x_q [..., head_dim] int8, scale [...] -> x_q * scale in dtype (computed in float32)."""
+    return (x_q.to(torch.float32) * scale.to(torch.float32)[..., None]).to(dtype)
+
+
+@triton.jit
+def _quantize_int8_rows(x):
+    """x [ROWS, COLS] (padding columns 0) -> (x_q [ROWS, COLS] float32 holding integers in [-127, 127], scale
+    [ROWS] float32): quantize_int8_rows_ref's rule, bit for bit (IEEE division, exact rounding)."""
+    x = x.to(tl.float32)
+    scale = tl.maximum(tl.max(tl.abs(x), axis=1) * _INV_INT8_MAX, _MIN_SCALE)
+    y = tl.div_rn(x, scale[:, None])
+    r = tl.minimum(tl.floor(tl.abs(y) + 0.5), _INT8_MAX)
+    return tl.where(y < 0, -r, r), scale
+
+
+def int8_cache_views(cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """An int8 cache tensor [..., head_dim + INT8_ROW_PAD] (last dim contiguous) as its two views: the values
+    [..., head_dim] int8 and the scales [...] float32 (the 4 bytes after each row's values)."""
+    assert cache.dtype == torch.int8 and cache.stride(-1) == 1, (cache.dtype, cache.stride())
+    head_dim = cache.shape[-1] - INT8_ROW_PAD
+    assert head_dim > 0 and head_dim % 4 == 0, f"head_dim={head_dim}: an int8 cache needs a multiple of 4"
+    return cache[..., :head_dim], cache.view(torch.float32)[..., head_dim // 4]

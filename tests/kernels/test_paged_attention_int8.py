@@ -1,0 +1,114 @@
+"""kernels/paged_attention.py over an int8 cache (a float32 scale per slot and KV head): the Triton kernel against
+paged_attention_ref, and the CPU engine's paged_attention_torch against the same reference; prefill chunks and
+decodes in one launch, split-context decodes, stale slots holding NaN scales. On the CPU under TRITON_INTERPRET=1."""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from kernels.paged_attention import paged_attention_ref, paged_attention_torch, paged_attention_triton
+from kernels.quant_int8 import INT8_ROW_PAD, dequantize_int8_rows_ref, int8_cache_views, quantize_int8_rows_ref
+
+ON_CUDA = torch.cuda.is_available()
+DEVICE = "cuda" if ON_CUDA else "cpu"
+TOL = {torch.float32: 2e-5, torch.float16: 3e-3, torch.bfloat16: 2e-2}
+
+
+def int8_batch(specs, num_heads, num_kv_heads, head_dim, block_size, dtype, *, seed, num_layers=2, layer=1):
+    """specs: [(q_len, seq_len)]. The kernel's arguments over the layer views of one engine-layout int8 cache
+    [num_blocks, num_layers, 2, block_size, Hkv, head_dim + 4], filled through quantize_int8_rows_ref; slots past
+    a sequence's length and unowned blocks hold random bytes and NaN scales."""
+    gen = torch.Generator().manual_seed(seed)
+    nblk = [math.ceil(sl / block_size) for _, sl in specs]
+    num_blocks = sum(nblk) + 3
+    kv = torch.randint(-128, 128, (num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim + INT8_ROW_PAD),
+                       generator=gen, dtype=torch.int8)
+    data, scales = int8_cache_views(kv)
+    scales.fill_(float("nan"))
+    perm = torch.randperm(num_blocks, generator=gen)
+    block_tables = torch.zeros(len(specs), max(nblk) + 2, dtype=torch.int32)
+    used = 0
+    for i, ((_, sl), n) in enumerate(zip(specs, nblk)):
+        ids = perm[used:used + n]
+        used += n
+        block_tables[i, :n] = ids
+        x = torch.randn(n * block_size, 2, num_kv_heads, head_dim, generator=gen)
+        x *= torch.rand(n * block_size, 2, num_kv_heads, 1, generator=gen) * 4  # rows of different ranges
+        x_q, s = quantize_int8_rows_ref(x[:sl])
+        for t in range(sl):
+            b, o = ids[t // block_size], t % block_size
+            data[b, layer, :, o] = x_q[t]
+            scales[b, layer, :, o] = s[t]
+    kv = kv.to(DEVICE)
+    (kc, ks), (vc, vs) = int8_cache_views(kv[:, layer, 0]), int8_cache_views(kv[:, layer, 1])
+    q_lens = torch.tensor([ql for ql, _ in specs])
+    qsl = torch.zeros(len(specs) + 1, dtype=torch.int32)
+    qsl[1:] = torch.cumsum(q_lens, 0)
+    q = torch.randn(int(qsl[-1]), num_heads, head_dim, generator=gen).to(dtype).to(DEVICE)
+    seq_lens = torch.tensor([sl for _, sl in specs], dtype=torch.int32)
+    return dict(q=q, k_cache=kc, v_cache=vc, block_tables=block_tables.to(DEVICE), seq_lens=seq_lens.to(DEVICE),
+                query_start_loc=qsl.to(DEVICE), max_query_len=int(q_lens.max()), max_seq_len=int(seq_lens.max()),
+                scale=head_dim ** -0.5, k_scale_cache=ks, v_scale_cache=vs)
+
+
+def check(args, config=None, tol=None):
+    q = args["q"]
+    out = torch.full_like(q, float("nan"))
+    paged_attention_triton(**args, out=out, config=config)
+    ref = paged_attention_ref(**args)
+    assert torch.isfinite(ref).all()
+    assert torch.isfinite(out).all(), "kernel left outputs unwritten or read a stale slot's scale"
+    err = ((out.float() - ref.float()).norm() / ref.float().norm()).item()
+    assert err < (tol or TOL[q.dtype]), f"relative error {err:.2e}"
+
+
+MIXED = [(1, 1), (12, 12), (1, 40), (7, 7 + 21), (1, 17), (5, 5 + 33)]
+
+
+@pytest.mark.parametrize("head_dim,num_heads,num_kv_heads,block_size,dtype", [
+    (64, 4, 4, 16, torch.float32), (64, 8, 2, 8, torch.float16), (128, 8, 2, 16, torch.bfloat16),
+    (80, 6, 2, 16, torch.bfloat16)])
+def test_mixed_prefill_and_decode(head_dim, num_heads, num_kv_heads, block_size, dtype):
+    args = int8_batch(MIXED, num_heads, num_kv_heads, head_dim, block_size, dtype, seed=head_dim + block_size)
+    check(args)
+    check(args, config=dict(new_kv=2))  # an int8 cache holds rounded keys: always read from the cache
+
+
+@pytest.mark.parametrize("num_segments", [1, 4])
+@pytest.mark.parametrize("tile_n", [16, 32])
+def test_decodes_split_context(num_segments, tile_n):
+    args = int8_batch([(1, 1), (1, 17), (1, 150), (1, 63)], 8, 2, 64, 16, torch.bfloat16, seed=num_segments + tile_n)
+    check(args, config=dict(num_segments=num_segments, tile_n=tile_n, block_m=16))
+
+
+def test_reference_is_attention_over_the_dequantized_cache():
+    """The int8 reference equals the float reference over a float cache holding the dequantized values."""
+    args = int8_batch(MIXED, 4, 2, 64, 16, torch.float32, seed=3)
+    deq_k = dequantize_int8_rows_ref(args["k_cache"], args["k_scale_cache"].nan_to_num(0.0))
+    deq_v = dequantize_int8_rows_ref(args["v_cache"], args["v_scale_cache"].nan_to_num(0.0))
+    plain = {k: v for k, v in args.items() if not k.endswith("scale_cache")}
+    want = paged_attention_ref(**{**plain, "k_cache": deq_k, "v_cache": deq_v})
+    torch.testing.assert_close(paged_attention_ref(**args), want, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cpu_engine_path_matches_reference(dtype):
+    for specs in (MIXED, [(1, 30), (1, 5), (1, 64)]):  # mixed, then decodes only (SDPA's other branch)
+        args = int8_batch(specs, 4, 2, 64, 16, dtype, seed=len(specs))
+        out, ref = paged_attention_torch(**args), paged_attention_ref(**args)
+        assert torch.isfinite(out).all()
+        err = ((out.float() - ref.float()).norm() / ref.float().norm()).item()
+        assert err < TOL[dtype], err
+
+
+def test_scales_required_and_checked():
+    args = int8_batch([(1, 5)], 4, 2, 64, 16, torch.float32, seed=1)
+    bare = {k: v for k, v in args.items() if not k.endswith("scale_cache")}
+    with pytest.raises(ValueError, match="k_scale_cache: missing"):
+        paged_attention_triton(**bare)
+    with pytest.raises(ValueError, match="k_scale_cache: missing"):
+        paged_attention_ref(**bare)
+    with pytest.raises(ValueError, match="v_scale_cache: torch.float16"):
+        paged_attention_triton(**{**args, "v_scale_cache": args["v_scale_cache"].half()})
