@@ -163,7 +163,12 @@ class NixlPeers:
                                          local.mem_type)
         src = local.agent.get_xfer_descs([(peer.base_address + s * bb, n * bb, peer.device_id) for s, _, n in runs],
                                          peer.mem_type)
-        handle = local.agent.initialize_xfer("READ", dst, src, peer.agent_name)
+        try:
+            handle = local.agent.initialize_xfer("READ", dst, src, peer.agent_name)
+        except Exception as exc:  # noqa: BLE001 - nixlBind's errors: a peer's region or ids NIXL cannot read
+            raise ServiceError(grpc.StatusCode.INVALID_ARGUMENT,
+                               f"ready.block_ids: NIXL refused the read of {len(src_ids)} blocks from "
+                               f"{shown(peer.agent_name)} (outside its registered memory?): {exc}") from None
         try:
             state = local.agent.transfer(handle)
             while state == "PROC" and time.monotonic() < deadline:
