@@ -90,7 +90,15 @@ class KvSender:
         # toy: it keeps gRPC bytes unless asked). One agent per process, the whole cache registered once.
         offer_nixl = kv_transfer == _NIXL or (kv_transfer == AUTO and self.device.type == "cuda"
                                               and nixl.import_error() is None)
-        self.nixl = nixl.NixlCache(kv_cache, f"tandem-prefill-{self.host.process_id}") if offer_nixl else None
+        self.nixl = None
+        if offer_nixl:
+            try:
+                self.nixl = nixl.NixlCache(kv_cache, f"tandem-prefill-{self.host.process_id}")
+            except Exception as exc:  # noqa: BLE001 - e.g. UCX without CUDA support for a GPU cache
+                if kv_transfer == _NIXL:
+                    raise ValueError(f"--kv-transfer {_NIXL}: registering the KV cache with NIXL failed: "
+                                     f"{type(exc).__name__}: {exc}") from None
+                log.warning("kv transfers will not offer NIXL: registering the KV cache failed: %s", exc)
         self.blocks_per_message = max(1, MESSAGE_BYTES // self.layout.block_bytes)
         self._senders = {path: t.sender(self.layout) for path, t in TRANSPORTS.items()}
         self._answers: dict[str, kv.KvHandshakeResponse] = {}  # decode address -> its handshake answer
