@@ -1,10 +1,12 @@
-"""KV transfer bandwidth, prefill -> decode, on both paths: gRPC bytes and same-host CUDA IPC.
+"""KV transfer bandwidth, prefill -> decode, on each path: gRPC bytes, same-host CUDA IPC, and NIXL.
 
-  python bench/kv_transfer.py --model random:qwen2.5-7b --dtype bfloat16 --device cuda     # both paths
+  python bench/kv_transfer.py --model random:qwen2.5-7b --dtype bfloat16 --device cuda     # every path
   python bench/kv_transfer.py --model random:qwen2.5-7b --dtype bfloat16 --device cuda --decode-device cuda:1
                                                             # decode on a second GPU: the IPC copy crosses NVLink
   python bench/kv_transfer.py --model random:qwen2.5-7b --narrow --random-kv --device cpu \
       --kv-cache-memory 1                                   # gRPC path only: the 7B's KV bytes, not its weights
+  python bench/kv_transfer.py --model random:qwen2.5-7b --narrow --random-kv --device cpu \
+      --kv-cache-memory 2 --paths grpc nixl                 # gRPC bytes beside NIXL (UCX on one host) on the CPU
 
 The decode side is a real decode service (`python -m decode_svc.server`, its own process: CUDA IPC cannot map a
 cache inside the process that exported it). The prefill side is this process: an engine computes each prompt's KV
@@ -14,8 +16,9 @@ decode service maps this process's cache then: the one-time mapping is not timed
 
 What is timed, per request: from the moment the KvTransferOpen is handed to gRPC, before any block is read, until
 this process holds decode's KvTransferAck. It includes the open (on CUDA IPC: the cache handle, exchanged per
-request, and decode's lookup of its mapping), on gRPC the copies to the host, serialization, the loopback hop,
-parsing and the writes into decode's cache, on CUDA IPC the device synchronization and the GPU-to-GPU copy, then the
+request, and decode's lookup of its mapping; on NIXL: the registered cache's descriptor), on gRPC the copies to the host, serialization, the loopback hop,
+parsing and the writes into decode's cache, on CUDA IPC the device synchronization and the GPU-to-GPU copy, on NIXL decode's READ (UCX: on one host shared
+memory, between hosts RDMA or TCP; the agents were added at the handshake, not timed), then the
 commit (decode waits for its writes or copies, `commit_prefilled`) and the ack. The prompt's compute is not timed
 (in the service it overlaps the transfer chunk by chunk). GB/s = the prompt's KV bytes (whole blocks, all layers,
 keys and values) / that time; the table gives the median over --num-iters requests after --warmup ones.
@@ -60,13 +63,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench import kv_profile  # noqa: E402
 from bench.common import REPO_ROOT, format_table, write_json  # noqa: E402
 from engine import EngineArgs, LLMEngine, SamplingParams  # noqa: E402
+from kv_transfer import nixl  # noqa: E402
 from kv_transfer.base import GRPC  # noqa: E402
 from kv_transfer.grpc_bytes import serialize  # noqa: E402
 from kv_transfer.layout import block_rows  # noqa: E402
 from kv_transfer.registry import PATH_LABELS  # noqa: E402
 from kv_transfer.sender import KvSender  # noqa: E402
 from protos.tandem.v1 import common_pb2, decode_pb2, decode_pb2_grpc  # noqa: E402
-from serving.convert import ServiceError  # noqa: E402
+from serving.errors import ServiceError  # noqa: E402
 from serving.rpc import GRPC_OPTIONS
 
 
@@ -78,8 +82,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--decode-device", default=None,
                    help="the decode service's device (default: --device); cuda:1 times the copy between two GPUs")
     p.add_argument("--input-lens", type=int, nargs="+", default=[512, 8192], help="prompt lengths, tokens")
-    p.add_argument("--paths", nargs="+", choices=["grpc", "ipc"], default=None,
-                   help="transfer paths (default: grpc and ipc on CUDA, grpc on the CPU)")
+    p.add_argument("--paths", nargs="+", choices=["grpc", "ipc", "nixl"], default=None,
+                   help="transfer paths (default: grpc and ipc on CUDA, grpc on the CPU; and nixl where nixl-cu12 "
+                        "imports: on one host, UCX takes shared memory, not the NIC)")
     p.add_argument("--num-iters", type=int, default=5, help="timed requests per path and length")
     p.add_argument("--warmup", type=int, default=1, help="untimed requests per path and length first")
     p.add_argument("--block-size", type=int, default=16)
@@ -320,6 +325,8 @@ def main(argv: list[str] | None = None) -> int:
         args.device = "cuda" if torch.cuda.is_available() else "cpu"
     if args.paths is None:
         args.paths = ["grpc", "ipc"] if args.device == "cuda" else ["grpc"]
+        if nixl.import_error() is None:
+            args.paths.append("nixl")
     if "ipc" in args.paths and args.device != "cuda":
         raise SystemExit("--paths ipc: CUDA IPC needs --device cuda")
     args.decode_device = args.decode_device or args.device

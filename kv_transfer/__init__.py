@@ -3,7 +3,8 @@
 Both services use it and neither owns it (vLLM's distributed/kv_transfer/, SGLang's disaggregation/):
 - `base`: the interfaces: the KvPoll states of a transfer, a transport's sending and receiving halves, and the
   Reservations the receiver is handed by the decode service;
-- one module per transport: `grpc_bytes` (block bytes on the TransferKv stream), `cuda_ipc` (same host, GPU to GPU);
+- one module per transport: `grpc_bytes` (block bytes on the TransferKv stream), `cuda_ipc` (same host, GPU to GPU),
+  `nixl` (decode READs the prefill's registered cache through NIXL; optional `nixl-cu12`, imported on first use);
   `registry` maps the protobuf KvTransferPath to its transport;
 - `sender` (prefill: path negotiation, one request's outgoing transfer), `receiver` (decode: the handshake, one
   request's incoming transfer);

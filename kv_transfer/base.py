@@ -7,7 +7,7 @@ is handed by the service that owns the reservations.
 - `Transport`: one way of moving a run of blocks, named by its protobuf `KvTransferPath`: its sending half
   (`BlockSender`: the messages that ship a run) and its receiving half (`BlockReceiver`: how a received run lands in
   the reserved block ids, and what must complete before the commit). One module per transport (`grpc_bytes`,
-  `cuda_ipc`); `registry` maps the path to it.
+  `cuda_ipc`, `nixl`); `registry` maps the path to it.
 - `Reservations` / `Reservation`: what the decode service hands the receiver (it owns the reservations and the
   engine thread), so that kv_transfer/ never imports a service.
 """
@@ -29,6 +29,7 @@ log = logging.getLogger("tandem.kv")
 
 GRPC = kv_transfer_pb2.KV_TRANSFER_PATH_GRPC
 CUDA_IPC = kv_transfer_pb2.KV_TRANSFER_PATH_CUDA_IPC
+NIXL = kv_transfer_pb2.KV_TRANSFER_PATH_NIXL
 AUTO = "auto"  # --kv-transfer: the path each decode instance's handshake allows
 
 
@@ -68,7 +69,7 @@ class TransferState:
 class BlockRun:
     """A received run of blocks, checked by its transport: positions first_block_index.. of the request's block
     table, `nbytes` of KV (counted and acknowledged), and what the transport's `write` needs (`payload`: the bytes on
-    GRPC, the prefill's block ids on CUDA_IPC)."""
+    GRPC, the prefill's block ids on CUDA_IPC and NIXL)."""
     first_block_index: int
     num_blocks: int
     nbytes: int

@@ -1,4 +1,4 @@
-"""KV transfer metrics labelled by path ("grpc" | "ipc"), for prefill and decode.
+"""KV transfer metrics labelled by path ("grpc" | "ipc" | "nixl"), for prefill and decode.
 
 `serving/metrics.py`'s `tandem:kv_transfer_bytes` and `tandem:kv_transfer_seconds` count every transfer whatever its
 path (both keep doing so); these families add the `path` label beside `model_name` and `role`:

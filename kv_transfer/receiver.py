@@ -8,14 +8,14 @@ SUCCESS, or FAILED from any of them):
    waits for it (`Reservations.reservation`), and fails NOT_FOUND when there is none; a second open is ALREADY_EXISTS.
 2. WAITING: the open is checked against this cache and the reservation (layout field by field, prompt length, block
    count, a known path), then by the path's transport (registry.TRANSPORTS; CUDA IPC: the host identity and the
-   mapping of the prefill's cache).
+   mapping of the prefill's cache; NIXL: the prefill cache named must be the one its handshake registered).
 3. TRANSFERRING: each block run is checked by the transport (`BlockReceiver.run`), then against the reservation
    (its positions must lie within the reserved blocks), and lands in the reserved block ids on the engine thread
    (`Reservations.write`, which first checks that the reservation is still live so that a late write never lands
    in a freed block). The leading blocks the engine already held (a reused prefix, `num_reused`) are not written.
    gRPC bytes: the receiving loop does not wait for each write: up to the transport's window of payload may be
    queued on the engine thread while the next messages arrive. CUDA IPC: each copy is queued on the GPU and waited
-   for on the engine thread only.
+   for on the engine thread only. NIXL: each READ is waited for on the engine thread (where frees happen too).
 4. SUCCESS: on the commit, with every block received, the commit is queued behind the writes; it refuses if one
    failed, waits for what the transport left in flight (CUDA IPC: the copies: the prefill frees its blocks on the
    ack), and puts the request in the batch; the KvTransferAck goes back.
@@ -33,7 +33,8 @@ import time
 import grpc
 import torch
 
-from kv_transfer.base import CUDA_IPC, GRPC, BlockRun, KvPoll, Reservation, Reservations, TransferState
+from kv_transfer import nixl
+from kv_transfer.base import CUDA_IPC, GRPC, NIXL, BlockRun, KvPoll, Reservation, Reservations, TransferState
 from kv_transfer.cuda_ipc import MappedCaches, host_identity, ipc_refusal
 from kv_transfer.grpc_bytes import message_kind, parse_transfer_message
 from kv_transfer.layout import layout_mismatch, layout_of, retain_freed_memory
@@ -62,6 +63,7 @@ class KvReceiver:
         self.reservations = reservations
         self.path_metrics = path_metrics
         self.sources = MappedCaches(self.layout.block_bytes, self.host, reservations.on_engine)
+        self.nixl = nixl.NixlPeers(f"tandem-decode-{self.host.process_id}", reservations.on_engine)
 
     @staticmethod
     def deserialize(raw: bytes):
@@ -70,20 +72,38 @@ class KvReceiver:
         return parse_transfer_message(raw)
 
     async def handshake(self, req: kv_transfer_pb2.KvHandshakeRequest) -> kv_transfer_pb2.KvHandshakeResponse:
-        """Which path transfers from this prefill instance take: CUDA_IPC once its offered cache is mapped here."""
+        """Which path transfers from this prefill instance take: CUDA_IPC once its offered cache is mapped here,
+        else NIXL once its offered agent is added (another host, or the prefill asks for NIXL on one host too), else
+        GRPC."""
         reason = layout_mismatch(self.layout, req.layout)
-        if reason is None:
-            reason = ipc_refusal(self.host, self.device, req.cache if req.HasField("cache") else None)
+        if reason is not None:
+            return self._grpc(req, reason)
+        reason = ipc_refusal(self.host, self.device, req.cache if req.HasField("cache") else None)
         if reason is None:
             try:
                 await self.sources.map(req.cache)
-            except Exception as exc:  # noqa: BLE001 - e.g. separate IPC namespaces: the answer is GRPC, with why
+            except Exception as exc:  # noqa: BLE001 - e.g. separate IPC namespaces: the answer is another path
                 reason = f"mapping the prefill KV cache failed: {type(exc).__name__}: {exc}"
-        if reason is not None:
-            log.info("kv transfers from prefill pid %d on %s take the grpc path: %s", req.host.pid,
-                     shown(req.host.hostname), reason)
-        return kv_transfer_pb2.KvHandshakeResponse(host=self.host, path=GRPC if reason else CUDA_IPC,
-                                                   reason=reason or "")
+        if reason is None:
+            return kv_transfer_pb2.KvHandshakeResponse(host=self.host, path=CUDA_IPC)
+        if req.HasField("nixl"):
+            if req.host.boot_id == self.host.boot_id and not req.nixl_on_one_host:
+                return self._grpc(req, f"{reason}; and NIXL is for transfers between hosts (--kv-transfer nixl on "
+                                       "the prefill takes it on one host too)")
+            reason = nixl.import_error()
+            if reason is None:
+                try:
+                    await self.nixl.add(req.nixl, self.layout.block_bytes)
+                except Exception as exc:  # noqa: BLE001 - bad metadata, or UCX failing here: the answer is GRPC
+                    reason = f"adding the prefill's NIXL agent failed: {type(exc).__name__}: {exc}"
+            if reason is None:
+                return kv_transfer_pb2.KvHandshakeResponse(host=self.host, path=NIXL)
+        return self._grpc(req, reason)
+
+    def _grpc(self, req: kv_transfer_pb2.KvHandshakeRequest, reason: str) -> kv_transfer_pb2.KvHandshakeResponse:
+        log.info("kv transfers from prefill pid %d on %s take the grpc path: %s", req.host.pid,
+                 shown(req.host.hostname), reason)
+        return kv_transfer_pb2.KvHandshakeResponse(host=self.host, path=GRPC, reason=reason)
 
     async def transfer(self, messages) -> kv_transfer_pb2.KvTransferAck:
         """Receives one request's KV (see kv_transfer.proto); returns the ack once the request is in the batch."""

@@ -7,7 +7,9 @@ SUCCESS, or FAILED from any of them):
    instance, a KvHandshake offers this cache's CUDA IPC export (when the cache is on a GPU and --kv-transfer is not
    grpc). The decode instance checks the host identity, maps the cache, and answers CUDA_IPC, or GRPC with the
    reason. The answer is kept per address (and dropped when a CUDA IPC transfer fails, so the next request asks
-   again). --kv-transfer ipc turns a GRPC answer into an error.
+   again). With --kv-transfer nixl (or auto, a CUDA cache and nixl installed) it also offers this process's NIXL
+   agent and registered cache (kv_transfer/nixl.py); the decode instance answers NIXL once it added the agent (between
+   hosts; on one host too with --kv-transfer nixl). --kv-transfer ipc or nixl turns another answer into an error.
 2. WAITING, `OutgoingTransfer.run` opens the TransferKv stream with `open_message`: the KvTransferOpen; on CUDA_IPC
    it carries the export again (the per-request handle exchange: a few hundred bytes; the decode instance finds its
    mapping by the handle).
@@ -22,9 +24,10 @@ SUCCESS, or FAILED from any of them):
      takes KvBlocksOut as well as protobuf messages; with `encoded=False` they come as KvTransferMessage protos
      instead, for the generated DecodeStub (two more copies of the payload, and protobuf's large allocations: much
      slower, measured: bench/RESULTS.md);
-   - CUDA_IPC (cuda_ipc.py): only the block ids go, in one message (the engine reports a step once its device work,
+   - CUDA_IPC (cuda_ipc.py) and NIXL (nixl.py): only the block ids go, in one message (the engine reports a step once its device work,
      the KV writes included, is complete, so another process may read the blocks); the decode instance copies the
-     blocks GPU to GPU and must finish before its ack, after which the prefill frees them.
+     blocks GPU to GPU (CUDA IPC) or READs them through NIXL, and must finish before its ack, after which the
+     prefill frees them.
 4. SUCCESS: `commit_message` (the first token; all blocks were sent) ends the stream, and decode's ack ends `run`.
 """
 from __future__ import annotations
@@ -37,7 +40,8 @@ import grpc
 import torch
 
 from engine.utils import cdiv
-from kv_transfer.base import AUTO, CUDA_IPC, GRPC, KvPoll, TransferState
+from kv_transfer import nixl
+from kv_transfer.base import AUTO, CUDA_IPC, GRPC, NIXL, KvPoll, TransferState
 from kv_transfer.cuda_ipc import export_cache, host_identity
 from kv_transfer.grpc_bytes import MESSAGE_BYTES, serialize
 from kv_transfer.layout import layout_of, retain_freed_memory
@@ -60,6 +64,7 @@ CLIENT_WRITE_RACE = "Internal error from Core"
 _TRANSFER_KV = "/{}/{}".format(*decode_pb2.DESCRIPTOR.services_by_name["Decode"].methods_by_name[
     "TransferKv"].full_name.rsplit(".", 1))
 _IPC = PATH_LABELS[CUDA_IPC]
+_NIXL = PATH_LABELS[NIXL]
 
 
 class KvSender:
@@ -72,6 +77,9 @@ class KvSender:
         if kv_transfer == _IPC and kv_cache.device.type != "cuda":
             raise ValueError(f"kv_transfer={_IPC!r}: CUDA IPC needs the KV cache on a CUDA device, this one is on "
                              f"{kv_cache.device.type}; use {AUTO} or {PATH_LABELS[GRPC]}")
+        if kv_transfer == _NIXL and (reason := nixl.import_error()) is not None:
+            raise ValueError(f"--kv-transfer {_NIXL}: {reason}; install it (pip install --no-deps {nixl.PACKAGE}) "
+                             f"or use {AUTO} or {PATH_LABELS[GRPC]}")
         self.kv_transfer = kv_transfer
         retain_freed_memory()  # (this process sends the messages)
         self.device = kv_cache.device
@@ -80,6 +88,19 @@ class KvSender:
         # Exported once per process (each export takes a slot of torch's cross-process reference counter).
         self.cache = (export_cache(kv_cache, self.host) if kv_transfer != PATH_LABELS[GRPC]
                       and self.device.type == "cuda" else None)
+        # NIXL: --kv-transfer nixl, or auto with a CUDA cache and nixl installed (a CPU deployment is a test or a
+        # toy: it keeps gRPC bytes unless asked). One agent per process, the whole cache registered once.
+        offer_nixl = kv_transfer == _NIXL or (kv_transfer == AUTO and self.device.type == "cuda"
+                                              and nixl.import_error() is None)
+        self.nixl = None
+        if offer_nixl:
+            try:
+                self.nixl = nixl.NixlCache(kv_cache, f"tandem-prefill-{self.host.process_id}")
+            except Exception as exc:  # noqa: BLE001 - e.g. UCX without CUDA support for a GPU cache
+                if kv_transfer == _NIXL:
+                    raise ValueError(f"--kv-transfer {_NIXL}: registering the KV cache with NIXL failed: "
+                                     f"{type(exc).__name__}: {exc}") from None
+                log.warning("kv transfers will not offer NIXL: registering the KV cache failed: %s", exc)
         self.blocks_per_message = max(1, MESSAGE_BYTES // self.layout.block_bytes)
         self._senders = {path: t.sender(self.layout) for path, t in TRANSPORTS.items()}
         self._answers: dict[str, kv.KvHandshakeResponse] = {}  # decode address -> its handshake answer
@@ -87,11 +108,13 @@ class KvSender:
     # ---- event loop -------------------------------------------------------------------------------------------
     async def path_to(self, address: str, stub) -> int:
         """The path of transfers to the decode instance at `address` (stub: its DecodeStub)."""
-        if self.cache is None:
+        if self.cache is None and self.nixl is None:
             return GRPC
         answer = self._answers.get(address)
         if answer is None:
-            req = kv.KvHandshakeRequest(host=self.host, layout=self.layout, cache=self.cache)
+            req = kv.KvHandshakeRequest(host=self.host, layout=self.layout, cache=self.cache,
+                                        nixl=self.nixl.offer() if self.nixl else None,
+                                        nixl_on_one_host=self.kv_transfer == _NIXL)
             try:
                 answer = await stub.KvHandshake(req, timeout=HANDSHAKE_TIMEOUT_S)
             except grpc.aio.AioRpcError as e:
@@ -102,12 +125,15 @@ class KvSender:
             self._answers[address] = answer
             log.info("kv transfers to decode %s take the %s path%s", address,
                      PATH_LABELS.get(answer.path, PATH_LABELS[GRPC]), f" ({answer.reason})" if answer.reason else "")
-        if answer.path == CUDA_IPC:
+        if answer.path == CUDA_IPC and self.cache is not None:
             return CUDA_IPC
-        if self.kv_transfer == _IPC:
+        if answer.path == NIXL and self.nixl is not None:
+            return NIXL
+        if self.kv_transfer in (_IPC, _NIXL):
             raise ServiceError(grpc.StatusCode.FAILED_PRECONDITION,
-                               f"--kv-transfer ipc: decode {address} cannot take CUDA IPC transfers from this "
-                               f"instance: {answer.reason}")
+                               f"--kv-transfer {self.kv_transfer}: decode {address} cannot take "
+                               f"{'CUDA IPC' if self.kv_transfer == _IPC else 'NIXL'} transfers from this instance: "
+                               f"{answer.reason}")
         return GRPC
 
     @staticmethod
@@ -122,7 +148,7 @@ class KvSender:
         return isinstance(msg, kv.KvTransferMessage) and msg.HasField("commit")
 
     def forget(self, address: str) -> None:
-        """Ask again before the next transfer to `address` (a CUDA IPC transfer to it failed)."""
+        """Ask again before the next transfer to `address` (a CUDA IPC or NIXL transfer to it failed)."""
         self._answers.pop(address, None)
 
     def open_message(self, request_id: str, num_prompt_tokens: int, num_blocks: int, deadline_ms: int,
@@ -131,6 +157,8 @@ class KvSender:
                                num_blocks=num_blocks, deadline_ms=deadline_ms, path=path)
         if path == CUDA_IPC:
             op.cache.CopyFrom(self.cache)
+        elif path == NIXL:
+            op.nixl.CopyFrom(self.nixl.offer(with_metadata=False))
         return kv.KvTransferMessage(open=op)
 
     @staticmethod
@@ -226,7 +254,7 @@ class OutgoingTransfer:
             failed_in = self.state.state
             self.state.advance(KvPoll.FAILED)
             self.path_metrics.failed(self.path, failed_in)
-            if self.path == CUDA_IPC:
+            if self.path in (CUDA_IPC, NIXL):
                 self.sender.forget(self.address)  # the next request asks again (the decode instance may have restarted)
             code, details = transfer_failure(e)
             log.warning("kv transfer of %s to %s failed while %s: %s %s", self.request_id, self.address,

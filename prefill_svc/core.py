@@ -2,7 +2,7 @@
 
 The life of a request inside a prefill instance:
 1. `prefill()` validates the sampling parameters, picks the transfer path to the decode target the router named
-   (`OutgoingTransfer.negotiate`, kv_transfer/sender.py: CUDA IPC on the same host, else gRPC bytes; one handshake
+   (`OutgoingTransfer.negotiate`, kv_transfer/sender.py: CUDA IPC on the same host, NIXL between hosts, else gRPC bytes; one handshake
    per decode instance) and queues
    the prompt in the engine with max_tokens=1 and kv_hold=True (the engine keeps the blocks after the first token).
    A resumed request (the router moved its stream off a failed instance) comes with the k output tokens it already
@@ -13,8 +13,8 @@ The life of a request inside a prefill instance:
 2. The engine thread runs chunked prefill, batching chunks of many prompts under the token budget. After each step
    the `_after_step` hook (still in the engine thread) ships the blocks that became full (`KvSender.block_messages`,
    which asks the path's transport in kv_transfer/: `grpc_bytes`, their bytes, staged in pinned memory by copies
-   queued on the engine's stream and encoded once; or `cuda_ipc`, their ids: the engine only reports steps whose
-   device work is complete) and the loop queues the messages. The first chunk's blocks open the KV transfer stream
+   queued on the engine's stream and encoded once; or `cuda_ipc` / `nixl`, their ids: the engine only reports steps
+   whose device work is complete) and the loop queues the messages. The first chunk's blocks open the KV transfer stream
    (Decode.TransferKv, a KvTransferOpen describing the cache layout and the path: `OutgoingTransfer.run`, started by
    `_start_sender`): the transfer of chunk k overlaps the compute of chunk k+1. The step that finishes the prompt
    also samples the first token; the hook then sends the last, partial block too.

@@ -21,8 +21,10 @@ from serving.tls import TlsConfig
 def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-transfer", choices=CHOICES, default=KvTransferConfig.transport,
                    help="how KV blocks reach decode instances: ipc = GPU to GPU through CUDA IPC (same host, a CUDA "
-                        "cache on both sides), grpc = block bytes over the TransferKv stream (any host), auto = ipc "
-                        f"where the handshake with a decode instance allows it, else grpc (default: "
+                        "cache on both sides), nixl = the decode instance READs the blocks through NIXL (the nixl-cu12 "
+                        "package on both sides; trusted peers only: docs/operations.md), grpc = block bytes over the "
+                        "TransferKv stream (any host), auto = ipc where the handshake with a decode instance allows "
+                        "it, else nixl to another host when installed and the cache is on a GPU, else grpc (default: "
                         f"{KvTransferConfig.transport})")
     p.add_argument("--decode-allowlist", default=None, metavar="HOST:PORT[,...]",
                    help="the decode instances this prefill may send KV to (the router's --decode list; tandem up "

@@ -14,7 +14,7 @@ class KvTransferConfig:
     """The longest deadline a worker accepts from a caller: a reservation holds KV blocks until its deadline, so an
     unbounded one would let any caller hold the cache."""
     transport: str = "auto"
-    """How a prefill instance's KV blocks reach decode instances: auto, grpc or ipc (prefill's --kv-transfer, whose
+    """How a prefill instance's KV blocks reach decode instances: auto, grpc, ipc or nixl (prefill's --kv-transfer, whose
     help says what each means; kv_transfer/registry.py lists the transports)."""
 
 

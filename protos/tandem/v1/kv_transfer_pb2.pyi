@@ -12,9 +12,11 @@ class KvTransferPath(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     KV_TRANSFER_PATH_UNSPECIFIED: _ClassVar[KvTransferPath]
     KV_TRANSFER_PATH_GRPC: _ClassVar[KvTransferPath]
     KV_TRANSFER_PATH_CUDA_IPC: _ClassVar[KvTransferPath]
+    KV_TRANSFER_PATH_NIXL: _ClassVar[KvTransferPath]
 KV_TRANSFER_PATH_UNSPECIFIED: KvTransferPath
 KV_TRANSFER_PATH_GRPC: KvTransferPath
 KV_TRANSFER_PATH_CUDA_IPC: KvTransferPath
+KV_TRANSFER_PATH_NIXL: KvTransferPath
 
 class KvLayout(_message.Message):
     __slots__ = ("dtype", "layout", "block_size", "num_layers", "num_kv_heads", "head_dim", "block_bytes")
@@ -33,6 +35,22 @@ class KvLayout(_message.Message):
     head_dim: int
     block_bytes: int
     def __init__(self, dtype: _Optional[str] = ..., layout: _Optional[str] = ..., block_size: _Optional[int] = ..., num_layers: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., block_bytes: _Optional[int] = ...) -> None: ...
+
+class NixlCache(_message.Message):
+    __slots__ = ("agent_name", "agent_metadata", "mem_type", "base_address", "device_id", "num_blocks")
+    AGENT_NAME_FIELD_NUMBER: _ClassVar[int]
+    AGENT_METADATA_FIELD_NUMBER: _ClassVar[int]
+    MEM_TYPE_FIELD_NUMBER: _ClassVar[int]
+    BASE_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_ID_FIELD_NUMBER: _ClassVar[int]
+    NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    agent_name: str
+    agent_metadata: bytes
+    mem_type: str
+    base_address: int
+    device_id: int
+    num_blocks: int
+    def __init__(self, agent_name: _Optional[str] = ..., agent_metadata: _Optional[bytes] = ..., mem_type: _Optional[str] = ..., base_address: _Optional[int] = ..., device_id: _Optional[int] = ..., num_blocks: _Optional[int] = ...) -> None: ...
 
 class HostIdentity(_message.Message):
     __slots__ = ("boot_id", "hostname", "process_id", "pid", "gpu_uuids")
@@ -75,14 +93,18 @@ class CudaIpcCache(_message.Message):
     def __init__(self, host: _Optional[_Union[HostIdentity, _Mapping]] = ..., device_uuid: _Optional[str] = ..., mem_handle: _Optional[bytes] = ..., storage_size_bytes: _Optional[int] = ..., storage_offset_bytes: _Optional[int] = ..., ref_counter_handle: _Optional[bytes] = ..., ref_counter_offset: _Optional[int] = ..., event_handle: _Optional[bytes] = ..., event_sync_required: _Optional[bool] = ..., tensor_offset_bytes: _Optional[int] = ..., num_blocks: _Optional[int] = ...) -> None: ...
 
 class KvHandshakeRequest(_message.Message):
-    __slots__ = ("host", "layout", "cache")
+    __slots__ = ("host", "layout", "cache", "nixl", "nixl_on_one_host")
     HOST_FIELD_NUMBER: _ClassVar[int]
     LAYOUT_FIELD_NUMBER: _ClassVar[int]
     CACHE_FIELD_NUMBER: _ClassVar[int]
+    NIXL_FIELD_NUMBER: _ClassVar[int]
+    NIXL_ON_ONE_HOST_FIELD_NUMBER: _ClassVar[int]
     host: HostIdentity
     layout: KvLayout
     cache: CudaIpcCache
-    def __init__(self, host: _Optional[_Union[HostIdentity, _Mapping]] = ..., layout: _Optional[_Union[KvLayout, _Mapping]] = ..., cache: _Optional[_Union[CudaIpcCache, _Mapping]] = ...) -> None: ...
+    nixl: NixlCache
+    nixl_on_one_host: bool
+    def __init__(self, host: _Optional[_Union[HostIdentity, _Mapping]] = ..., layout: _Optional[_Union[KvLayout, _Mapping]] = ..., cache: _Optional[_Union[CudaIpcCache, _Mapping]] = ..., nixl: _Optional[_Union[NixlCache, _Mapping]] = ..., nixl_on_one_host: _Optional[bool] = ...) -> None: ...
 
 class KvHandshakeResponse(_message.Message):
     __slots__ = ("host", "path", "reason")
@@ -95,7 +117,7 @@ class KvHandshakeResponse(_message.Message):
     def __init__(self, host: _Optional[_Union[HostIdentity, _Mapping]] = ..., path: _Optional[_Union[KvTransferPath, str]] = ..., reason: _Optional[str] = ...) -> None: ...
 
 class KvTransferOpen(_message.Message):
-    __slots__ = ("request_id", "layout", "num_prompt_tokens", "num_blocks", "deadline_ms", "path", "cache")
+    __slots__ = ("request_id", "layout", "num_prompt_tokens", "num_blocks", "deadline_ms", "path", "cache", "nixl")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     LAYOUT_FIELD_NUMBER: _ClassVar[int]
     NUM_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -103,6 +125,7 @@ class KvTransferOpen(_message.Message):
     DEADLINE_MS_FIELD_NUMBER: _ClassVar[int]
     PATH_FIELD_NUMBER: _ClassVar[int]
     CACHE_FIELD_NUMBER: _ClassVar[int]
+    NIXL_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     layout: KvLayout
     num_prompt_tokens: int
@@ -110,7 +133,8 @@ class KvTransferOpen(_message.Message):
     deadline_ms: int
     path: KvTransferPath
     cache: CudaIpcCache
-    def __init__(self, request_id: _Optional[str] = ..., layout: _Optional[_Union[KvLayout, _Mapping]] = ..., num_prompt_tokens: _Optional[int] = ..., num_blocks: _Optional[int] = ..., deadline_ms: _Optional[int] = ..., path: _Optional[_Union[KvTransferPath, str]] = ..., cache: _Optional[_Union[CudaIpcCache, _Mapping]] = ...) -> None: ...
+    nixl: NixlCache
+    def __init__(self, request_id: _Optional[str] = ..., layout: _Optional[_Union[KvLayout, _Mapping]] = ..., num_prompt_tokens: _Optional[int] = ..., num_blocks: _Optional[int] = ..., deadline_ms: _Optional[int] = ..., path: _Optional[_Union[KvTransferPath, str]] = ..., cache: _Optional[_Union[CudaIpcCache, _Mapping]] = ..., nixl: _Optional[_Union[NixlCache, _Mapping]] = ...) -> None: ...
 
 class KvBlocks(_message.Message):
     __slots__ = ("first_block_index", "num_blocks", "data")
