@@ -62,7 +62,7 @@ class GenerateServicer(generate_pb2_grpc.GenerateServicer):
 
     @grpc_method
     async def Chat(self, request, context):
-        sampling_from_proto(request.params)  # (a bad value is refused before the template runs)
+        await sampling_from_proto_off_loop(request.params)  # (a bad value is refused before the template runs)
         model = self._served(request.model)
         chat = Chat(messages=[{"role": m.role, "content": m.content} for m in request.messages],
                     add_generation_prompt=(request.add_generation_prompt if request.HasField("add_generation_prompt")
@@ -79,7 +79,8 @@ class GenerateServicer(generate_pb2_grpc.GenerateServicer):
         tag_request(rid)
         trace = {k: v for k, v in (context.invocation_metadata() or ()) if k in ("traceparent", "tracestate")}
         req = GenerateRequest(request_id=rid, model=model, prompt=None, prompt_token_ids=ids,
-                              params=sampling_from_proto(request.params, **rest), trace_headers=trace or None)
+                              params=await sampling_from_proto_off_loop(request.params, **rest),
+                              trace_headers=trace or None)
         async for response in self._stream(req):
             yield response
 
