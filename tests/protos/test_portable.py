@@ -170,7 +170,7 @@ BAD_CHATS = [
     (dict(messages=[generate_pb2.ChatMessage(role="user", content="hi")], chat_template_kwargs_json="[1]"),
      "INVALID_ARGUMENT", "chat_template_kwargs_json"),
     (dict(messages=[generate_pb2.ChatMessage(role="user", content="hi")],
-          chat_template_kwargs_json='{"tokenize": true}'), "INVALID_ARGUMENT", "chat_template_kwargs"),
+          chat_template_kwargs_json='{"tokenize": true}'), "INVALID_ARGUMENT", "chat_template_kwargs_json"),
     (dict(messages=[generate_pb2.ChatMessage(role="user", content="hi")],
           params=common_pb2.SamplingParams(top_p=2.0)), "INVALID_ARGUMENT", "top_p"),
     (dict(messages=[generate_pb2.ChatMessage(role="user", content="hi" * 5000)]), "INVALID_ARGUMENT", "messages"),
