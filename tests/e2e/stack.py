@@ -13,7 +13,7 @@ from pathlib import Path
 from ports import free_port_block
 
 ROOT = Path(__file__).resolve().parents[2]
-READY_TIMEOUT_S = 240
+READY_TIMEOUT_S = 600  # a deadline, not a wait: a loaded 2-core machine has taken over 240 s to start a stack
 
 
 class Stack:
