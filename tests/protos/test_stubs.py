@@ -45,7 +45,7 @@ def test_services_are_the_documented_ones():
     from protos.tandem.v1 import decode_pb2, generate_pb2, prefill_pb2
 
     assert [m.name for m in generate_pb2.DESCRIPTOR.services_by_name["Generate"].methods] == [
-        "Generate", "Tokenize", "ListModels"]
+        "Generate", "Chat", "Tokenize", "ListModels"]
     assert [m.name for m in prefill_pb2.DESCRIPTOR.services_by_name["Prefill"].methods] == ["Prefill", "GetLoad"]
     assert [m.name for m in decode_pb2.DESCRIPTOR.services_by_name["Decode"].methods] == [
         "Decode", "TransferKv", "KvHandshake", "GetLoad"]
