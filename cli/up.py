@@ -78,6 +78,11 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="tandem up", description=__doc__.split("\n\n")[0])
     p.add_argument("--prefill", type=int, default=None, help="number of prefill workers (default: 1)")
     p.add_argument("--decode", type=int, default=None, help="number of decode workers (default: 1)")
+    p.add_argument("--prefill-tp", "--prefill-tensor-parallel-size", dest="prefill_tp", type=int, default=None,
+                   help="tensor-parallel ranks of each prefill worker (default: --tensor-parallel-size)")
+    p.add_argument("--decode-tp", "--decode-tensor-parallel-size", dest="decode_tp", type=int, default=None,
+                   help="tensor-parallel ranks of each decode worker (default: --tensor-parallel-size); it may differ "
+                        "from the prefill's: both ends of a KV transfer move whole blocks, every KV head")
     p.add_argument("--colocated", action="store_true",
                    help="no workers: the router runs one engine for prefill and decode alike (the baseline the "
                         "disaggregated stack is measured against)")
@@ -170,16 +175,28 @@ def _on_cuda(ns: argparse.Namespace) -> bool:
     return ns.device.startswith("cuda") or (ns.device == "auto" and torch.cuda.is_available())
 
 
+def role_tp(ns: argparse.Namespace, role: str) -> int:
+    """The tensor-parallel size of each `role` worker: --prefill-tp / --decode-tp, else --tensor-parallel-size."""
+    tp = getattr(ns, f"{role}_tp", None)
+    return ns.tensor_parallel_size if tp is None else tp
+
+
+def _engine_tps(ns: argparse.Namespace) -> list[int]:
+    """Each worker engine's tensor-parallel size, in start order (prefill workers, then decode)."""
+    return [role_tp(ns, "prefill")] * _count(ns.prefill) + [role_tp(ns, "decode")] * _count(ns.decode)
+
+
 def gpu_placement(ns: argparse.Namespace, num_gpus: int) -> list[str] | None:
-    """Each worker engine's --device, in start order (prefill workers, then decode), when every engine can have a
-    GPU of its own: engine k gets cuda:<k>. None: the engines share the one GPU --device names (cpu; an explicit
-    cuda:N; too few GPUs; --colocated)."""
+    """Each worker engine's --device, in start order (prefill workers, then decode), when every engine can have
+    GPUs of its own: an engine of tp ranks gets the next tp GPUs, named by the first (rank r runs on cuda:first+r).
+    None: the engines share the one GPU --device names (cpu; an explicit cuda:N; too few GPUs; --colocated)."""
     if ns.colocated or not _on_cuda(ns) or ns.device not in ("cuda", "auto"):
         return None
-    engines = _count(ns.prefill) + _count(ns.decode)
-    if engines > num_gpus:
+    tps = _engine_tps(ns)
+    if sum(tps) > num_gpus:
         return None
-    return [f"cuda:{k}" for k in range(engines)]
+    firsts = [sum(tps[:k]) for k in range(len(tps))]
+    return [f"cuda:{k}" for k in firsts]
 
 
 def launch_commands(ns: argparse.Namespace, address=None, num_gpus: int = 0) -> dict[str, list[str]]:
@@ -199,8 +216,9 @@ def launch_commands(ns: argparse.Namespace, address=None, num_gpus: int = 0) -> 
     cmds: dict[str, list[str]] = {}
     k = 0
     for role, count in (("prefill", _count(ns.prefill)), ("decode", _count(ns.decode))):
+        tp = role_tp(ns, role)
         for i in range(count):
-            flags = engine
+            flags = _with_tp(engine, tp)
             if devices is not None:
                 at = flags.index("--device")
                 flags = [*flags[:at + 1], devices[k], *flags[at + 2:]]
@@ -221,6 +239,15 @@ def launch_commands(ns: argparse.Namespace, address=None, num_gpus: int = 0) -> 
                       "--policy", ns.policy, *_router_only_flags(ns), *admission_flags(ns), *every,
                       *_engine_flags(ns, ("model", "served_model_name", "max_model_len"))]
     return cmds
+
+
+def _with_tp(flags: list[str], tp: int) -> list[str]:
+    """Engine flags with --tensor-parallel-size set to tp (left out when 1, the workers' default)."""
+    out = list(flags)
+    if "--tensor-parallel-size" in out:
+        at = out.index("--tensor-parallel-size")
+        del out[at:at + 2]
+    return out + (["--tensor-parallel-size", str(tp)] if tp != 1 else [])
 
 
 def _die_with_parent() -> None:
@@ -269,15 +296,22 @@ def _stop_all(children: dict[str, subprocess.Popen], timeout: float) -> None:
 def _check(ns: argparse.Namespace, num_gpus: int = 0) -> str | None:
     """What is wrong with the flags as a whole, or None."""
     if ns.colocated:
-        given = [f"--{role}={n}" for role, n in (("prefill", ns.prefill), ("decode", ns.decode)) if n is not None]
+        given = [f"--{role}={n}" for role, n in (("prefill", ns.prefill), ("decode", ns.decode),
+                                                  ("prefill-tp", ns.prefill_tp), ("decode-tp", ns.decode_tp))
+                 if n is not None]
         if given:
             return f"{' '.join(given)}: --colocated starts no workers (one engine runs in the router); leave them out"
         return None
     if _count(ns.prefill) < 1 or _count(ns.decode) < 1:
         return f"--prefill={_count(ns.prefill)} --decode={_count(ns.decode)}: each must be >= 1"
-    if ns.tensor_parallel_size > 1:
-        return (f"--tensor-parallel-size={ns.tensor_parallel_size}: prefill and decode workers run one GPU each "
-                "(a KV transfer moves one cache); use --colocated for tensor parallelism")
+    tps = {"--prefill-tp": ns.prefill_tp, "--decode-tp": ns.decode_tp}
+    bad = next((f"{flag}={tp}" for flag, tp in tps.items() if tp is not None and tp < 1), None)
+    if bad is not None:
+        return f"{bad}: must be >= 1"
+    if _on_cuda(ns) and max(_engine_tps(ns)) > 1 and gpu_placement(ns, num_gpus) is None:
+        sizes = f"--prefill-tp={role_tp(ns, 'prefill')} --decode-tp={role_tp(ns, 'decode')}"
+        return (f"{sizes}: tensor-parallel workers need GPUs of their own, {sum(_engine_tps(ns))} for these "
+                f"workers with --device cuda (or auto); this host has {num_gpus}")
     engines = _count(ns.prefill) + _count(ns.decode)
     shared = _on_cuda(ns) and gpu_placement(ns, num_gpus) is None
     if shared and ns.kv_cache_memory is None and ns.num_gpu_blocks_override is None:

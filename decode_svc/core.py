@@ -90,7 +90,7 @@ class DecodeCore(WorkerCore):
     def __init__(self, engine, metrics: Metrics, default_kv_timeout_s: float = KvTransferConfig.timeout_s,
                  max_kv_timeout_s: float = KvTransferConfig.max_timeout_s):
         super().__init__(engine, metrics, default_kv_timeout_s, max_kv_timeout_s)
-        self.receiver = KvReceiver(engine.kv_cache, self, KvPathMetrics(metrics, self.model_name, "decode"))
+        self.receiver = KvReceiver(engine.transfer_kv, self, KvPathMetrics(metrics, self.model_name, "decode"))
         self._live: set[str] = set()  # engine thread: reservations that may still be written
         self._broken: set[str] = set()  # engine thread: transfers with a failed block write (never committed)
         self._reqs: dict[str, _Dec] = {}  # event loop only
@@ -114,7 +114,7 @@ class DecodeCore(WorkerCore):
         if rid not in self._live:
             raise ServiceError(grpc.StatusCode.ABORTED, f"request_id={rid!r}: the reservation was freed")
         try:
-            fn(engine.kv_cache)
+            fn(engine.transfer_kv)
         except Exception:
             self._broken.add(rid)  # the commit, queued behind this write, refuses the request
             raise

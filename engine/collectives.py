@@ -2,7 +2,7 @@
 
 One process group per engine: NCCL on CUDA (rank r on cuda:base+r), gloo on the CPU, joined through a file
 rendezvous. Rank 0 (engine/tp_executor.py) and the workers (engine/tp_worker.py) call these; the model runner calls
-min_over_ranks and share_tokens without knowing which side of the group it is on.
+min_over_ranks, share_tokens, gather_heads and scatter_heads without knowing which side of the group it is on.
 """
 from __future__ import annotations
 
@@ -47,3 +47,27 @@ def receive_tokens(num_sampled: int, device: torch.device) -> torch.Tensor:
     tokens = torch.empty(num_sampled, dtype=torch.int64, device=device)
     dist.broadcast(tokens, 0)
     return tokens
+
+
+def gather_heads(local: torch.Tensor, rank: int, world: int) -> torch.Tensor | None:
+    """KV blocks [n, layers, 2, block_size, heads_per_rank, row] of every rank, joined on rank 0 along the heads
+    (rank r holds KV heads [r * heads_per_rank, (r + 1) * heads_per_rank)); None on the other ranks. The bytes travel
+    as uint8, whatever the cache's dtype (gloo has no float8)."""
+    flat = local.contiguous().view(torch.uint8)
+    parts = [torch.empty_like(flat) for _ in range(world)] if rank == 0 else None
+    dist.gather(flat, parts, dst=0)
+    if rank != 0:
+        return None
+    return torch.cat([p.view(local.dtype) for p in parts], dim=4)
+
+
+def scatter_heads(full: torch.Tensor | None, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device,
+                  rank: int, world: int) -> torch.Tensor:
+    """The inverse of gather_heads: rank 0's full-head blocks, each rank receiving its own heads, `shape` [n, layers,
+    2, block_size, heads_per_rank, row]; `full` is None on the other ranks."""
+    out = torch.empty(shape, dtype=dtype, device=device)
+    parts = None
+    if rank == 0:
+        parts = [p.contiguous().view(torch.uint8) for p in full.chunk(world, dim=4)]
+    dist.scatter(out.view(torch.uint8), parts, src=0)
+    return out

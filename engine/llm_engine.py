@@ -36,6 +36,7 @@ from engine.quant import Fp8Linear
 from engine.request import FINISH_REASONS, FINISHED, Request, RequestStatus
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
+from engine.sharded_kv import ShardedKvCache
 from engine.structured_output import GrammarManager
 from engine.tp_executor import TPDriver
 
@@ -173,6 +174,7 @@ class LLMEngine:
         # With tensor parallelism the driver spawns the workers first: they build their shards while the runner
         # builds rank 0's, and the runner sends each step through it.
         self.driver = TPDriver(config, resolved, eos) if config.parallel.tensor_parallel_size > 1 else None
+        self._sharded_kv: ShardedKvCache | None = None
         self.runner = None  # (until built: a failed build leaves no graphs to release)
         try:
             self.runner = ModelRunner(config, resolved, eos, link=self.driver)
@@ -253,6 +255,16 @@ class LLMEngine:
     @property
     def kv_cache(self):
         return self.runner.kv_cache
+
+    @property
+    def transfer_kv(self):
+        """The KV cache as a KV transfer reads and writes it: the cache tensor itself, or with tensor parallelism a
+        ShardedKvCache (every KV head of a block, moved through rank 0: engine/sharded_kv.py)."""
+        if self.runner.tp_size == 1:
+            return self.runner.kv_cache
+        if self._sharded_kv is None:
+            self._sharded_kv = ShardedKvCache(self.runner)
+        return self._sharded_kv
 
     # ---- requests -------------------------------------------------------------------------------------------
     def tokenize(self, prompt: str) -> list[int]:

@@ -13,8 +13,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import torch
+import torch.distributed as dist
 
-from engine.collectives import min_over_ranks, share_tokens
+from engine.collectives import gather_heads, min_over_ranks, scatter_heads, share_tokens
 from engine.config import EngineConfig, resolve_dtype
 from engine.loader import ResolvedModel, build_model
 from engine.model import AttentionMetadata, LayerKV
@@ -164,7 +165,7 @@ class ModelRunner:
         self.kv_cache = allocate_kv_cache(self.num_blocks, self.num_layers, self.block_size, self.num_kv_heads,
                                           self.head_dim, self.kv_dtype, self.device)
         # fp8 KV stores x / scale: per-layer scales calibrated once here (see calibrate_kv_scales), 1.0 otherwise.
-        # With tensor parallelism each rank calibrates its own KV heads (the calibration forward runs on every rank).
+        # With tensor parallelism every rank runs the calibration forward and takes the scales over all KV heads.
         self.k_scales, self.v_scales = (self.calibrate_kv_scales() if self.kv_dtype == torch.float8_e4m3fn
                                         else ([1.0] * self.num_layers, [1.0] * self.num_layers))
         # DecodeGraphs and PrefillGraphs, captured by enable_cuda_graphs() once the engine knows max_model_len
@@ -185,6 +186,50 @@ class ModelRunner:
                     g.reset()
                 graphs.graphs.clear()
         self.graphs = self.prefill_graphs = None
+
+    # ---- KV blocks as a KV transfer moves them: every KV head, on rank 0 ------------------------------------------
+    def _block_index(self, block_ids: list[int]) -> torch.Tensor:
+        if not all(0 <= b < self.num_blocks for b in block_ids):
+            raise ValueError(f"block_ids: must lie in [0, {self.num_blocks})")
+        return torch.tensor(block_ids, dtype=torch.long).to(self.device, non_blocking=True)
+
+    def _collective(self, what: str, fn, *args):
+        """fn(*args) on this rank; on rank 0 a failure breaks the group (the workers are already inside fn)."""
+        if self.driver is None:
+            return fn(*args)
+        try:
+            return fn(*args)
+        except Exception as e:
+            raise self.driver.fail(f"rank 0's {what} failed: {e!r}") from e
+
+    def gather_kv_blocks(self, block_ids: list[int]) -> torch.Tensor | None:
+        """Blocks `block_ids` with every rank's KV heads, [n, num_layers, 2, block_size, num_kv_heads * tp, row], on
+        rank 0 (None on the other ranks): what a KV transfer sends. Every rank runs it, rank 0 sending the call
+        first, so it runs in order with the steps on every rank."""
+        index = self._block_index(block_ids)  # (checked before the workers are asked: they would wait forever)
+        if self.driver is not None:
+            self.driver.call("gather_kv_blocks", block_ids)
+        local = self.kv_cache.index_select(0, index)
+        if self.tp_size == 1:
+            return local
+        return self._collective("KV gather", gather_heads, local, self.rank, self.tp_size)
+
+    def scatter_kv_blocks(self, block_ids: list[int], blocks: torch.Tensor | None) -> None:
+        """kv_cache[block_ids] = this rank's KV heads of `blocks` (rank 0's, shaped as gather_kv_blocks returns
+        them; None on the other ranks): what a KV transfer receives."""
+        shape = (len(block_ids), *self.kv_cache.shape[1:])
+        if self.rank == 0:
+            full = (shape[0], *shape[1:4], shape[4] * self.tp_size, shape[5])
+            if tuple(blocks.shape) != full or blocks.dtype != self.kv_cache.dtype:
+                raise ValueError(f"blocks: {tuple(blocks.shape)} {blocks.dtype}, must be {full} {self.kv_cache.dtype}")
+            blocks = blocks.to(self.device, non_blocking=True)
+        index = self._block_index(block_ids)
+        if self.driver is not None:
+            self.driver.call("scatter_kv_blocks", block_ids, None)
+        if self.tp_size > 1:
+            blocks = self._collective("KV scatter", scatter_heads, blocks, shape, self.kv_cache.dtype, self.device,
+                                      self.rank, self.tp_size)
+        self.kv_cache.index_copy_(0, index, blocks.to(self.device, non_blocking=True))
 
     @property
     def kv_bytes_per_block(self) -> int:
@@ -430,7 +475,12 @@ class ModelRunner:
             query_start_loc=torch.tensor([0, n], dtype=torch.int32, device=dev), max_query_len=n, max_seq_len=n)
         ids = torch.tensor(token_ids, dtype=torch.int64, device=dev)
         self.model(ids, torch.arange(n, device=dev), layers, meta)
-        amax = cache.float().abs().amax(dim=(0, 3, 4, 5)).tolist()  # [num_layers, 2]: (K, V) of each layer
+        amax = cache.float().abs().amax(dim=(0, 3, 4, 5))  # [num_layers, 2]: (K, V) of each layer
+        if self.tp_size > 1:
+            # Every rank takes the largest over all KV heads, as one process would: the scales are the same whatever
+            # the tensor-parallel size, so a KV transfer between engines of different sizes keeps its meaning.
+            dist.all_reduce(amax, op=dist.ReduceOp.MAX)
+        amax = amax.tolist()
         del cache
         scales = [[2.0 ** math.ceil(math.log2(a * headroom / 448.0)) if math.isfinite(a) and a > 0 else 1.0
                    for a in layer] for layer in amax]

@@ -19,8 +19,9 @@ Status: the engine drives it (`--tensor-parallel-size N`, `LLM(..., tensor_paral
 spawns ranks 1..N-1 (engine/tp_worker.py), engine/loader.build_model splits each layer as it loads (shard_layer), and
 every step runs on every rank. Tested: 2 gloo ranks equal one process at the model level (tests/engine/test_tp.py,
 16-bit and fp8) and through the engine, token for token (tests/engine/test_tp_engine.py, on the CPU and, with NCCL, CUDA
-graphs and async scheduling, on two GPUs in float32 and bf16; where it last ran: bench/RESULTS.md). The disaggregated
-prefill/decode services refuse tp > 1 (their KV transfer moves one cache).
+graphs and async scheduling, on two GPUs in float32 and bf16; where it last ran: bench/RESULTS.md). The prefill and
+decode workers run it too: their KV transfers move whole blocks, gathered from and scattered to the ranks
+(engine/sharded_kv.py).
 """
 from __future__ import annotations
 

@@ -9,7 +9,7 @@ socket pair to rank 0; then rank 0's ModelRunner builds its own shard while they
 traceback and exits); once every rank has, they join one process group (NCCL on CUDA, rank r on cuda:base+r; gloo
 on the CPU; a file rendezvous in a temp dir) and run the same collectives in the same order: the CUDA memory
 profile (a forward), the all-reduce MIN of the KV blocks each rank's budget holds (so block ids mean the same on
-every rank), the fp8 KV calibration (a forward; each rank calibrates its own heads), then, when rank 0 captures its
+every rank), the fp8 KV calibration (a forward, then the largest |K| and |V| over every rank), then, when rank 0 captures its
 CUDA graphs, the same captures (it sends the call first).
 
 A step. Rank 0 schedules and packs the step's inputs into two host buffers (ModelRunner.step_inputs), picks the path (a

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import grpc
 import torch
 
+from engine.sharded_kv import ShardedKvCache
 from kv_transfer.base import GRPC, BlockReceiver, BlockRun, BlockSender, Transport
 from kv_transfer.layout import block_rows, id_runs
 from protos.tandem.v1 import kv_transfer_pb2
@@ -143,6 +144,8 @@ class GrpcBytesSender(BlockSender):
                        blocks_per_message: int, encoded: bool) -> list[kv_transfer_pb2.KvTransferMessage | KvBlocksOut]:
         """The blocks' bytes in messages of blocks_per_message blocks: KvBlocksOut when `encoded` (sent by a
         TransferKv whose serializer is `serialize`), else KvTransferMessage protos (for the generated stub)."""
+        if isinstance(kv_cache, ShardedKvCache):  # a tensor-parallel prefill: rank 0 gathers every head first
+            kv_cache, block_ids = kv_cache.read(block_ids), list(range(len(block_ids)))
         out = []
         for i in range(0, len(block_ids), blocks_per_message):
             run = block_ids[i:i + blocks_per_message]
@@ -273,6 +276,11 @@ class GrpcBytesReceiver(BlockReceiver):
 
     def write(self, kv_cache: torch.Tensor, block_ids: list[int], run: BlockRun, skip: int) -> None:
         data = memoryview(run.payload)[skip * self.block_bytes:] if skip else run.payload
+        if isinstance(kv_cache, ShardedKvCache):  # a tensor-parallel decode: rank 0 scatters each rank its heads
+            staged = torch.empty((len(block_ids), *kv_cache.shape[1:]), dtype=kv_cache.dtype)
+            write_blocks(staged, list(range(len(block_ids))), data)
+            kv_cache.write(block_ids, staged)
+            return
         write_blocks(kv_cache, block_ids, data)
 
 

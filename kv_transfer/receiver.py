@@ -33,6 +33,7 @@ import time
 import grpc
 import torch
 
+from engine.sharded_kv import ShardedKvCache
 from kv_transfer import nixl
 from kv_transfer.base import CUDA_IPC, GRPC, NIXL, BlockRun, KvPoll, Reservation, Reservations, TransferState
 from kv_transfer.cuda_ipc import MappedCaches, host_identity, ipc_refusal
@@ -57,6 +58,11 @@ class KvReceiver:
 
     def __init__(self, kv_cache: torch.Tensor, reservations: Reservations, path_metrics: KvPathMetrics):
         self.layout = layout_of(kv_cache)
+        # A tensor-parallel decode instance takes its KV as bytes through rank 0 (engine/sharded_kv.py): no peer
+        # cache is mapped or read into its ranks' caches.
+        self.sharded = (f"this decode instance is tensor-parallel (tensor_parallel_size="
+                        f"{kv_cache.tensor_parallel_size}): its ranks take their KV heads through rank 0"
+                        if isinstance(kv_cache, ShardedKvCache) else None)
         retain_freed_memory()  # this process receives KV: the messages' buffers are then reused, not faulted in
         self.host = host_identity()
         self.device = kv_cache.device
@@ -75,7 +81,7 @@ class KvReceiver:
         """Which path transfers from this prefill instance take: CUDA_IPC once its offered cache is mapped here,
         else NIXL once its offered agent is added (another host, or the prefill asks for NIXL on one host too), else
         GRPC."""
-        reason = layout_mismatch(self.layout, req.layout)
+        reason = layout_mismatch(self.layout, req.layout) or self.sharded
         if reason is not None:
             return self._grpc(req, reason)
         reason = ipc_refusal(self.host, self.device, req.cache if req.HasField("cache") else None)
@@ -188,6 +194,8 @@ class IncomingTransfer:
             bad = f"open.num_blocks={op.num_blocks}: the reservation holds {len(r.block_ids)} blocks"
         if bad is None and self.path not in TRANSPORTS:
             bad = f"open.path={self.path}: unknown transfer path"
+        if bad is None and self.path != GRPC and self.side.sharded:
+            bad = f"open.path={kv_transfer_pb2.KvTransferPath.Name(self.path)}: {self.side.sharded} (path GRPC)"
         if bad is not None:
             raise ServiceError(grpc.StatusCode.INVALID_ARGUMENT, bad)
         transport = TRANSPORTS[self.path].receiver(self.side)

@@ -39,6 +39,7 @@ import time
 import grpc
 import torch
 
+from engine.sharded_kv import ShardedKvCache
 from engine.utils import cdiv
 from kv_transfer import nixl
 from kv_transfer.base import AUTO, CUDA_IPC, GRPC, NIXL, KvPoll, TransferState
@@ -74,6 +75,11 @@ class KvSender:
     def __init__(self, kv_cache: torch.Tensor, kv_transfer: str = KvTransferConfig.transport):
         if kv_transfer not in CHOICES:
             raise ValueError(f"kv_transfer={kv_transfer!r}: must be one of {', '.join(CHOICES)}")
+        sharded = isinstance(kv_cache, ShardedKvCache)
+        if sharded and kv_transfer in (_IPC, _NIXL):
+            raise ValueError(f"--kv-transfer {kv_transfer} with --tensor-parallel-size "
+                             f"{kv_cache.tensor_parallel_size}: a tensor-parallel instance moves its KV through rank "
+                             f"0 as bytes, gathered from its ranks; use {AUTO} or {PATH_LABELS[GRPC]}")
         if kv_transfer == _IPC and kv_cache.device.type != "cuda":
             raise ValueError(f"kv_transfer={_IPC!r}: CUDA IPC needs the KV cache on a CUDA device, this one is on "
                              f"{kv_cache.device.type}; use {AUTO} or {PATH_LABELS[GRPC]}")
@@ -87,10 +93,10 @@ class KvSender:
         self.host = host_identity()
         # Exported once per process (each export takes a slot of torch's cross-process reference counter).
         self.cache = (export_cache(kv_cache, self.host) if kv_transfer != PATH_LABELS[GRPC]
-                      and self.device.type == "cuda" else None)
+                      and self.device.type == "cuda" and not sharded else None)
         # NIXL: --kv-transfer nixl, or auto with a CUDA cache and nixl installed (a CPU deployment is a test or a
         # toy: it keeps gRPC bytes unless asked). One agent per process, the whole cache registered once.
-        offer_nixl = kv_transfer == _NIXL or (kv_transfer == AUTO and self.device.type == "cuda"
+        offer_nixl = kv_transfer == _NIXL or (kv_transfer == AUTO and self.device.type == "cuda" and not sharded
                                               and nixl.import_error() is None)
         self.nixl = None
         if offer_nixl:

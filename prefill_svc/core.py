@@ -100,7 +100,7 @@ class PrefillCore(WorkerCore):
         # The decode instances this prefill may send KV to (None: any the caller names): prefill_svc/allowlist.py.
         self.decode_allowlist = (None if decode_allowlist is None else
                                  DecodeAllowlist(decode_allowlist, discovery, resolver))
-        self.sender = KvSender(engine.kv_cache, kv_transfer)  # validates kv_transfer
+        self.sender = KvSender(engine.transfer_kv, kv_transfer)  # validates kv_transfer
         self.path_metrics = KvPathMetrics(metrics, self.model_name, "prefill")
         self._tx: dict[str, _Tx] = {}  # engine thread only
         self._reqs: dict[str, _Req] = {}  # event loop only
@@ -153,7 +153,7 @@ class PrefillCore(WorkerCore):
             upto = cdiv(n, self.block_size) if final else min(out.num_computed_tokens, n) // self.block_size
             if upto > tx.sent_blocks:
                 ids = engine.get_block_ids(out.request_id)[tx.sent_blocks:upto]
-                for msg in self.sender.block_messages(engine.kv_cache, tx.path, tx.sent_blocks, ids, encoded=True):
+                for msg in self.sender.block_messages(engine.transfer_kv, tx.path, tx.sent_blocks, ids, encoded=True):
                     payloads.append((out.request_id, msg))
                 tx.sent_blocks = upto
             if final:

@@ -113,10 +113,6 @@ def main(role: WorkerRole, argv: list[str] | None = None) -> int:
         set_prefix(ns.metrics_prefix)
     except ValueError as e:
         parser.error(str(e))
-    if ns.tensor_parallel_size > 1:  # a KV transfer reads or writes one cache: the other ranks' KV heads would be lost
-        raise SystemExit(f"tandem {role.name}: tensor_parallel_size={ns.tensor_parallel_size}: a {role.name} worker "
-                         "moves the KV blocks of one cache (rank 0's); run it with --tensor-parallel-size 1 (tensor "
-                         "parallelism runs in the colocated router, `tandem up --colocated`, and the offline LLM)")
     if not 0 < ns.kv_transfer_timeout <= ns.max_kv_transfer_timeout:
         parser.error(f"--kv-transfer-timeout={ns.kv_transfer_timeout:g}: must be > 0 and at most "
                      f"--max-kv-transfer-timeout={ns.max_kv_transfer_timeout:g}")

@@ -216,9 +216,19 @@ def test_each_engine_gets_gpus_of_its_own_when_the_host_has_enough():
     # Too few GPUs: the engines share the default one and need fixed KV caches.
     assert gpu_placement(ns, 2) is None
     assert _check(ns, num_gpus=2).startswith("--device=cuda with 3 engines on one GPU (2 on this host, 3 needed")
-    # Tensor parallelism runs in the colocated engine only (the workers move one cache's KV).
-    tp = build_parser().parse_args(["--device", "cuda", "--tensor-parallel-size", "2"])
-    assert _check(tp, num_gpus=8).startswith("--tensor-parallel-size=2: prefill and decode workers run one GPU")
+    # Tensor-parallel workers: each takes the next tp GPUs (rank r on cuda:first+r); the sizes may differ per role.
+    tp = build_parser().parse_args(["--device", "cuda", "--tensor-parallel-size", "2", "--decode", "2",
+                                    "--decode-tp", "1"])
+    assert _check(tp, num_gpus=4) is None
+    cmds = launch_commands(tp, num_gpus=4)
+    assert {name: (cmd[cmd.index("--device") + 1], cmd[cmd.index("--tensor-parallel-size") + 1]
+                   if "--tensor-parallel-size" in cmd else "1") for name, cmd in cmds.items() if name != "router"} == {
+        "prefill-0": ("cuda:0", "2"), "decode-0": ("cuda:2", "1"), "decode-1": ("cuda:3", "1")}
+    assert "--tensor-parallel-size" not in cmds["router"]
+    assert _check(tp, num_gpus=3) == ("--prefill-tp=2 --decode-tp=1: tensor-parallel workers need GPUs of their own, "
+                                      "4 for these workers with --device cuda (or auto); this host has 3")
+    assert _check(build_parser().parse_args(["--decode-tp", "0"])) == "--decode-tp=0: must be >= 1"
+    assert "--colocated starts no workers" in _check(build_parser().parse_args(["--colocated", "--prefill-tp", "2"]))
     assert _check(build_parser().parse_args(["--colocated", "--tensor-parallel-size", "2"]), num_gpus=2) is None
     # An explicit GPU, the CPU and --colocated: no placement.
     for argv in (["--device", "cuda:1"], ["--device", "cpu"], ["--colocated", "--device", "cuda"]):

@@ -114,15 +114,43 @@ def test_bad_tensor_parallel_size(tiny_llama_dir):
     assert EngineArgs.from_cli_args(ns).create_engine_config().parallel.tensor_parallel_size == 2
 
 
-def test_services_refuse_tensor_parallelism():
-    """The prefill and decode services move KV blocks of rank 0's cache only."""
-    from decode_svc.server import main as decode_main
+def test_a_kv_transfer_moves_every_ranks_kv_heads(tiny_llama_dir):
+    """engine.transfer_kv with two ranks (what the prefill and decode services send and receive): a write scatters
+    each rank its own KV heads, a read gathers them back on rank 0; the layout is the whole model's."""
+    from kv_transfer.layout import layout_of
+
+    llm = LLM(str(tiny_llama_dir), tensor_parallel_size=2, **{**ENGINE, "device": "cpu"})
+    try:
+        kv, local = llm.engine.transfer_kv, llm.engine.kv_cache
+        heads = llm.engine.runner.hf_config.num_key_value_heads
+        assert (kv.shape[4], local.shape[4]) == (heads, heads // 2)
+        assert layout_of(kv).num_kv_heads == heads and layout_of(kv).block_bytes == 2 * local[0].nbytes
+        ids = [3, 4, 9, 0]
+        blocks = torch.randn(len(ids), *kv.shape[1:], generator=torch.Generator().manual_seed(0)).to(kv.dtype)
+        kv.write(ids, blocks)
+        assert torch.equal(local[ids], blocks[:, :, :, :, :heads // 2])  # rank 0 holds the first half of the heads
+        assert torch.equal(kv.read(ids), blocks)  # and rank 1 the second: they came back
+        assert torch.equal(kv.read([9]), blocks[2:3])
+        with pytest.raises(ValueError, match=r"block_ids: must lie in \[0, 32\)"):
+            kv.read([32])  # refused before any rank is asked: the group still works
+        with pytest.raises(ValueError, match="blocks: "):
+            kv.write(ids, blocks[:, :, :, :, :1])
+        assert torch.equal(kv.read(ids), blocks)
+        out = llm.generate(prompt_token_ids=[[5, 6, 7]], sampling_params=SamplingParams(max_tokens=2))
+        assert len(out[0].outputs[0].token_ids) == 2
+    finally:
+        llm.close()
+
+
+def test_a_tensor_parallel_prefill_refuses_the_paths_that_map_one_cache(capsys):
+    """CUDA IPC and NIXL map or register one process's cache; a tensor-parallel prefill's KV goes through rank 0."""
     from prefill_svc.server import main as prefill_main
 
-    for main in (prefill_main, decode_main):
+    for path in ("ipc", "nixl"):
         with pytest.raises(SystemExit) as e:
-            main(["--model", "random:tiny", "--tensor-parallel-size", "2"])
-        assert "tensor_parallel_size=2" in str(e.value.code)
+            prefill_main(["--model", "random:tiny", "--tensor-parallel-size", "2", "--kv-transfer", path])
+        assert e.value.code == 2
+        assert f"--kv-transfer {path} with --tensor-parallel-size 2: a tensor-parallel prefill" in capsys.readouterr().err
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
