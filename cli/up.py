@@ -295,6 +295,9 @@ def _stop_all(children: dict[str, subprocess.Popen], timeout: float) -> None:
 
 def _check(ns: argparse.Namespace, num_gpus: int = 0) -> str | None:
     """What is wrong with the flags as a whole, or None."""
+    if ns.nnodes != 1 or ns.node_rank != 0:
+        return (f"--nnodes={ns.nnodes} --node-rank={ns.node_rank}: tandem up runs one host; run a worker whose ranks "
+                "span hosts as `tandem prefill|decode --nnodes N --node-rank K` on each host (docs/operations.md)")
     if ns.colocated:
         given = [f"--{role}={n}" for role, n in (("prefill", ns.prefill), ("decode", ns.decode),
                                                   ("prefill-tp", ns.prefill_tp), ("decode-tp", ns.decode_tp))

@@ -51,6 +51,10 @@ class EngineArgs:
     preemption_mode: str = SchedulerConfig.preemption_mode
     device: str = DeviceConfig.device
     tensor_parallel_size: int = ParallelConfig.tensor_parallel_size
+    nnodes: int = ParallelConfig.nnodes
+    node_rank: int = ParallelConfig.node_rank
+    master_addr: str = ParallelConfig.master_addr
+    master_port: int = ParallelConfig.master_port
 
     def create_engine_config(self) -> EngineConfig:
         def build(cls):
@@ -58,6 +62,7 @@ class EngineArgs:
 
         config = EngineConfig(model=build(ModelConfig), cache=build(CacheConfig), scheduler=build(SchedulerConfig),
                               device=build(DeviceConfig), parallel=build(ParallelConfig))
+        config.parallel.check()
         _check_device(config.device.torch_device)
         return config
 

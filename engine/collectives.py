@@ -6,6 +6,8 @@ min_over_ranks, share_tokens, gather_heads and scatter_heads without knowing whi
 """
 from __future__ import annotations
 
+from datetime import timedelta
+
 import torch
 import torch.distributed as dist
 
@@ -14,11 +16,34 @@ class WorkerError(RuntimeError):
     """A tensor-parallel worker died or the group broke: this engine cannot run another step."""
 
 
-def init_group(rank: int, world: int, device: torch.device, init_method: str) -> None:
+# How long a rank waits for rank 0's next message on the control group of ranks on several hosts: an idle engine
+# sends none, so this is no deadline (a peer that dies closes its connections, which ends the wait at once).
+CONTROL_TIMEOUT = timedelta(days=365)
+
+
+def init_group(rank: int, world: int, device: torch.device, init_method: str, control: bool = False):
+    """Joins the engine's process group; with `control` (ranks on several hosts) also a gloo group over which rank 0
+    sends every rank its messages (send_message / receive_message), returned."""
     if device.type == "cuda":
         torch.cuda.set_device(device)
     dist.init_process_group("nccl" if device.type == "cuda" else "gloo", init_method=init_method, rank=rank,
                             world_size=world)
+    return dist.new_group(backend="gloo", timeout=CONTROL_TIMEOUT) if control else None
+
+
+def send_message(msg: bytes, group) -> None:
+    """Rank 0: one message to every rank of the control group (its length, then its bytes)."""
+    dist.broadcast(torch.tensor([len(msg)], dtype=torch.int64), 0, group=group)
+    dist.broadcast(torch.frombuffer(bytearray(msg), dtype=torch.uint8), 0, group=group)
+
+
+def receive_message(group) -> bytearray:
+    """A worker: rank 0's next message on the control group."""
+    n = torch.zeros(1, dtype=torch.int64)
+    dist.broadcast(n, 0, group=group)
+    buf = bytearray(int(n.item()))
+    dist.broadcast(torch.frombuffer(buf, dtype=torch.uint8), 0, group=group)
+    return buf
 
 
 def barrier(device: torch.device) -> None:

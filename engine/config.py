@@ -147,9 +147,41 @@ class ParallelConfig:
     tensor_parallel_size: int = 1
     """Ranks the model's layers are split across (Megatron tensor parallelism, vLLM's flag): the engine process is rank 0, the others are spawned processes; on CUDA rank r runs on cuda:(N + r) for --device cuda:N. Must divide the attention heads, the KV heads and the MLP width."""
 
+    nnodes: int = 1
+    """Hosts the tensor-parallel ranks span (torchrun's --nnodes; a Kubernetes LeaderWorkerSet's group size): each runs tensor_parallel_size / nnodes of them. Every host runs the same command with its own --node-rank; node 0 serves and holds rank 0, the others run only their ranks."""
+    node_rank: int = 0
+    """This host's place among the --nnodes hosts: 0 serves; node k runs ranks k * tensor_parallel_size / nnodes onwards."""
+    master_addr: str = "127.0.0.1"
+    """Node 0's address, where every rank meets (torch.distributed's TCP rendezvous; torchrun's --master-addr)."""
+    master_port: int = 29500
+    """The rendezvous port on --master-addr (torchrun's --master-port)."""
+
     def __post_init__(self) -> None:
         if self.tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size={self.tensor_parallel_size}: must be >= 1")
+        if self.nnodes < 1:
+            raise ValueError(f"nnodes={self.nnodes}: must be >= 1")
+        if self.node_rank < 0:
+            raise ValueError(f"node_rank={self.node_rank}: must be >= 0")
+        if not 0 < self.master_port < 65536:
+            raise ValueError(f"master_port={self.master_port}: must be 1 to 65535")
+
+    def check(self) -> None:
+        """The fields' agreement with each other (ValueError naming them; each is checked alone at parse time)."""
+        if self.node_rank >= self.nnodes:
+            raise ValueError(f"node_rank={self.node_rank}: must be below nnodes={self.nnodes}")
+        if self.tensor_parallel_size % self.nnodes:
+            raise ValueError(f"nnodes={self.nnodes}: must divide tensor_parallel_size={self.tensor_parallel_size} "
+                             "(every host runs as many ranks)")
+
+    @property
+    def ranks_per_node(self) -> int:
+        return self.tensor_parallel_size // self.nnodes
+
+    @property
+    def init_method(self) -> str | None:
+        """The rendezvous of ranks on several hosts (None: one host, which picks its own)."""
+        return f"tcp://{self.master_addr}:{self.master_port}" if self.nnodes > 1 else None
 
 
 @dataclass

@@ -489,13 +489,13 @@ class ModelRunner:
 
 
 def rank_device(config: EngineConfig, rank: int) -> torch.device:
-    """Tensor-parallel rank `rank`'s device: cuda:(base + rank), base being the configured index or else the
-    current device; the CPU for every rank otherwise."""
+    """Tensor-parallel rank `rank`'s device: cuda:(base + its place on its host), base being the configured index or
+    else the current device; the CPU for every rank otherwise."""
     device = config.device.torch_device
     if device.type != "cuda":
         return device
     base = device.index if device.index is not None else torch.cuda.current_device()
-    return torch.device("cuda", base + rank)
+    return torch.device("cuda", base + rank % config.parallel.ranks_per_node)
 
 
 def use_device(device: torch.device) -> None:

@@ -86,17 +86,19 @@ class RowParallelLinear(nn.Module):
         return y
 
 
-def check_tensor_parallel(config, world: int, device: torch.device | None = None) -> None:
-    """ValueError naming the field when `world` ranks cannot split this model (or, on CUDA, find their GPUs)."""
+def check_tensor_parallel(config, world: int, device: torch.device | None = None, local: int | None = None) -> None:
+    """ValueError naming the field when `world` ranks cannot split this model (or, on CUDA, find their GPUs: `local`
+    of them on this host, all of them by default)."""
     for name in ("num_attention_heads", "num_key_value_heads", "intermediate_size"):
         n = getattr(config, name)
         if n % world:
             raise ValueError(f"tensor_parallel_size={world}: must divide {name}={n}")
-    if device is not None and device.type == "cuda" and world > 1:
+    local = world if local is None else local
+    if device is not None and device.type == "cuda" and local > 1:
         base, count = device.index or 0, torch.cuda.device_count()
-        if base + world > count:
-            raise ValueError(f"tensor_parallel_size={world}: ranks on cuda:{base}..cuda:{base + world - 1} need "
-                             f"{base + world} GPUs, torch.cuda.device_count()={count}")
+        if base + local > count:
+            raise ValueError(f"tensor_parallel_size={world}: ranks on cuda:{base}..cuda:{base + local - 1} need "
+                             f"{base + local} GPUs, torch.cuda.device_count()={count}")
 
 
 @torch.no_grad()

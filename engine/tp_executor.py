@@ -19,7 +19,7 @@ from multiprocessing.connection import Connection, wait
 import torch
 import torch.distributed as dist
 
-from engine.collectives import WorkerError, barrier, init_group
+from engine.collectives import WorkerError, barrier, init_group, send_message
 from engine.config import DeviceConfig
 from engine.model_runner import StepInputs, rank_device
 from engine.tp import check_tensor_parallel
@@ -34,31 +34,37 @@ class TPDriver:
     def __init__(self, config, resolved, eos_token_id):
         """Checks that the model splits over config.parallel.tensor_parallel_size ranks (ValueError naming the field
         otherwise), then spawns ranks 1..N-1; rank 0 runs on rank_device(config, 0), rank r on cuda:base+r."""
-        world = config.parallel.tensor_parallel_size
+        parallel = config.parallel
+        world, local = parallel.tensor_parallel_size, parallel.ranks_per_node
+        if parallel.node_rank != 0:
+            raise ValueError(f"node_rank={parallel.node_rank}: only node 0 runs the engine (the other nodes run "
+                             "their ranks: engine/tp_node.py)")
         device = rank_device(config, 0)
-        check_tensor_parallel(resolved.config, world, device)
+        check_tensor_parallel(resolved.config, world, device, local)
         if dist.is_available() and dist.is_initialized():
             raise RuntimeError(f"tensor_parallel_size={world}: this process already has a torch.distributed group "
                                "(another engine with tensor_parallel_size > 1 still open?): close() it first")
         self.world, self.device = world, device
+        # Ranks on several hosts: every message goes to every rank over a gloo group (a pipe reaches only this host).
+        self.nnodes, self.control = parallel.nnodes, None
         self._threads = torch.get_num_threads()  # restored at shutdown
         if device.type != "cuda":
             # The ranks share the host's cores: each takes its part (with every rank's OpenMP threads on all cores,
             # their spinning starved the others' collectives: a step ran several times slower; bench/RESULTS.md).
-            torch.set_num_threads(max(1, self._threads // world))
+            torch.set_num_threads(max(1, self._threads // local))
         self.closed = False
         self.joined = False  # the process group exists
         self.broken: str | None = None  # why the group can run no more steps
         self.send_seconds, self.num_steps = 0.0, 0  # the per-step cost of sending steps (bench/tests read it)
         self._dir = tempfile.mkdtemp(prefix="tandem-tp-")
-        self._init_method = f"file://{self._dir}/rendezvous"
+        self._init_method = parallel.init_method or f"file://{self._dir}/rendezvous"
         # The workers' config names rank 0's device exactly ('cuda' alone would be each process's current device).
         config = replace(config, device=DeviceConfig(str(device)))
         ctx = mp.get_context("spawn")
         self.conns: list[Connection] = []
         self.procs: list[mp.process.BaseProcess] = []
         atexit.register(self.shutdown)
-        for rank in range(1, world):
+        for rank in range(1, local):  # (node k > 0 starts ranks k * local .. itself)
             ours, theirs = ctx.Pipe()
             p = ctx.Process(target=worker_main, name=f"tandem-tp-rank{rank}", daemon=True,
                             args=(rank, config, resolved, eos_token_id, self._init_method, theirs))
@@ -104,16 +110,19 @@ class TPDriver:
                 if msg[0] != "built":
                     raise self.fail(f"rank {rank} failed while building its shard: {msg[1].strip()[-2000:]}")
                 del pending[rank]
-        init_group(0, self.world, self.device, self._init_method)
+        self.control = init_group(0, self.world, self.device, self._init_method, control=self.nnodes > 1)
         self.joined = True  # (the store stays until shutdown: NCCL exchanges its ids through it later)
 
     def _send(self, msg: bytes) -> None:
         if self.broken is not None:
             raise WorkerError(self.broken)
         try:
-            for conn in self.conns:
-                conn.send_bytes(msg)
-        except OSError as e:
+            if self.control is not None:
+                send_message(msg, self.control)
+            else:
+                for conn in self.conns:
+                    conn.send_bytes(msg)
+        except (OSError, RuntimeError) as e:  # (gloo: a rank on another host is gone)
             raise self.fail(f"sending to a worker failed ({e!r})") from e
 
     def send_step(self, step: StepInputs, path: tuple[int, int, int], share: bool) -> None:
@@ -148,9 +157,7 @@ class TPDriver:
                     and all(p.is_alive() for p in self.procs))
         if graceful:
             try:
-                stop = encode_stop()
-                for conn in self.conns:
-                    conn.send_bytes(stop)
+                self._send(encode_stop())
                 barrier(self.device)
             except Exception:  # noqa: BLE001 - a worker died meanwhile: kill the rest
                 log.exception("tensor-parallel shutdown: a worker did not answer; killing the workers")

@@ -20,6 +20,10 @@ row-parallel linears all-reduce. Only rank 0 computes logits and samples. With a
 previous step's sampled token, still on rank 0's device: rank 0 broadcasts each step's sampled tokens over the group and
 the workers keep them for the next step's inputs.
 
+Ranks on several hosts (`--nnodes`, engine/tp_node.py starts a node's ranks): the group meets at node 0's TCP
+rendezvous instead of a file, and rank 0 sends every message to every rank over a gloo control group
+(collectives.send_message) rather than the pipes, which then only carry each local worker's start-up report.
+
 Failures. A worker that dies breaks the group: rank 0 sees it when it sends the next step (the socket is closed),
 or as an error inside a collective (gloo), and raises WorkerError (the engine does not swallow it as a bad batch);
 the other workers are killed and every worker is reaped. A worker whose rank 0 is gone sees its socket close and
@@ -42,7 +46,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from engine.collectives import barrier, init_group, receive_tokens
+from engine.collectives import barrier, init_group, receive_message, receive_tokens
 from engine.model_runner import ModelRunner, StepInputs, _offsets, warm_up_attention
 
 _STEP, _CALL, _STOP = 1, 2, 3
@@ -78,14 +82,16 @@ def decode_step(buf: bytearray) -> tuple[StepInputs, tuple[int, int, int], bool]
 
 
 class _WorkerLink:
-    """A worker's side of ModelRunner's start-up: says it has built, then joins the group."""
+    """A worker's side of ModelRunner's start-up: says it has built, then joins the group (and, with ranks on several
+    hosts, the control group rank 0 sends its messages over)."""
 
-    def __init__(self, rank: int, world: int, init_method: str, conn: Connection):
-        self.rank, self.world, self.init_method, self.conn = rank, world, init_method, conn
+    def __init__(self, rank: int, world: int, init_method: str, conn: Connection, nnodes: int = 1):
+        self.rank, self.world, self.init_method, self.conn, self.nnodes = rank, world, init_method, conn, nnodes
+        self.control = None
 
     def join_group(self, device: torch.device) -> None:
         self.conn.send(("built", ""))
-        init_group(self.rank, self.world, device, self.init_method)
+        self.control = init_group(self.rank, self.world, device, self.init_method, control=self.nnodes > 1)
 
 
 @torch.inference_mode()
@@ -97,15 +103,28 @@ def worker_step(runner: ModelRunner, step: StepInputs, path: tuple[int, int, int
     return receive_tokens(step.num_sampled, runner.device) if share else None
 
 
-def _serve(runner: ModelRunner, conn: Connection) -> None:
+def _pipe_messages(conn: Connection):
+    """Rank 0's messages over this worker's pipe (ranks on one host): (buffer, length), the buffer reused."""
     buf = bytearray(1 << 16)
-    prev_tokens = None
     while True:
         try:
             n = conn.recv_bytes_into(buf)
         except mp.BufferTooShort as e:
             buf = bytearray(e.args[0])
             n = len(buf)
+        yield buf, n
+
+
+def _control_messages(group):
+    """Rank 0's messages over the control group (ranks on several hosts)."""
+    while True:
+        buf = receive_message(group)
+        yield buf, len(buf)
+
+
+def _serve(runner: ModelRunner, messages) -> None:
+    prev_tokens = None
+    for buf, n in messages:
         kind = int(np.frombuffer(buf, np.int64, 1)[0])
         if kind == _STEP:
             step, path, share = decode_step(buf)
@@ -125,12 +144,12 @@ def worker_main(rank: int, config, resolved, eos_token_id, init_method: str, con
     try:
         world = config.parallel.tensor_parallel_size
         if config.device.torch_device.type != "cuda":
-            torch.set_num_threads(max(1, torch.get_num_threads() // world))
-        link = _WorkerLink(rank, world, init_method, conn)
+            torch.set_num_threads(max(1, torch.get_num_threads() // config.parallel.ranks_per_node))
+        link = _WorkerLink(rank, world, init_method, conn, config.parallel.nnodes)
         runner = ModelRunner(config, resolved, eos_token_id, rank=rank, link=link)
         if runner.device.type == "cuda":
             warm_up_attention(runner)
-        _serve(runner, conn)
+        _serve(runner, _pipe_messages(conn) if link.control is None else _control_messages(link.control))
         runner.release_cuda_graphs()  # before the group: NCCL waits for graphs that captured its collectives
         dist.destroy_process_group()
     except (EOFError, ConnectionError):  # rank 0 is gone (or killed us): nothing to report to

@@ -122,6 +122,14 @@ def main(role: WorkerRole, argv: list[str] | None = None) -> int:
         parser.error(str(e))
     role = replace(role, make_core=partial(role.make_core, **kwargs))
     configure_logging(role.name, ns.log_level, ns.log_format)
+    if ns.node_rank > 0:  # another host's share of node 0's tensor-parallel ranks: it serves nothing itself
+        from engine.tp_node import run_node
+
+        try:
+            return run_node(EngineArgs.from_cli_args(ns).create_engine_config())
+        except ValueError as e:
+            print(f"tandem {role.name}: {e}", file=sys.stderr)
+            return 1
     setup_tracing(role.name, ns.otlp_traces_endpoint)
     from engine import LLMEngine
 

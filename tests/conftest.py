@@ -72,6 +72,19 @@ def tiny_llama_dir(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def tiny_llama_4kv_dir(tmp_path_factory) -> Path:
+    """tiny_llama_dir with 4 KV heads (no grouped queries): four tensor-parallel ranks can split it."""
+    from transformers import LlamaConfig
+
+    config = LlamaConfig(
+        architectures=["LlamaForCausalLM"], tie_word_embeddings=False,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0}, rms_norm_eps=1e-5,
+        **{**_common(), "num_key_value_heads": 4},
+    )
+    return build_tiny_model_dir(tmp_path_factory.mktemp("tiny-llama-4kv"), config, seed=2)
+
+
+@pytest.fixture(scope="session")
 def tiny_qwen2_dir(tmp_path_factory) -> Path:
     """Qwen2 (q/k/v biases, drawn non-zero), same shape as tiny_llama_dir, untied embeddings."""
     from transformers import Qwen2Config

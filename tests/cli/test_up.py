@@ -229,6 +229,7 @@ def test_each_engine_gets_gpus_of_its_own_when_the_host_has_enough():
                                       "4 for these workers with --device cuda (or auto); this host has 3")
     assert _check(build_parser().parse_args(["--decode-tp", "0"])) == "--decode-tp=0: must be >= 1"
     assert "--colocated starts no workers" in _check(build_parser().parse_args(["--colocated", "--prefill-tp", "2"]))
+    assert _check(build_parser().parse_args(["--nnodes", "2"])).startswith("--nnodes=2 --node-rank=0: tandem up runs one")
     assert _check(build_parser().parse_args(["--colocated", "--tensor-parallel-size", "2"]), num_gpus=2) is None
     # An explicit GPU, the CPU and --colocated: no placement.
     for argv in (["--device", "cuda:1"], ["--device", "cpu"], ["--colocated", "--device", "cuda"]):

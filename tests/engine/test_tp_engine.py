@@ -6,6 +6,9 @@ from __future__ import annotations
 import argparse
 import os
 import signal
+import socket
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -151,6 +154,74 @@ def test_a_tensor_parallel_prefill_refuses_the_paths_that_map_one_cache(capsys):
             prefill_main(["--model", "random:tiny", "--tensor-parallel-size", "2", "--kv-transfer", path])
         assert e.value.code == 2
         assert f"--kv-transfer {path} with --tensor-parallel-size 2: a tensor-parallel prefill" in capsys.readouterr().err
+
+
+# ---- ranks on several hosts: two "nodes" on 127.0.0.1 -----------------------------------------------------------
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _start_node(model, tp: int, port: int) -> subprocess.Popen:
+    """Node 1 as an operator starts it on its host: the worker's command line with --node-rank 1 (it serves nothing;
+    it runs ranks tp/2 .. tp-1)."""
+    flags = [x for k, v in ENGINE.items() for x in (f"--{k.replace('_', '-')}", str(v))]
+    return subprocess.Popen([sys.executable, "-m", "cli", "decode", "--model", str(model), "--device", "cpu",
+                             "--tensor-parallel-size", str(tp), "--nnodes", "2", "--node-rank", "1",
+                             "--master-addr", "127.0.0.1", "--master-port", str(port), *flags],
+                            cwd=Path(__file__).resolve().parents[2], stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+
+
+def _stop(node: subprocess.Popen) -> str:
+    if node.poll() is None:
+        os.killpg(node.pid, signal.SIGKILL)
+    return node.communicate(timeout=60)[0]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("fixture, tp", [("tiny_llama_dir", 2), ("tiny_llama_4kv_dir", 4)])
+def test_ranks_on_two_nodes_generate_what_one_process_does(request, fixture, tp):
+    """tp=2: one rank per node; tp=4: ranks 0-1 here (rank 1 a local worker), ranks 2-3 on node 1. Every rank gets
+    rank 0's steps over the gloo control group; a graceful close stops node 1's ranks, and node 1 exits 0."""
+    model = request.getfixturevalue(fixture)
+    want, preempted, hits = run(model, 1)
+    port = _free_port()
+    node = _start_node(model, tp, port)
+    try:
+        got, preempted2, hits2 = run(model, tp, nnodes=2, node_rank=0, master_port=port)
+        assert got == want
+        assert (preempted2, hits2) == (preempted, hits)
+        assert node.wait(timeout=120) == 0, _stop(node)
+    finally:
+        out = _stop(node)
+    assert "ranks stopped (exit 0)" in out, out
+
+
+@pytest.mark.slow
+def test_a_node_that_dies_breaks_the_engine_and_a_bad_node_rank_is_refused(tiny_llama_dir):
+    from engine.collectives import WorkerError
+
+    port = _free_port()
+    node = _start_node(tiny_llama_dir, 2, port)
+    try:
+        llm = LLM(str(tiny_llama_dir), tensor_parallel_size=2, nnodes=2, node_rank=0, master_port=port,
+                  **{**ENGINE, "device": "cpu"})
+        sp = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+        assert len(llm.generate(prompt_token_ids=[[5, 6, 7]], sampling_params=sp)[0].outputs[0].token_ids) == 4
+        os.killpg(node.pid, signal.SIGKILL)  # node 1 and its rank: their connections close
+        node.wait(timeout=60)
+        with pytest.raises(WorkerError, match="tensor-parallel group broken"):
+            llm.generate(prompt_token_ids=[[5, 6, 7]], sampling_params=sp)
+        llm.close()
+        assert not torch.distributed.is_initialized()
+    finally:
+        _stop(node)
+    for kw, match in ((dict(nnodes=2, node_rank=2), "node_rank=2: must be below nnodes=2"),
+                      (dict(nnodes=3), "nnodes=3: must divide tensor_parallel_size=2")):
+        with pytest.raises(ValueError, match=match):
+            LLM(str(tiny_llama_dir), tensor_parallel_size=2, **kw)
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
