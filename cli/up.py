@@ -41,6 +41,7 @@ from dataclasses import fields
 import torch
 
 from engine.args import EngineArgs, add_engine_args
+from kv_transfer.registry import CHOICES as KV_CHOICES
 from router.grpc_server import DEFAULT_MAX_MESSAGE_BYTES, MAX_MESSAGE_FLAG
 from router.admission import admission_flags
 from router.server import OPTIONAL_ROUTER_FLAGS, add_router_args
@@ -83,6 +84,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--decode-tp", "--decode-tensor-parallel-size", dest="decode_tp", type=int, default=None,
                    help="tensor-parallel ranks of each decode worker (default: --tensor-parallel-size); it may differ "
                         "from the prefill's: both ends of a KV transfer move whole blocks, every KV head")
+    p.add_argument("--kv-transfer", choices=KV_CHOICES, default=None,
+                   help="how KV blocks reach the decode workers, passed to every prefill worker (tandem prefill "
+                        "--help says each; default: theirs, auto)")
     p.add_argument("--colocated", action="store_true",
                    help="no workers: the router runs one engine for prefill and decode alike (the baseline the "
                         "disaggregated stack is measured against)")
@@ -233,7 +237,8 @@ def launch_commands(ns: argparse.Namespace, address=None, num_gpus: int = 0) -> 
     for name, cmd in cmds.items():  # a prefill sends KV only to the decode instances the router names
         if name.startswith("prefill-"):
             at = cmd.index("--metrics-port") + 2
-            cmd[at:at] = ["--decode-allowlist", addrs("decode")]
+            path = [] if ns.kv_transfer is None else ["--kv-transfer", ns.kv_transfer]
+            cmd[at:at] = ["--decode-allowlist", addrs("decode"), *path]
     cmds["router"] = ["tandem", "router", "--host", ns.host, "--grpc-port", str(ns.grpc_port),
                       "--http-port", str(ns.http_port), "--prefill", addrs("prefill"), "--decode", addrs("decode"),
                       "--policy", ns.policy, *_router_only_flags(ns), *admission_flags(ns), *every,

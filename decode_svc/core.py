@@ -264,7 +264,7 @@ class DecodeCore(WorkerCore):
         return self.worker.queue(self._commit, rid, first_token_id, before)  # runs after every write
 
     def on_engine(self, fn):
-        return self.worker.call(lambda engine: fn(engine.kv_cache))
+        return self.worker.call(lambda engine: fn(engine.transfer_kv))
 
     def committed(self, d: _Dec, out) -> None:
         d.committed = True

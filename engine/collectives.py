@@ -16,29 +16,45 @@ class WorkerError(RuntimeError):
     """A tensor-parallel worker died or the group broke: this engine cannot run another step."""
 
 
-# How long a rank waits for rank 0's next message on the control group of ranks on several hosts: an idle engine
-# sends none, so this is no deadline (a peer that dies closes its connections, which ends the wait at once).
-CONTROL_TIMEOUT = timedelta(days=365)
+class RankError(RuntimeError):
+    """A collective_rpc function raised on one rank (the group is well: only that call failed). `code` is the
+    exception's own `code` attribute where it had one (a ServiceError's status)."""
+
+    def __init__(self, rank: int, kind: str, message: str, code=None):
+        super().__init__(f"rank {rank}: {kind}: {message}")
+        self.rank, self.kind, self.message, self.code = rank, kind, message, code
+
+    @classmethod
+    def of(cls, rank: int, e: BaseException) -> "RankError":
+        return cls(rank, type(e).__name__, str(e), getattr(e, "code", None))
+
+    def __reduce__(self):  # (sent between ranks by gather_object)
+        return RankError, (self.rank, self.kind, self.message, self.code)
 
 
-def init_group(rank: int, world: int, device: torch.device, init_method: str, control: bool = False):
-    """Joins the engine's process group; with `control` (ranks on several hosts) also a gloo group over which rank 0
-    sends every rank its messages (send_message / receive_message), returned."""
+# How long a rank waits on the engine's gloo group, e.g. for rank 0's next message with ranks on several hosts: an
+# idle engine sends none, so this is no deadline (a peer that dies closes its connections, which ends a wait at once).
+CPU_GROUP_TIMEOUT = timedelta(days=365)
+
+
+def init_group(rank: int, world: int, device: torch.device, init_method: str):
+    """Joins the engine's process group, and returns a gloo group of the same ranks for host objects: rank 0's
+    messages with ranks on several hosts (send_message / receive_message), collective_rpc's results."""
     if device.type == "cuda":
         torch.cuda.set_device(device)
     dist.init_process_group("nccl" if device.type == "cuda" else "gloo", init_method=init_method, rank=rank,
                             world_size=world)
-    return dist.new_group(backend="gloo", timeout=CONTROL_TIMEOUT) if control else None
+    return dist.new_group(backend="gloo", timeout=CPU_GROUP_TIMEOUT)
 
 
 def send_message(msg: bytes, group) -> None:
-    """Rank 0: one message to every rank of the control group (its length, then its bytes)."""
+    """Rank 0: one message to every rank of the gloo group (its length, then its bytes)."""
     dist.broadcast(torch.tensor([len(msg)], dtype=torch.int64), 0, group=group)
     dist.broadcast(torch.frombuffer(bytearray(msg), dtype=torch.uint8), 0, group=group)
 
 
 def receive_message(group) -> bytearray:
-    """A worker: rank 0's next message on the control group."""
+    """A worker: rank 0's next message on the gloo group."""
     n = torch.zeros(1, dtype=torch.int64)
     dist.broadcast(n, 0, group=group)
     buf = bytearray(int(n.item()))

@@ -15,7 +15,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from engine.collectives import gather_heads, min_over_ranks, scatter_heads, share_tokens
+from engine.collectives import RankError, gather_heads, min_over_ranks, scatter_heads, share_tokens
 from engine.config import EngineConfig, resolve_dtype
 from engine.loader import ResolvedModel, build_model
 from engine.model import AttentionMetadata, LayerKV
@@ -157,6 +157,7 @@ class ModelRunner:
         if link is not None:
             # Every rank has built its shard: from here on, every rank runs the same collectives in the same order.
             link.join_group(self.device)
+        self.cpu_group = link.cpu_group if link is not None else None  # gloo, for host objects (collective_rpc)
         self.num_blocks = self._num_blocks()
         if self.tp_size > 1:  # block ids mean the same on every rank
             self.num_blocks = min_over_ranks(self.num_blocks, self.device)
@@ -201,6 +202,27 @@ class ModelRunner:
             return fn(*args)
         except Exception as e:
             raise self.driver.fail(f"rank 0's {what} failed: {e!r}") from e
+
+    def collective_rpc(self, fn, args: tuple = ()) -> list | None:
+        """fn(runner, *args) on every rank (fn: a module-level function, sent by reference; vLLM's collective_rpc):
+        on rank 0 the results in rank order, None on the others. A rank's exception is carried back, not raised
+        where it happened (every rank finishes the call), and rank 0 raises RankError naming the rank."""
+        if self.tp_size == 1:
+            return [fn(self, *args)]
+        if self.driver is not None:
+            self.driver.call("collective_rpc", fn, args)
+        try:
+            out = (fn(self, *args), None)
+        except Exception as e:  # noqa: BLE001 - carried back to rank 0
+            out = (None, RankError.of(self.rank, e))
+        gathered = [None] * self.tp_size if self.rank == 0 else None
+        self._collective("collective_rpc", dist.gather_object, out, gathered, 0, self.cpu_group)
+        if self.rank != 0:
+            return None
+        for _, err in gathered:
+            if err is not None:
+                raise err
+        return [result for result, _ in gathered]
 
     def gather_kv_blocks(self, block_ids: list[int]) -> torch.Tensor | None:
         """Blocks `block_ids` with every rank's KV heads, [n, num_layers, 2, block_size, num_kv_heads * tp, row], on

@@ -32,6 +32,11 @@ class ShardedKvCache:
         """Engine thread: blocks `block_ids`, [n, num_layers, 2, block_size, num_kv_heads, row], every head."""
         return self._runner.gather_kv_blocks(block_ids)
 
+    def collective_rpc(self, fn, *args) -> list:
+        """Engine thread: fn(runner, *args) on every rank, the results in rank order (ModelRunner.collective_rpc):
+        what a transport that moves each rank's own heads runs (kv_transfer/nixl.py)."""
+        return self._runner.collective_rpc(fn, args)
+
     def write(self, block_ids: list[int], blocks: torch.Tensor) -> None:
         """Engine thread: cache[block_ids] = blocks (shaped as read returns them), each rank its own heads."""
         self._runner.scatter_kv_blocks(block_ids, blocks)

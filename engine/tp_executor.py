@@ -47,6 +47,7 @@ class TPDriver:
         self.world, self.device = world, device
         # Ranks on several hosts: every message goes to every rank over a gloo group (a pipe reaches only this host).
         self.nnodes, self.control = parallel.nnodes, None
+        self.cpu_group = None  # the group's gloo twin (engine/collectives.init_group)
         self._threads = torch.get_num_threads()  # restored at shutdown
         if device.type != "cuda":
             # The ranks share the host's cores: each takes its part (with every rank's OpenMP threads on all cores,
@@ -110,7 +111,8 @@ class TPDriver:
                 if msg[0] != "built":
                     raise self.fail(f"rank {rank} failed while building its shard: {msg[1].strip()[-2000:]}")
                 del pending[rank]
-        self.control = init_group(0, self.world, self.device, self._init_method, control=self.nnodes > 1)
+        self.cpu_group = init_group(0, self.world, self.device, self._init_method)
+        self.control = self.cpu_group if self.nnodes > 1 else None
         self.joined = True  # (the store stays until shutdown: NCCL exchanges its ids through it later)
 
     def _send(self, msg: bytes) -> None:

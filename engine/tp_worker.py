@@ -87,11 +87,12 @@ class _WorkerLink:
 
     def __init__(self, rank: int, world: int, init_method: str, conn: Connection, nnodes: int = 1):
         self.rank, self.world, self.init_method, self.conn, self.nnodes = rank, world, init_method, conn, nnodes
-        self.control = None
+        self.control = self.cpu_group = None
 
     def join_group(self, device: torch.device) -> None:
         self.conn.send(("built", ""))
-        self.control = init_group(self.rank, self.world, device, self.init_method, control=self.nnodes > 1)
+        self.cpu_group = init_group(self.rank, self.world, device, self.init_method)
+        self.control = self.cpu_group if self.nnodes > 1 else None
 
 
 @torch.inference_mode()

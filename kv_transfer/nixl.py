@@ -22,6 +22,14 @@ own descriptors come from the reservation), and NIXL refuses a remote descriptor
 memory. `--kv-transfer nixl` forces this path, on one host too; `auto` offers it for a CUDA cache only and the
 decode takes it between hosts only (CUDA IPC on one host).
 
+Tensor-parallel instances (engine/sharded_kv.py): each rank registers its own cache (its KV heads of every block)
+with an agent of its own, in its own process (`rank_offer`, run on every rank through the engine's collective_rpc),
+and the prefill's handshake offers them all in rank order (`nixl_ranks`, `RankCaches`). A decode instance of as many
+ranks adds, on each rank, the prefill rank of the same number (`rank_add`) and reads each run rank to rank
+(`rank_read`): every rank moves its own heads, whole blocks of its own cache, and the run is done when every rank's
+read is. Sizes that differ take gRPC bytes (whole blocks through rank 0): a rank's heads would then be a strided part
+of another size's blocks, one descriptor per token and layer.
+
 nixl is optional (`nixl-cu12` from PyPI, installed --no-deps beside torch): imported on first use (`import_error`).
 """
 from __future__ import annotations
@@ -33,6 +41,8 @@ from collections.abc import Awaitable, Callable
 import grpc
 import torch
 
+from engine.collectives import RankError
+from engine.sharded_kv import ShardedKvCache
 from kv_transfer.base import NIXL, BlockReceiver, BlockRun, Transport
 from kv_transfer.cuda_ipc import CudaIpcSender
 from kv_transfer.layout import block_rows
@@ -122,6 +132,8 @@ class NixlPeers:
         self.on_engine = on_engine
         self.local: NixlCache | None = None  # created on the first NIXL handshake
         self.peers: dict[str, kv_transfer_pb2.NixlCache] = {}  # agent name -> its cache (loop reads, atomic)
+        # A tensor-parallel decode: a prefill's rank 0 agent name -> every rank's, in rank order (add_ranks).
+        self.rank_names: dict[str, list[str]] = {}
 
     async def add(self, offer: kv_transfer_pb2.NixlCache, block_bytes: int) -> None:
         await self.on_engine(lambda kv_cache: self._add(kv_cache, offer, block_bytes))
@@ -146,6 +158,26 @@ class NixlPeers:
         peer.ClearField("agent_metadata")
         self.peers[name] = peer
         log.info("added nixl agent %s (%s, %d blocks) for KV reads", shown(name), offer.mem_type, offer.num_blocks)
+
+    async def add_ranks(self, offers, num_ranks: int) -> None:
+        """A tensor-parallel decode of num_ranks ranks: each rank adds the prefill rank of its number (rank_add);
+        rank 0's offer then stands for them all here."""
+        bad = check_rank_offers(offers, num_ranks)
+        if bad is not None:
+            raise ValueError(bad)
+        raw = [o.SerializeToString() for o in offers]
+        await self.on_engine(lambda kv_cache: kv_cache.collective_rpc(rank_add, raw, self.name))
+        peer = kv_transfer_pb2.NixlCache()
+        peer.CopyFrom(offers[0])
+        peer.ClearField("agent_metadata")
+        self.peers[peer.agent_name] = peer
+        self.rank_names[peer.agent_name] = [o.agent_name for o in offers]
+        log.info("added %d nixl agents (one per rank) of %s for KV reads", len(offers), shown(peer.agent_name))
+
+    def forget(self, name: str) -> None:
+        """A tensor-parallel prefill whose read failed: its next transfer must shake hands again."""
+        self.peers.pop(name, None)
+        self.rank_names.pop(name, None)
 
     def _remove(self, name: str) -> None:
         if self.peers.pop(name, None) is not None:
@@ -199,6 +231,66 @@ class NixlPeers:
                 time.sleep(0.01)
 
 
+# ---- tensor-parallel instances: one agent per rank, each moving its own KV heads -------------------------------
+# These run in each rank's process (through ModelRunner.collective_rpc, on the engine thread of rank 0 and in the
+# serving loop of the workers), so their state is the process's own.
+_rank_cache: NixlCache | None = None  # a prefill rank's registered cache
+_rank_peers: NixlPeers | None = None  # a decode rank's agent and the prefill ranks it added
+
+
+def rank_offer(runner, name: str) -> bytes:
+    """A prefill rank: its cache registered (once) with an agent of its own; returns the serialized NixlCache."""
+    global _rank_cache
+    if _rank_cache is None:
+        _rank_cache = NixlCache(runner.kv_cache, f"{name}-rank{runner.rank}")
+    return _rank_cache.offer().SerializeToString()
+
+
+def rank_add(runner, offers: list[bytes], name: str) -> None:
+    """A decode rank: adds the agent of the prefill rank with its own number (registering its cache the first
+    time)."""
+    global _rank_peers
+    if _rank_peers is None:
+        _rank_peers = NixlPeers(f"{name}-rank{runner.rank}", on_engine=None)
+    _rank_peers._add(runner.kv_cache, kv_transfer_pb2.NixlCache.FromString(offers[runner.rank]),
+                     block_rows(runner.kv_cache).shape[1])
+
+
+def rank_read(runner, dst_ids: list[int], peer_names: list[str], src_ids: list[int], timeout_s: float) -> None:
+    """A decode rank: its heads of the prefill's blocks src_ids into its blocks dst_ids (NixlPeers.read)."""
+    peer = _rank_peers.peers.get(peer_names[runner.rank]) if _rank_peers is not None else None
+    if peer is None:
+        raise ServiceError(grpc.StatusCode.FAILED_PRECONDITION,
+                           f"nixl agent {shown(peer_names[runner.rank])} is not added here (or its last read failed)")
+    _rank_peers.read(runner.kv_cache, dst_ids, peer, src_ids, time.monotonic() + timeout_s)
+
+
+class RankCaches:
+    """A tensor-parallel prefill's offer: every rank's cache registered with its own agent (rank_offer)."""
+
+    def __init__(self, kv_cache, name: str):  # kv_cache: engine/sharded_kv.ShardedKvCache
+        self.offers = [kv_transfer_pb2.NixlCache.FromString(raw) for raw in kv_cache.collective_rpc(rank_offer, name)]
+
+    def offer(self, with_metadata: bool = True) -> kv_transfer_pb2.NixlCache:
+        """Rank 0's (the open names it; the handshake carries all of them in nixl_ranks)."""
+        out = kv_transfer_pb2.NixlCache()
+        out.CopyFrom(self.offers[0])
+        if not with_metadata:
+            out.ClearField("agent_metadata")
+        return out
+
+
+def check_rank_offers(offers, num_ranks: int) -> str | None:
+    """Why a handshake's per-rank caches cannot be read rank to rank by an instance of num_ranks ranks, or None."""
+    if len(offers) != num_ranks:
+        return (f"nixl_ranks: the prefill has {len(offers)} ranks and this decode instance {num_ranks}; NIXL reads "
+                "each rank's KV heads rank to rank, which needs equal tensor-parallel sizes (gRPC bytes move whole "
+                "blocks between any sizes)")
+    if len({o.num_blocks for o in offers}) != 1 or len({o.agent_name for o in offers}) != len(offers):
+        return "nixl_ranks: every rank's cache must hold as many blocks, each under an agent name of its own"
+    return None
+
+
 class NixlSender(CudaIpcSender):
     """Only the block ids, in one message (the decode instance reads the blocks), as on the CUDA IPC path."""
 
@@ -236,6 +328,15 @@ class NixlReceiver(BlockReceiver):
         return BlockRun(msg.ready.first_block_index, len(src_ids), len(src_ids) * self.block_bytes, src_ids)
 
     def write(self, kv_cache: torch.Tensor, block_ids: list[int], run: BlockRun, skip: int) -> None:
+        if isinstance(kv_cache, ShardedKvCache):  # every rank reads its own heads from the prefill rank of its number
+            names = self.side.nixl.rank_names[self.peer.agent_name]
+            try:
+                kv_cache.collective_rpc(rank_read, block_ids, names, run.payload[skip:],
+                                        max(0.0, self.deadline - time.monotonic()))
+            except RankError as e:
+                self.side.nixl.forget(self.peer.agent_name)  # its next transfer must shake hands again
+                raise ServiceError(e.code or grpc.StatusCode.UNAVAILABLE, str(e)) from None
+            return
         self.side.nixl.read(kv_cache, block_ids, self.peer, run.payload[skip:], self.deadline)
 
 

@@ -60,9 +60,9 @@ class KvReceiver:
         self.layout = layout_of(kv_cache)
         # A tensor-parallel decode instance takes its KV as bytes through rank 0 (engine/sharded_kv.py): no peer
         # cache is mapped or read into its ranks' caches.
-        self.sharded = (f"this decode instance is tensor-parallel (tensor_parallel_size="
-                        f"{kv_cache.tensor_parallel_size}): its ranks take their KV heads through rank 0"
-                        if isinstance(kv_cache, ShardedKvCache) else None)
+        self.num_ranks = kv_cache.tensor_parallel_size if isinstance(kv_cache, ShardedKvCache) else 1
+        self.sharded = (f"this decode instance is tensor-parallel (tensor_parallel_size={self.num_ranks}): its "
+                        "ranks take CUDA IPC from no peer" if self.num_ranks > 1 else None)
         retain_freed_memory()  # this process receives KV: the messages' buffers are then reused, not faulted in
         self.host = host_identity()
         self.device = kv_cache.device
@@ -81,7 +81,9 @@ class KvReceiver:
         """Which path transfers from this prefill instance take: CUDA_IPC once its offered cache is mapped here,
         else NIXL once its offered agent is added (another host, or the prefill asks for NIXL on one host too), else
         GRPC."""
-        reason = layout_mismatch(self.layout, req.layout) or self.sharded
+        reason = layout_mismatch(self.layout, req.layout)
+        if reason is None and self.sharded:
+            return await self._sharded_handshake(req)
         if reason is not None:
             return self._grpc(req, reason)
         reason = ipc_refusal(self.host, self.device, req.cache if req.HasField("cache") else None)
@@ -93,6 +95,10 @@ class KvReceiver:
         if reason is None:
             return kv_transfer_pb2.KvHandshakeResponse(host=self.host, path=CUDA_IPC)
         if req.HasField("nixl"):
+            if len(req.nixl_ranks) > 1:
+                return self._grpc(req, f"{reason}; and the prefill is tensor-parallel ({len(req.nixl_ranks)} ranks), "
+                                       "this decode instance is not: NIXL reads each rank's KV heads rank to rank, "
+                                       "which needs equal tensor-parallel sizes")
             if req.host.boot_id == self.host.boot_id and not req.nixl_on_one_host:
                 return self._grpc(req, f"{reason}; and NIXL is for transfers between hosts (--kv-transfer nixl on "
                                        "the prefill takes it on one host too)")
@@ -104,6 +110,24 @@ class KvReceiver:
                     reason = f"adding the prefill's NIXL agent failed: {type(exc).__name__}: {exc}"
             if reason is None:
                 return kv_transfer_pb2.KvHandshakeResponse(host=self.host, path=NIXL)
+        return self._grpc(req, reason)
+
+    async def _sharded_handshake(self, req: kv_transfer_pb2.KvHandshakeRequest) -> kv_transfer_pb2.KvHandshakeResponse:
+        """A tensor-parallel decode: NIXL rank to rank when the prefill offers as many ranks' caches, else GRPC."""
+        if not req.nixl_ranks:
+            reason = f"{self.sharded}, and the prefill offers no NIXL cache per rank"
+        elif req.host.boot_id == self.host.boot_id and not req.nixl_on_one_host:
+            reason = ("NIXL is for transfers between hosts (--kv-transfer nixl on the prefill takes it on one host "
+                      "too)")
+        else:
+            reason = nixl.import_error() or nixl.check_rank_offers(req.nixl_ranks, self.num_ranks)
+        if reason is None:
+            try:
+                await self.nixl.add_ranks(req.nixl_ranks, self.num_ranks)
+            except Exception as exc:  # noqa: BLE001 - bad metadata, or UCX failing on a rank: the answer is GRPC
+                reason = f"adding the prefill ranks' NIXL agents failed: {type(exc).__name__}: {exc}"
+        if reason is None:
+            return kv_transfer_pb2.KvHandshakeResponse(host=self.host, path=NIXL)
         return self._grpc(req, reason)
 
     def _grpc(self, req: kv_transfer_pb2.KvHandshakeRequest, reason: str) -> kv_transfer_pb2.KvHandshakeResponse:
@@ -194,8 +218,8 @@ class IncomingTransfer:
             bad = f"open.num_blocks={op.num_blocks}: the reservation holds {len(r.block_ids)} blocks"
         if bad is None and self.path not in TRANSPORTS:
             bad = f"open.path={self.path}: unknown transfer path"
-        if bad is None and self.path != GRPC and self.side.sharded:
-            bad = f"open.path={kv_transfer_pb2.KvTransferPath.Name(self.path)}: {self.side.sharded} (path GRPC)"
+        if bad is None and self.path == CUDA_IPC and self.side.sharded:
+            bad = f"open.path=KV_TRANSFER_PATH_CUDA_IPC: {self.side.sharded}"
         if bad is not None:
             raise ServiceError(grpc.StatusCode.INVALID_ARGUMENT, bad)
         transport = TRANSPORTS[self.path].receiver(self.side)

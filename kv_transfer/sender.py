@@ -76,10 +76,11 @@ class KvSender:
         if kv_transfer not in CHOICES:
             raise ValueError(f"kv_transfer={kv_transfer!r}: must be one of {', '.join(CHOICES)}")
         sharded = isinstance(kv_cache, ShardedKvCache)
-        if sharded and kv_transfer in (_IPC, _NIXL):
+        if sharded and kv_transfer == _IPC:
             raise ValueError(f"--kv-transfer {kv_transfer} with --tensor-parallel-size "
-                             f"{kv_cache.tensor_parallel_size}: a tensor-parallel instance moves its KV through rank "
-                             f"0 as bytes, gathered from its ranks; use {AUTO} or {PATH_LABELS[GRPC]}")
+                             f"{kv_cache.tensor_parallel_size}: CUDA IPC maps one process's cache; a tensor-parallel "
+                             f"prefill sends through NIXL (each rank its heads) or gRPC bytes; use {AUTO}, {_NIXL} or "
+                             f"{PATH_LABELS[GRPC]}")
         if kv_transfer == _IPC and kv_cache.device.type != "cuda":
             raise ValueError(f"kv_transfer={_IPC!r}: CUDA IPC needs the KV cache on a CUDA device, this one is on "
                              f"{kv_cache.device.type}; use {AUTO} or {PATH_LABELS[GRPC]}")
@@ -96,12 +97,14 @@ class KvSender:
                       and self.device.type == "cuda" and not sharded else None)
         # NIXL: --kv-transfer nixl, or auto with a CUDA cache and nixl installed (a CPU deployment is a test or a
         # toy: it keeps gRPC bytes unless asked). One agent per process, the whole cache registered once.
-        offer_nixl = kv_transfer == _NIXL or (kv_transfer == AUTO and self.device.type == "cuda" and not sharded
+        offer_nixl = kv_transfer == _NIXL or (kv_transfer == AUTO and self.device.type == "cuda"
                                               and nixl.import_error() is None)
         self.nixl = None
         if offer_nixl:
             try:
-                self.nixl = nixl.NixlCache(kv_cache, f"tandem-prefill-{self.host.process_id}")
+                name = f"tandem-prefill-{self.host.process_id}"
+                # (tensor-parallel: every rank registers its own cache with an agent of its own)
+                self.nixl = nixl.RankCaches(kv_cache, name) if sharded else nixl.NixlCache(kv_cache, name)
             except Exception as exc:  # noqa: BLE001 - e.g. UCX without CUDA support for a GPU cache
                 if kv_transfer == _NIXL:
                     raise ValueError(f"--kv-transfer {_NIXL}: registering the KV cache with NIXL failed: "
@@ -120,6 +123,7 @@ class KvSender:
         if answer is None:
             req = kv.KvHandshakeRequest(host=self.host, layout=self.layout, cache=self.cache,
                                         nixl=self.nixl.offer() if self.nixl else None,
+                                        nixl_ranks=getattr(self.nixl, "offers", ()),
                                         nixl_on_one_host=self.kv_transfer == _NIXL)
             try:
                 answer = await stub.KvHandshake(req, timeout=HANDSHAKE_TIMEOUT_S)

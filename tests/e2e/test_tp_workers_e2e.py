@@ -2,13 +2,16 @@
 rank a process holding its share of the KV heads). A transfer moves whole blocks: the prefill's rank 0 gathers each
 run's heads from its ranks, the decode's rank 0 scatters each rank its own (engine/sharded_kv.py), so the sizes may
 differ. The tokens equal one tp=1 engine's, for equal and unequal sizes, greedy and seeded, through chunked prefill
-(32-token chunks) and prefix-cache hits on both sides; every block is back after."""
+(32-token chunks) and prefix-cache hits on both sides; every block is back after. Equal sizes also over NIXL (UCX on
+host memory here), where each decode rank reads its own heads from the prefill rank of its number."""
 from __future__ import annotations
 
 import time
 
 import grpc
+import httpx
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from protos.tandem.v1 import common_pb2, decode_pb2_grpc, generate_pb2, generate_pb2_grpc, prefill_pb2_grpc
 from stack import Stack
@@ -44,10 +47,15 @@ def expected():
     return greedy, seeded
 
 
-@pytest.fixture(scope="module", params=[(2, 1), (1, 2), (2, 2)], ids=lambda s: f"prefill_tp{s[0]}-decode_tp{s[1]}")
+@pytest.fixture(scope="module", params=[(2, 1, "grpc"), (1, 2, "grpc"), (2, 2, "grpc"), (2, 2, "nixl")],
+                ids=lambda s: f"prefill_tp{s[0]}-decode_tp{s[1]}-{s[2]}")
 def stack(request):
-    prefill_tp, decode_tp = request.param
-    s = Stack(*ENGINE, "--prefill-tp", str(prefill_tp), "--decode-tp", str(decode_tp), prefill=1, decode=1)
+    prefill_tp, decode_tp, path = request.param
+    if path == "nixl":
+        pytest.importorskip("nixl_cu12")
+    s = Stack(*ENGINE, "--prefill-tp", str(prefill_tp), "--decode-tp", str(decode_tp), "--kv-transfer", path,
+              prefill=1, decode=1)
+    s.path = path
     try:
         yield s.wait_ready()
     finally:
@@ -63,6 +71,13 @@ def _loads(stack: Stack) -> list[common_pb2.InstanceLoad]:
     return out
 
 
+def _path_bytes(stack: Stack) -> dict[str, float]:
+    """The decode worker's KV bytes received, by transfer path (its Prometheus counter)."""
+    text = httpx.get(f"http://127.0.0.1:{stack.metrics_ports[1]}/metrics", timeout=10).text
+    return {s.labels["path"]: s.value for fam in text_string_to_metric_families(text)
+            if fam.name == "tandem:kv_transfer_path_bytes" for s in fam.samples if s.name.endswith("_total")}
+
+
 @pytest.mark.slow
 def test_tokens_equal_one_engine_greedy_and_seeded(stack, expected):
     greedy, seeded = expected
@@ -76,7 +91,12 @@ def test_tokens_equal_one_engine_greedy_and_seeded(stack, expected):
         assert all(len(t) == MAX_TOKENS for t in got)
         assert cached[1] >= len(PREFIX), cached  # a prefix hit in the tensor-parallel prefill
     out = "".join(stack.lines)
-    assert "take the grpc path" not in out or "tensor-parallel" in out  # (a tp decode says why it takes bytes)
+    # The path every transfer took: NIXL rank to rank (each decode rank read its own heads from the prefill rank of
+    # its number), or gRPC bytes through rank 0.
+    moved = _path_bytes(stack)
+    assert moved[stack.path] > 0 and not any(v for p, v in moved.items() if p != stack.path), moved
+    if stack.path == "nixl":
+        assert "added 2 nixl agents (one per rank)" in out
     deadline = time.monotonic() + 60
     while True:
         loads = _loads(stack)

@@ -145,15 +145,15 @@ def test_a_kv_transfer_moves_every_ranks_kv_heads(tiny_llama_dir):
         llm.close()
 
 
-def test_a_tensor_parallel_prefill_refuses_the_paths_that_map_one_cache(capsys):
-    """CUDA IPC and NIXL map or register one process's cache; a tensor-parallel prefill's KV goes through rank 0."""
+def test_a_tensor_parallel_prefill_refuses_cuda_ipc(capsys):
+    """CUDA IPC maps one process's cache; a tensor-parallel prefill's KV goes by NIXL (each rank its heads) or as
+    gRPC bytes through rank 0."""
     from prefill_svc.server import main as prefill_main
 
-    for path in ("ipc", "nixl"):
-        with pytest.raises(SystemExit) as e:
-            prefill_main(["--model", "random:tiny", "--tensor-parallel-size", "2", "--kv-transfer", path])
-        assert e.value.code == 2
-        assert f"--kv-transfer {path} with --tensor-parallel-size 2: a tensor-parallel prefill" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as e:
+        prefill_main(["--model", "random:tiny", "--tensor-parallel-size", "2", "--kv-transfer", "ipc"])
+    assert e.value.code == 2
+    assert "--kv-transfer ipc with --tensor-parallel-size 2: CUDA IPC maps one process's cache" in capsys.readouterr().err
 
 
 # ---- ranks on several hosts: two "nodes" on 127.0.0.1 -----------------------------------------------------------

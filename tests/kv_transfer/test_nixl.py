@@ -311,6 +311,24 @@ def test_forged_descriptors_fail_alone_and_a_deadline_frees_both_sides(stack):
     assert out["load"].num_used_blocks == 0 and out["load"].num_tracked_requests == 0, out["load"]
 
 
+def test_a_tensor_parallel_prefills_ranks_are_not_read_by_a_single_rank_decode(stack):
+    """A tensor-parallel prefill offers each rank's cache (nixl_ranks): a decode of another size answers GRPC (whole
+    blocks through rank 0) rather than read rank 0's half-head blocks as whole ones."""
+    from kv_transfer.layout import layout_of
+    layout = layout_of(torch.zeros(1, 2, 2, 16, 2, 16))
+
+    async def scenario():
+        async with grpc.aio.insecure_channel(stack["decode"]) as dch:
+            ranks = [FakePrefill(layout, f"tandem-test-tp-rank{r}") for r in range(2)]
+            return await decode_pb2_grpc.DecodeStub(dch).KvHandshake(kv.KvHandshakeRequest(
+                host=host_identity(), layout=layout, nixl=ranks[0].offer, nixl_ranks=[p.offer for p in ranks],
+                nixl_on_one_host=True))
+
+    answer = asyncio.run(scenario())
+    assert answer.path == kv.KV_TRANSFER_PATH_GRPC
+    assert "the prefill is tensor-parallel (2 ranks), this decode instance is not" in answer.reason
+
+
 @pytest.mark.slow
 def test_a_decode_killed_during_a_transfer_fails_the_prefill_request_and_frees_its_blocks(stack):
     """(Last: it kills the decode process.) The decode is stopped, so the transfer opens into its socket and waits,
@@ -345,3 +363,4 @@ def test_a_decode_killed_during_a_transfer_fails_the_prefill_request_and_frees_i
 async def _drain(call):
     while await call.read() is not grpc.aio.EOF:
         pass
+

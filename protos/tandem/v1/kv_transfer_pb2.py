@@ -15,7 +15,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1btandem/v1/kv_transfer.proto\x12\ttandem.v1\"\x8e\x01\n\x08KvLayout\x12\r\n\x05\x64type\x18\x01 \x01(\t\x12\x0e\n\x06layout\x18\x02 \x01(\t\x12\x12\n\nblock_size\x18\x03 \x01(\r\x12\x12\n\nnum_layers\x18\x04 \x01(\r\x12\x14\n\x0cnum_kv_heads\x18\x05 \x01(\r\x12\x10\n\x08head_dim\x18\x06 \x01(\r\x12\x13\n\x0b\x62lock_bytes\x18\x07 \x01(\x04\"\x86\x01\n\tNixlCache\x12\x12\n\nagent_name\x18\x01 \x01(\t\x12\x16\n\x0e\x61gent_metadata\x18\x02 \x01(\x0c\x12\x10\n\x08mem_type\x18\x03 \x01(\t\x12\x14\n\x0c\x62\x61se_address\x18\x04 \x01(\x04\x12\x11\n\tdevice_id\x18\x05 \x01(\r\x12\x12\n\nnum_blocks\x18\x06 \x01(\r\"e\n\x0cHostIdentity\x12\x0f\n\x07\x62oot_id\x18\x01 \x01(\t\x12\x10\n\x08hostname\x18\x02 \x01(\t\x12\x12\n\nprocess_id\x18\x03 \x01(\t\x12\x0b\n\x03pid\x18\x04 \x01(\r\x12\x11\n\tgpu_uuids\x18\x05 \x03(\t\"\xb4\x02\n\x0c\x43udaIpcCache\x12%\n\x04host\x18\x01 \x01(\x0b\x32\x17.tandem.v1.HostIdentity\x12\x13\n\x0b\x64\x65vice_uuid\x18\x02 \x01(\t\x12\x12\n\nmem_handle\x18\x03 \x01(\x0c\x12\x1a\n\x12storage_size_bytes\x18\x04 \x01(\x04\x12\x1c\n\x14storage_offset_bytes\x18\x05 \x01(\x04\x12\x1a\n\x12ref_counter_handle\x18\x06 \x01(\x0c\x12\x1a\n\x12ref_counter_offset\x18\x07 \x01(\x04\x12\x14\n\x0c\x65vent_handle\x18\x08 \x01(\x0c\x12\x1b\n\x13\x65vent_sync_required\x18\t \x01(\x08\x12\x1b\n\x13tensor_offset_bytes\x18\n \x01(\x04\x12\x12\n\nnum_blocks\x18\x0b \x01(\r\"\xc6\x01\n\x12KvHandshakeRequest\x12%\n\x04host\x18\x01 \x01(\x0b\x32\x17.tandem.v1.HostIdentity\x12#\n\x06layout\x18\x02 \x01(\x0b\x32\x13.tandem.v1.KvLayout\x12&\n\x05\x63\x61\x63he\x18\x03 \x01(\x0b\x32\x17.tandem.v1.CudaIpcCache\x12\"\n\x04nixl\x18\x04 \x01(\x0b\x32\x14.tandem.v1.NixlCache\x12\x18\n\x10nixl_on_one_host\x18\x05 \x01(\x08\"u\n\x13KvHandshakeResponse\x12%\n\x04host\x18\x01 \x01(\x0b\x32\x17.tandem.v1.HostIdentity\x12\'\n\x04path\x18\x02 \x01(\x0e\x32\x19.tandem.v1.KvTransferPath\x12\x0e\n\x06reason\x18\x03 \x01(\t\"\x82\x02\n\x0eKvTransferOpen\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12#\n\x06layout\x18\x02 \x01(\x0b\x32\x13.tandem.v1.KvLayout\x12\x19\n\x11num_prompt_tokens\x18\x03 \x01(\r\x12\x12\n\nnum_blocks\x18\x04 \x01(\r\x12\x13\n\x0b\x64\x65\x61\x64line_ms\x18\x05 \x01(\r\x12\'\n\x04path\x18\x06 \x01(\x0e\x32\x19.tandem.v1.KvTransferPath\x12&\n\x05\x63\x61\x63he\x18\x07 \x01(\x0b\x32\x17.tandem.v1.CudaIpcCache\x12\"\n\x04nixl\x18\x08 \x01(\x0b\x32\x14.tandem.v1.NixlCache\"G\n\x08KvBlocks\x12\x19\n\x11\x66irst_block_index\x18\x01 \x01(\r\x12\x12\n\nnum_blocks\x18\x02 \x01(\r\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\"=\n\rKvBlocksReady\x12\x19\n\x11\x66irst_block_index\x18\x01 \x01(\r\x12\x11\n\tblock_ids\x18\x02 \x03(\r\"E\n\x10KvTransferCommit\x12\x16\n\x0e\x66irst_token_id\x18\x01 \x01(\x05\x12\x19\n\x11num_cached_tokens\x18\x02 \x01(\r\"\xc7\x01\n\x11KvTransferMessage\x12)\n\x04open\x18\x01 \x01(\x0b\x32\x19.tandem.v1.KvTransferOpenH\x00\x12%\n\x06\x62locks\x18\x02 \x01(\x0b\x32\x13.tandem.v1.KvBlocksH\x00\x12-\n\x06\x63ommit\x18\x03 \x01(\x0b\x32\x1b.tandem.v1.KvTransferCommitH\x00\x12)\n\x05ready\x18\x04 \x01(\x0b\x32\x18.tandem.v1.KvBlocksReadyH\x00\x42\x06\n\x04kind\"x\n\rKvTransferAck\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x16\n\x0ereceived_bytes\x18\x02 \x01(\x04\x12\x12\n\nnum_blocks\x18\x03 \x01(\r\x12\'\n\x04path\x18\x04 \x01(\x0e\x32\x19.tandem.v1.KvTransferPath*\x87\x01\n\x0eKvTransferPath\x12 \n\x1cKV_TRANSFER_PATH_UNSPECIFIED\x10\x00\x12\x19\n\x15KV_TRANSFER_PATH_GRPC\x10\x01\x12\x1d\n\x19KV_TRANSFER_PATH_CUDA_IPC\x10\x02\x12\x19\n\x15KV_TRANSFER_PATH_NIXL\x10\x03\x42I\n\rdev.tandem.v1P\x01Z6github.com/tandem-llm/tandem/protos/tandem/v1;tandemv1b\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1btandem/v1/kv_transfer.proto\x12\ttandem.v1\"\x8e\x01\n\x08KvLayout\x12\r\n\x05\x64type\x18\x01 \x01(\t\x12\x0e\n\x06layout\x18\x02 \x01(\t\x12\x12\n\nblock_size\x18\x03 \x01(\r\x12\x12\n\nnum_layers\x18\x04 \x01(\r\x12\x14\n\x0cnum_kv_heads\x18\x05 \x01(\r\x12\x10\n\x08head_dim\x18\x06 \x01(\r\x12\x13\n\x0b\x62lock_bytes\x18\x07 \x01(\x04\"\x86\x01\n\tNixlCache\x12\x12\n\nagent_name\x18\x01 \x01(\t\x12\x16\n\x0e\x61gent_metadata\x18\x02 \x01(\x0c\x12\x10\n\x08mem_type\x18\x03 \x01(\t\x12\x14\n\x0c\x62\x61se_address\x18\x04 \x01(\x04\x12\x11\n\tdevice_id\x18\x05 \x01(\r\x12\x12\n\nnum_blocks\x18\x06 \x01(\r\"e\n\x0cHostIdentity\x12\x0f\n\x07\x62oot_id\x18\x01 \x01(\t\x12\x10\n\x08hostname\x18\x02 \x01(\t\x12\x12\n\nprocess_id\x18\x03 \x01(\t\x12\x0b\n\x03pid\x18\x04 \x01(\r\x12\x11\n\tgpu_uuids\x18\x05 \x03(\t\"\xb4\x02\n\x0c\x43udaIpcCache\x12%\n\x04host\x18\x01 \x01(\x0b\x32\x17.tandem.v1.HostIdentity\x12\x13\n\x0b\x64\x65vice_uuid\x18\x02 \x01(\t\x12\x12\n\nmem_handle\x18\x03 \x01(\x0c\x12\x1a\n\x12storage_size_bytes\x18\x04 \x01(\x04\x12\x1c\n\x14storage_offset_bytes\x18\x05 \x01(\x04\x12\x1a\n\x12ref_counter_handle\x18\x06 \x01(\x0c\x12\x1a\n\x12ref_counter_offset\x18\x07 \x01(\x04\x12\x14\n\x0c\x65vent_handle\x18\x08 \x01(\x0c\x12\x1b\n\x13\x65vent_sync_required\x18\t \x01(\x08\x12\x1b\n\x13tensor_offset_bytes\x18\n \x01(\x04\x12\x12\n\nnum_blocks\x18\x0b \x01(\r\"\xf0\x01\n\x12KvHandshakeRequest\x12%\n\x04host\x18\x01 \x01(\x0b\x32\x17.tandem.v1.HostIdentity\x12#\n\x06layout\x18\x02 \x01(\x0b\x32\x13.tandem.v1.KvLayout\x12&\n\x05\x63\x61\x63he\x18\x03 \x01(\x0b\x32\x17.tandem.v1.CudaIpcCache\x12\"\n\x04nixl\x18\x04 \x01(\x0b\x32\x14.tandem.v1.NixlCache\x12\x18\n\x10nixl_on_one_host\x18\x05 \x01(\x08\x12(\n\nnixl_ranks\x18\x06 \x03(\x0b\x32\x14.tandem.v1.NixlCache\"u\n\x13KvHandshakeResponse\x12%\n\x04host\x18\x01 \x01(\x0b\x32\x17.tandem.v1.HostIdentity\x12\'\n\x04path\x18\x02 \x01(\x0e\x32\x19.tandem.v1.KvTransferPath\x12\x0e\n\x06reason\x18\x03 \x01(\t\"\x82\x02\n\x0eKvTransferOpen\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12#\n\x06layout\x18\x02 \x01(\x0b\x32\x13.tandem.v1.KvLayout\x12\x19\n\x11num_prompt_tokens\x18\x03 \x01(\r\x12\x12\n\nnum_blocks\x18\x04 \x01(\r\x12\x13\n\x0b\x64\x65\x61\x64line_ms\x18\x05 \x01(\r\x12\'\n\x04path\x18\x06 \x01(\x0e\x32\x19.tandem.v1.KvTransferPath\x12&\n\x05\x63\x61\x63he\x18\x07 \x01(\x0b\x32\x17.tandem.v1.CudaIpcCache\x12\"\n\x04nixl\x18\x08 \x01(\x0b\x32\x14.tandem.v1.NixlCache\"G\n\x08KvBlocks\x12\x19\n\x11\x66irst_block_index\x18\x01 \x01(\r\x12\x12\n\nnum_blocks\x18\x02 \x01(\r\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\"=\n\rKvBlocksReady\x12\x19\n\x11\x66irst_block_index\x18\x01 \x01(\r\x12\x11\n\tblock_ids\x18\x02 \x03(\r\"E\n\x10KvTransferCommit\x12\x16\n\x0e\x66irst_token_id\x18\x01 \x01(\x05\x12\x19\n\x11num_cached_tokens\x18\x02 \x01(\r\"\xc7\x01\n\x11KvTransferMessage\x12)\n\x04open\x18\x01 \x01(\x0b\x32\x19.tandem.v1.KvTransferOpenH\x00\x12%\n\x06\x62locks\x18\x02 \x01(\x0b\x32\x13.tandem.v1.KvBlocksH\x00\x12-\n\x06\x63ommit\x18\x03 \x01(\x0b\x32\x1b.tandem.v1.KvTransferCommitH\x00\x12)\n\x05ready\x18\x04 \x01(\x0b\x32\x18.tandem.v1.KvBlocksReadyH\x00\x42\x06\n\x04kind\"x\n\rKvTransferAck\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x16\n\x0ereceived_bytes\x18\x02 \x01(\x04\x12\x12\n\nnum_blocks\x18\x03 \x01(\r\x12\'\n\x04path\x18\x04 \x01(\x0e\x32\x19.tandem.v1.KvTransferPath*\x87\x01\n\x0eKvTransferPath\x12 \n\x1cKV_TRANSFER_PATH_UNSPECIFIED\x10\x00\x12\x19\n\x15KV_TRANSFER_PATH_GRPC\x10\x01\x12\x1d\n\x19KV_TRANSFER_PATH_CUDA_IPC\x10\x02\x12\x19\n\x15KV_TRANSFER_PATH_NIXL\x10\x03\x42I\n\rdev.tandem.v1P\x01Z6github.com/tandem-llm/tandem/protos/tandem/v1;tandemv1b\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -23,8 +23,8 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'tandem.v1.kv_transfer_pb2',
 if not _descriptor._USE_C_DESCRIPTORS:
   _globals['DESCRIPTOR']._loaded_options = None
   _globals['DESCRIPTOR']._serialized_options = b'\n\rdev.tandem.v1P\001Z6github.com/tandem-llm/tandem/protos/tandem/v1;tandemv1'
-  _globals['_KVTRANSFERPATH']._serialized_start=1851
-  _globals['_KVTRANSFERPATH']._serialized_end=1986
+  _globals['_KVTRANSFERPATH']._serialized_start=1893
+  _globals['_KVTRANSFERPATH']._serialized_end=2028
   _globals['_KVLAYOUT']._serialized_start=43
   _globals['_KVLAYOUT']._serialized_end=185
   _globals['_NIXLCACHE']._serialized_start=188
@@ -34,19 +34,19 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_CUDAIPCCACHE']._serialized_start=428
   _globals['_CUDAIPCCACHE']._serialized_end=736
   _globals['_KVHANDSHAKEREQUEST']._serialized_start=739
-  _globals['_KVHANDSHAKEREQUEST']._serialized_end=937
-  _globals['_KVHANDSHAKERESPONSE']._serialized_start=939
-  _globals['_KVHANDSHAKERESPONSE']._serialized_end=1056
-  _globals['_KVTRANSFEROPEN']._serialized_start=1059
-  _globals['_KVTRANSFEROPEN']._serialized_end=1317
-  _globals['_KVBLOCKS']._serialized_start=1319
-  _globals['_KVBLOCKS']._serialized_end=1390
-  _globals['_KVBLOCKSREADY']._serialized_start=1392
-  _globals['_KVBLOCKSREADY']._serialized_end=1453
-  _globals['_KVTRANSFERCOMMIT']._serialized_start=1455
-  _globals['_KVTRANSFERCOMMIT']._serialized_end=1524
-  _globals['_KVTRANSFERMESSAGE']._serialized_start=1527
-  _globals['_KVTRANSFERMESSAGE']._serialized_end=1726
-  _globals['_KVTRANSFERACK']._serialized_start=1728
-  _globals['_KVTRANSFERACK']._serialized_end=1848
+  _globals['_KVHANDSHAKEREQUEST']._serialized_end=979
+  _globals['_KVHANDSHAKERESPONSE']._serialized_start=981
+  _globals['_KVHANDSHAKERESPONSE']._serialized_end=1098
+  _globals['_KVTRANSFEROPEN']._serialized_start=1101
+  _globals['_KVTRANSFEROPEN']._serialized_end=1359
+  _globals['_KVBLOCKS']._serialized_start=1361
+  _globals['_KVBLOCKS']._serialized_end=1432
+  _globals['_KVBLOCKSREADY']._serialized_start=1434
+  _globals['_KVBLOCKSREADY']._serialized_end=1495
+  _globals['_KVTRANSFERCOMMIT']._serialized_start=1497
+  _globals['_KVTRANSFERCOMMIT']._serialized_end=1566
+  _globals['_KVTRANSFERMESSAGE']._serialized_start=1569
+  _globals['_KVTRANSFERMESSAGE']._serialized_end=1768
+  _globals['_KVTRANSFERACK']._serialized_start=1770
+  _globals['_KVTRANSFERACK']._serialized_end=1890
 # @@protoc_insertion_point(module_scope)

@@ -93,18 +93,20 @@ class CudaIpcCache(_message.Message):
     def __init__(self, host: _Optional[_Union[HostIdentity, _Mapping]] = ..., device_uuid: _Optional[str] = ..., mem_handle: _Optional[bytes] = ..., storage_size_bytes: _Optional[int] = ..., storage_offset_bytes: _Optional[int] = ..., ref_counter_handle: _Optional[bytes] = ..., ref_counter_offset: _Optional[int] = ..., event_handle: _Optional[bytes] = ..., event_sync_required: _Optional[bool] = ..., tensor_offset_bytes: _Optional[int] = ..., num_blocks: _Optional[int] = ...) -> None: ...
 
 class KvHandshakeRequest(_message.Message):
-    __slots__ = ("host", "layout", "cache", "nixl", "nixl_on_one_host")
+    __slots__ = ("host", "layout", "cache", "nixl", "nixl_on_one_host", "nixl_ranks")
     HOST_FIELD_NUMBER: _ClassVar[int]
     LAYOUT_FIELD_NUMBER: _ClassVar[int]
     CACHE_FIELD_NUMBER: _ClassVar[int]
     NIXL_FIELD_NUMBER: _ClassVar[int]
     NIXL_ON_ONE_HOST_FIELD_NUMBER: _ClassVar[int]
+    NIXL_RANKS_FIELD_NUMBER: _ClassVar[int]
     host: HostIdentity
     layout: KvLayout
     cache: CudaIpcCache
     nixl: NixlCache
     nixl_on_one_host: bool
-    def __init__(self, host: _Optional[_Union[HostIdentity, _Mapping]] = ..., layout: _Optional[_Union[KvLayout, _Mapping]] = ..., cache: _Optional[_Union[CudaIpcCache, _Mapping]] = ..., nixl: _Optional[_Union[NixlCache, _Mapping]] = ..., nixl_on_one_host: _Optional[bool] = ...) -> None: ...
+    nixl_ranks: _containers.RepeatedCompositeFieldContainer[NixlCache]
+    def __init__(self, host: _Optional[_Union[HostIdentity, _Mapping]] = ..., layout: _Optional[_Union[KvLayout, _Mapping]] = ..., cache: _Optional[_Union[CudaIpcCache, _Mapping]] = ..., nixl: _Optional[_Union[NixlCache, _Mapping]] = ..., nixl_on_one_host: _Optional[bool] = ..., nixl_ranks: _Optional[_Iterable[_Union[NixlCache, _Mapping]]] = ...) -> None: ...
 
 class KvHandshakeResponse(_message.Message):
     __slots__ = ("host", "path", "reason")
