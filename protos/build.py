@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import difflib
 import re
+import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -59,18 +60,18 @@ def _postprocess(path: Path) -> None:
 
 def generate(out_root: Path) -> list[Path]:
     """Runs protoc into out_root (mirroring the repository layout); returns the generated files."""
-    from grpc_tools import protoc  # imported here: only this script needs grpcio-tools
-
-    import grpc_tools
+    import grpc_tools  # imported here: only this script needs grpcio-tools
 
     include = Path(grpc_tools.__file__).parent / "_proto"
     files = [str(p.relative_to(INCLUDE)) for p in proto_files()]
     with tempfile.TemporaryDirectory() as tmp:
-        args = ["protoc", f"-I{INCLUDE}", f"-I{include}", f"--python_out={tmp}", f"--pyi_out={tmp}",
-                f"--grpc_python_out={tmp}", *files]
-        rc = protoc.main(args)
-        if rc != 0:
-            raise SystemExit(f"protoc failed with exit code {rc}")
+        # protoc in a child: its extension, imported into a process that has loaded NIXL's UCX libraries (a test run,
+        # a service), crashes that process with a segfault.
+        args = [sys.executable, "-m", "grpc_tools.protoc", f"-I{INCLUDE}", f"-I{include}", f"--python_out={tmp}",
+                f"--pyi_out={tmp}", f"--grpc_python_out={tmp}", *files]
+        r = subprocess.run(args, capture_output=True, text=True)
+        if r.returncode != 0:
+            raise SystemExit(f"protoc failed with exit code {r.returncode}: {r.stderr.strip()}")
         out = out_root / PROTO_DIR
         out.mkdir(parents=True, exist_ok=True)
         generated = []
