@@ -82,7 +82,7 @@ class CacheConfig:
     num_gpu_blocks_override: int | None = None
     """Exact number of KV blocks (for tests and experiments); overrides the memory budget."""
     swap_space: float = 0.0
-    """GiB of host memory per engine for a second KV tier (vLLM's swap_space; pinned on CUDA): preempted requests' blocks wait there instead of being recomputed (see --preemption-mode), and blocks evicted from the prefix cache are kept there for later prefix hits. 0: off."""
+    """GiB of host memory per engine (per rank with tensor parallelism, as vLLM's per GPU) for a second KV tier (vLLM's swap_space; pinned on CUDA): preempted requests' blocks wait there instead of being recomputed (see --preemption-mode), and blocks evicted from the prefix cache are kept there for later prefix hits. 0: off."""
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.block_size > 1024:

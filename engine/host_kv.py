@@ -13,11 +13,16 @@ its caller, in the order recorded, on the current stream (as the KV transports i
 out is queued before anything that step writes into it, a copy in before the step that reads it, and a host block
 reused for another copy out is written only after the copy in that read it, with no host wait. On the CPU device the
 host tier is a second CPU tensor and the copies are plain ones.
+
+With tensor parallelism every rank holds a host tier of the same blocks for its own KV heads: rank 0 keeps the
+bookkeeping here and `flush()` hands the same copies to `replicate` (the engine sends them to the workers, whose
+runners apply them with `apply_copies`, in order with the steps), so block ids mean the same on every rank's host as
+on its device.
 """
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -26,15 +31,40 @@ from engine.block_pool import BlockHash
 OUT, IN = 0, 1  # device -> host, host -> device
 
 
+def host_tensors_for(device_tensors: Sequence[torch.Tensor], num_blocks: int) -> list[torch.Tensor]:
+    """Host blocks for each of device_tensors (pinned when they are on CUDA)."""
+    pin = device_tensors[0].device.type == "cuda"
+    return [torch.empty((num_blocks, *t.shape[1:]), dtype=t.dtype, pin_memory=pin) for t in device_tensors]
+
+
+def apply_copies(ops: list[tuple[int, int, int]], device_tensors: Sequence[torch.Tensor],
+                 host_tensors: Sequence[torch.Tensor]) -> None:
+    """Issues copies (direction, source block, destination block) in order on the current stream; runs of
+    consecutive blocks in one direction are one copy each."""
+    i = 0
+    while i < len(ops):
+        d, s, t = ops[i]
+        n = 1
+        while i + n < len(ops) and ops[i + n] == (d, s + n, t + n):
+            n += 1
+        for dev, host in zip(device_tensors, host_tensors):
+            if d == OUT:
+                host[t: t + n].copy_(dev[s: s + n], non_blocking=True)
+            else:
+                dev[t: t + n].copy_(host[s: s + n], non_blocking=True)
+        i += n
+
+
 class HostKVTier:
-    def __init__(self, device_tensors: Sequence[torch.Tensor], num_blocks: int):
+    def __init__(self, device_tensors: Sequence[torch.Tensor], num_blocks: int,
+                 replicate: Callable[[list[tuple[int, int, int]]], None] | None = None):
         """device_tensors: every tensor indexed by device block id in dim 0 (the KV cache; per-block scales if
-        any); num_blocks: host blocks."""
+        any); num_blocks: host blocks; replicate: called with each flush's copies before they are issued here (the
+        other tensor-parallel ranks issue the same on theirs)."""
         assert num_blocks >= 1
         self.device_tensors = list(device_tensors)
-        pin = self.device_tensors[0].device.type == "cuda"
-        self.host_tensors = [torch.empty((num_blocks, *t.shape[1:]), dtype=t.dtype, pin_memory=pin)
-                             for t in self.device_tensors]
+        self.host_tensors = host_tensors_for(self.device_tensors, num_blocks)
+        self.replicate = replicate
         self.num_blocks = num_blocks
         self.free: list[int] = list(range(num_blocks - 1, -1, -1))  # pop() gives the lowest first
         self.prefix: OrderedDict[BlockHash, int] = OrderedDict()  # hash -> host block, least recently used first
@@ -119,18 +149,9 @@ class HostKVTier:
     def flush(self) -> None:
         """Issues the recorded copies, in order; runs of consecutive blocks in one direction are one copy each."""
         ops, self._ops = self._ops, []
-        i = 0
-        while i < len(ops):
-            d, s, t = ops[i]
-            n = 1
-            while i + n < len(ops) and ops[i + n] == (d, s + n, t + n):
-                n += 1
-            for dev, host in zip(self.device_tensors, self.host_tensors):
-                if d == OUT:
-                    host[t: t + n].copy_(dev[s: s + n], non_blocking=True)
-                else:
-                    dev[t: t + n].copy_(host[s: s + n], non_blocking=True)
-            i += n
+        if ops and self.replicate is not None:
+            self.replicate(ops)
+        apply_copies(ops, self.device_tensors, self.host_tensors)
 
     @property
     def pending(self) -> int:

@@ -365,14 +365,16 @@ class LLMEngine:
         gib = config.cache.swap_space
         if not gib:
             return None
-        if self.runner.tp_size > 1:
-            raise ValueError("swap_space: the host KV tier works with tensor_parallel_size=1 only (each rank's "
-                             "share of a block would have to be copied on that rank)")
         n = HostKVTier.blocks_for(gib, self.runner.kv_bytes_per_block)
         if n < 1:
             raise ValueError(f"swap_space={gib} GiB holds no KV block of {self.runner.kv_bytes_per_block} bytes")
         log.info("host KV tier: %d blocks (%.2f GiB%s)", n, gib, ", pinned" if self.runner.device.type == "cuda" else "")
-        return HostKVTier([self.runner.kv_cache], n)
+        replicate = None
+        if self.driver is not None:  # every rank keeps its heads of the same host blocks
+            self.driver.call("enable_host_kv", n)
+            driver = self.driver
+            replicate = lambda ops: driver.call("host_kv_copies", ops)  # noqa: E731
+        return HostKVTier([self.runner.kv_cache], n, replicate)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished() or bool(self._pending) or self._launched is not None

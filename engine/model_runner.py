@@ -17,6 +17,7 @@ import torch.distributed as dist
 
 from engine.collectives import RankError, gather_heads, min_over_ranks, scatter_heads, share_tokens
 from engine.config import EngineConfig, resolve_dtype
+from engine.host_kv import apply_copies, host_tensors_for
 from engine.loader import ResolvedModel, build_model
 from engine.model import AttentionMetadata, LayerKV
 from engine.request import Request
@@ -187,6 +188,15 @@ class ModelRunner:
                     g.reset()
                 graphs.graphs.clear()
         self.graphs = self.prefill_graphs = None
+
+    # ---- a worker's host KV tier: rank 0's HostKVTier decides, every rank copies its own heads --------------------
+    def enable_host_kv(self, num_blocks: int) -> None:
+        """A worker: host blocks for its share of the KV (rank 0's HostKVTier holds as many)."""
+        self.host_kv = host_tensors_for([self.kv_cache], num_blocks)
+
+    def host_kv_copies(self, ops: list[tuple[int, int, int]]) -> None:
+        """A worker: the copies rank 0's HostKVTier.flush() issued, between its device and host blocks."""
+        apply_copies(ops, [self.kv_cache], self.host_kv)
 
     # ---- KV blocks as a KV transfer moves them: every KV head, on rank 0 ------------------------------------------
     def _block_index(self, block_ids: list[int]) -> torch.Tensor:

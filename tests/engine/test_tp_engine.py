@@ -69,6 +69,29 @@ def _zombie(pid: int) -> bool:
         return False
 
 
+@pytest.mark.parametrize("mode", ["swap", "auto"])
+def test_two_ranks_with_a_host_kv_tier_generate_what_one_does(tiny_llama_dir, mode):
+    """--swap-space with two ranks: rank 0 decides what moves between device and host, every rank copies its own KV
+    heads (the swapped requests' blocks, and prefix blocks evicted from the device and found on the host again)."""
+    def swapping(tp):
+        llm = LLM(str(tiny_llama_dir), tensor_parallel_size=tp, swap_space=0.01, preemption_mode=mode,
+                  **{**ENGINE, "device": "cpu"})
+        try:
+            prompts = make_prompts(llm.engine.runner.hf_config.vocab_size)
+            outs = llm.generate(prompt_token_ids=prompts, sampling_params=params(len(prompts)))
+            st = llm.engine.stats()
+            return [o.outputs[0].token_ids for o in outs], (st.swapped_out_blocks, st.swapped_in_blocks,
+                                                            st.host_stored_blocks, st.num_swaps)
+        finally:
+            llm.close()
+
+    want, moved = swapping(1)
+    assert moved[0] > 0 and moved[1] > 0 and moved[3] > 0, moved  # requests did swap out and back in
+    got, moved2 = swapping(2)
+    assert got == want
+    assert moved2 == moved
+
+
 def test_close_ends_the_workers_and_a_killed_worker_raises(tiny_llama_dir):
     from engine.collectives import WorkerError
 
