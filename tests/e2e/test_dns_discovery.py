@@ -61,6 +61,13 @@ class Procs:
                 p.wait()
 
 
+def _last_answer(log: str, entry: str) -> str | None:
+    """What a process last logged `entry` resolving to (serving/discovery.py's lines): its addresses, "" for an
+    empty answer, None if it logged neither."""
+    found = re.findall(rf"{re.escape(entry)}(?: resolves to ([^\n]+)|(: no addresses))", log)
+    return None if not found else found[-1][0]
+
+
 def _until(condition, what: str, procs: Procs, timeout: float = WAIT_S):
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -179,6 +186,11 @@ def test_an_empty_answer_leaves_no_decode_instance_and_a_lost_server_keeps_the_l
     assert f"decode {NAME}:{m['port']}: no addresses" in procs.log("router")
     m["dns"].set({NAME: [b, c]})
     _until(lambda: _health(m) == 200, "health 200 with the instances back", procs)
+    # The prefill's allowlist re-resolves on a timer of its own: it may have seen the empty answer too, and must
+    # have the records back before the server goes (else it keeps the empty set, as it should).
+    entry, back = f"{NAME}:{m['port']}", f"{b}:{m['port']}, {c}:{m['port']}"
+    _until(lambda: _last_answer(procs.log("prefill"), entry) == back, "the prefill's allowlist to see b and c",
+           procs)
 
     m["dns"].stop()  # the DNS server is gone: lookups fail, the router keeps b and c
     _until(lambda: "lookup failed" in procs.log("router"), "the router to say its lookups fail", procs)
