@@ -40,9 +40,11 @@ from bench.common import format_table, write_json  # noqa: E402
 from bench.gemv import graph_ms, time_rotation  # noqa: E402
 import kernels.gemv as gemv  # noqa: E402
 from kernels._checks import sm_count  # noqa: E402
+import kernels.w4a16 as w4mod  # noqa: E402
 from kernels.w4a16 import (GEMV_MAX_M, PACK, W4GemmConfig, W4GemvConfig, default_gemm_config,  # noqa: E402
                            default_gemv_config, w4a16_gemm_triton, w4a16_gemv_triton, w4a16_ref, w4a16_triton)
 
+STREAM_MAX_M = getattr(w4mod, "STREAM_MAX_M", 0)  # 0: a kernels/w4a16.py from before the stream kernel
 SHAPES = {"qkv": (4608, 3584, True), "o": (3584, 3584, False), "gate_up": (37888, 3584, False),
           "down": (3584, 18944, False)}  # name: (N, K, bias)
 NUM_LAYERS = 28
@@ -104,11 +106,31 @@ def check(name: str, w: W4, label: str, fn, m: int) -> float:
     return err
 
 
-def gemv_candidates(m: int, n: int, group: int) -> list[W4GemvConfig]:
+def _splits(tiles: int, k: int, bk: int) -> list[int]:
+    """Split counts that put about 1 to 12 programs per SM (132) with at least one step each."""
+    return [sp for sp in (1, 2, 3, 4, 6, 8, 12, 16, 24, 32) if 100 <= tiles * sp <= 1600 and k // (sp * bk) >= 1]
+
+
+def gemv_candidates(m: int, n: int, group: int, k: int = 0) -> list[W4GemvConfig]:
+    if m <= STREAM_MAX_M:  # the stream kernel; at 2+ rows also the tensor-core path below
+        out = []
+        tiles = [(64, 128, 2, 1), (64, 128, 4, 1), (64, 64, 2, 1), (128, 128, 2, 1), (128, 128, 4, 1),
+                 (128, 64, 4, 1), (128, 128, 8, 1), (256, 128, 4, 1), (256, 128, 8, 1), (256, 64, 4, 1),
+                 (256, 128, 4, 2)]
+        if m > 1:
+            tiles = [(128, 128, 4, 1), (64, 128, 4, 1), (256, 128, 4, 1)]
+        for bn, bk, w, st in tiles:
+            if group % bk or (bn == 64 and w == 8):
+                continue
+            out += [W4GemvConfig(bn, bk, sp, w, st, mode="stream") for sp in _splits(-(-n // bn), k, bk)]
+        if m == 1:
+            return out
+    else:
+        out = []
     splits = (1, 2, 4) if n > 8192 else (1, 2, 4, 8, 16)
     tiles = [(64, 128, 4), (128, 128, 4), (256, 128, 8), (128, 64, 4), (256, 64, 4)]
-    return [W4GemvConfig(bn, bk, s, w, 3) for bn, bk, w in tiles for s in splits
-            if group % bk == 0 and (m == 1 or bn <= 128)]
+    return out + [W4GemvConfig(bn, bk, s, w, 3) for bn, bk, w in tiles for s in splits
+                  if group % bk == 0 and (m == 1 or bn <= 128)]
 
 
 def gemm_candidates(m: int, group: int) -> list[W4GemmConfig]:
@@ -135,7 +157,7 @@ def sweep(name: str, w: W4, copies: list[W4], ms: list[int], prefill: bool) -> l
             launch = lambda cfg: (lambda: w4a16_gemm_triton(x, *w.args(), config=cfg))  # noqa: E731
         else:
             default = default_gemv_config(m, w.n, w.k, w.k // w.scales.shape[0], sm_count(x.device, 132))
-            cands = [default] + gemv_candidates(m, w.n, w.k // w.scales.shape[0])
+            cands = [default] + gemv_candidates(m, w.n, w.k // w.scales.shape[0], w.k)
         timed = []
         for cfg in cands:
             try:
@@ -162,7 +184,7 @@ def sweep(name: str, w: W4, copies: list[W4], ms: list[int], prefill: bool) -> l
         print(f"  {name} M={m} top: " + ", ".join(f"{c.short()} {t:.1f}" for t, c in top), flush=True)
         default_t = next((t for t, c in timed if c == default), float("nan"))
         rows.append(dict(shape=name, m=m, kernel="gemm" if prefill else "gemv", default=default.short(),
-                         default_us=default_t, best=best.short(), best_us=best_t))
+                         default_us=default_t, best=best.short(), best_us=best_t, best_cfg=best))
         print(f"sweep {name:8s} M={m:5d}: default {default.short()} {default_t:8.1f} us, best {best.short()} "
               f"{best_t:8.1f} us ({default_t / best_t:.2f}x)", flush=True)
     return rows
@@ -171,12 +193,15 @@ def sweep(name: str, w: W4, copies: list[W4], ms: list[int], prefill: bool) -> l
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--decode-m", type=int, nargs="+", default=[1, 2, 4, 8, 16])
-    p.add_argument("--prefill-m", type=int, nargs="+", default=[16, 64, 256, 1024, 2048, 4096])
+    p.add_argument("--prefill-m", type=int, nargs="*", default=[16, 64, 256, 1024, 2048, 4096])
     p.add_argument("--group-size", type=int, default=128)
     p.add_argument("--symmetric", action="store_true", help="no zero points (GPTQ sym, compressed-tensors)")
     p.add_argument("--act-order", action="store_true", help="an input permutation (GPTQ desc_act)")
     p.add_argument("--sweep", action="store_true", help="try candidate configs per shape and M")
     p.add_argument("--sweep-only", action="store_true", help="check, then sweep (no decode, token, prefill)")
+    p.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES), help="sweep these, in order")
+    p.add_argument("--table-out", help="sweep: write the fastest one-row config per shape here (JSON)")
+    p.add_argument("--table", help="time with the one-row configs of this --table-out file in GEMV_TABLE")
     p.add_argument("--json", help="write the results here")
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
@@ -187,6 +212,12 @@ def main(argv: list[str] | None = None) -> int:
     torch.backends.cuda.matmul.allow_tf32 = False
     print(f"{torch.cuda.get_device_name()}: group size {args.group_size}, "
           f"{'symmetric' if args.symmetric else 'zero points'}{', act order' if args.act_order else ''}")
+    if args.table:
+        import json
+        for name, (bn, bk, sp, w, st) in json.loads(Path(args.table).read_text()).items():
+            n, k, _ = SHAPES[name]
+            w4mod.GEMV_TABLE[(n, k)] = ((bn, bk, sp, w, st), w4mod.GEMV_TABLE[(n, k)][1])
+        print("GEMV_TABLE one-row entries from", args.table, {k: v[0] for k, v in w4mod.GEMV_TABLE.items()})
     weights = {name: W4(n, k, b, args.group_size, not args.symmetric, args.act_order, seed=i)
                for i, (name, (n, k, b)) in enumerate(SHAPES.items())}
 
@@ -205,7 +236,8 @@ def main(argv: list[str] | None = None) -> int:
     results: dict = {"args": vars(args), "decode": [], "prefill": [], "token_ms": {}, "sweep": []}
     if args.sweep_only:
         with torch.inference_mode():
-            for name, w in weights.items():
+            for name in args.shapes:
+                w = weights[name]
                 copies = [w] + [w.copy() for _ in range(max(1, math.ceil(ROTATION_BYTES / w.bytes(0)) - 1))]
                 results["sweep"] += sweep(name, w, copies, args.decode_m, prefill=False)
                 results["sweep"] += sweep(name, w, copies, args.prefill_m, prefill=True)
@@ -213,6 +245,15 @@ def main(argv: list[str] | None = None) -> int:
                 torch.cuda.empty_cache()
         if args.json:
             write_json(args.json, results)
+        if args.table_out:
+            import json
+            best = {}
+            for r in results["sweep"]:
+                if r["m"] == 1 and r["kernel"] == "gemv":
+                    c = r["best_cfg"]
+                    best[r["shape"]] = [c.block_n, c.block_k, c.split_k, c.num_warps, c.num_stages]
+            Path(args.table_out).write_text(json.dumps(best))
+            print("one-row table:", best)
         return 0
     with torch.inference_mode():
         # 2. decode

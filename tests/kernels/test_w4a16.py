@@ -106,6 +106,25 @@ def test_gemm_split_k_and_swizzle_and_gemv_modes():
         assert_close(w4a16_gemv_triton(*args, config=cfg), w4a16_ref(*args))
 
 
+@pytest.mark.parametrize("M", [1, 3])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_stream_kernel(M, dtype):
+    """The stream kernel ('auto' at one row, 'stream' up to STREAM_MAX_M rows): zero points (16 included), act
+    order, bias, ragged N and splits, bfloat16 x read in pairs or not; every output written."""
+    for i, (zeros, perm, bias) in enumerate([(True, False, True), (False, True, False), (True, True, True)]):
+        args = operands(M, 37, 96, 32, zeros, perm, bias, dtype=dtype, seed=40 + 10 * M + i)
+        ref = w4a16_ref(*args)
+        for cfg in (W4GemvConfig(block_n=16, block_k=32, split_k=1, mode="stream"),
+                    W4GemvConfig(block_n=32, block_k=16, split_k=3, mode="stream", x_pairs=False),
+                    W4GemvConfig(block_n=8, block_k=32, split_k=2)):
+            if cfg.kernel_mode(M) != 3:
+                continue
+            y = torch.full((M, 37), float("nan"), device=DEVICE, dtype=dtype)
+            w4a16_gemv_triton(*args, out=y, config=cfg)
+            assert_close(y, ref)
+    assert W4GemvConfig().kernel_mode(1) == 3 and W4GemvConfig().kernel_mode(2) == 2
+
+
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("scale_dtype", [torch.float16, torch.bfloat16, torch.float32])
 def test_half_dtypes(dtype, scale_dtype):
