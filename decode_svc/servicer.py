@@ -48,6 +48,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
                     first = False
                 if resp.delta.finish_reason:
                     span.set_attribute(A.COMPLETION_TOKENS, resp.delta.num_output_tokens)
+                    tracing.answered(span)  # (the router may end the call as soon as it has this delta)
                 yield resp
 
     @grpc_method

@@ -21,6 +21,7 @@ every call object of the channel (the KV bytes path's too) whether tracing is on
 from __future__ import annotations
 
 import argparse
+import asyncio
 import contextlib
 import logging
 import os
@@ -190,17 +191,31 @@ def end_span(span: trace.Span, exc: BaseException | None = None) -> None:
     span.end()
 
 
+_answered: set[int] = set()  # server spans (by id) whose call has handed out its last message
+
+
+def answered(span: trace.Span) -> None:
+    """A streaming call is about to hand out its last message: a caller that ends the call once it has it (the
+    router stops reading a Decode stream at the finished delta) cancels a call that succeeded, not a failed one."""
+    _answered.add(id(span))
+
+
 @contextlib.contextmanager
 def server_span(name: str, context, attributes: Mapping | None = None) -> Iterator[trace.Span]:
     """A SERVER span for one gRPC call (context: its ServicerContext; the parent is in its metadata), ended when
-    the block ends, with the error that ended it. Not made current: see start_span."""
+    the block ends, with the error that ended it (a cancellation after `answered` is none). Not made current: see
+    start_span."""
     span = start_span(name, grpc_parent(context), SpanKind.SERVER, attributes)
     try:
         yield span
     except BaseException as e:
-        end_span(span, e)
+        done = id(span) in _answered and isinstance(e, (GeneratorExit, asyncio.CancelledError))
+        end_span(span, None if done else e)
         raise
-    end_span(span)
+    else:
+        end_span(span)
+    finally:
+        _answered.discard(id(span))
 
 
 @contextlib.contextmanager

@@ -106,6 +106,46 @@ def test_a_failed_block_ends_its_span_with_the_error():
     assert out.split() == ["decode", "ERROR", "exception"]
 
 
+def test_a_stream_cancelled_after_its_last_message_is_no_error():
+    """The router ends a Decode call once it has the finished delta: a cancellation after `answered` ends the span
+    without an error; before it (a caller gone mid-stream) the span says so."""
+    out = _run("""
+        import asyncio
+        from opentelemetry import trace
+        from opentelemetry.sdk.trace import TracerProvider
+        from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+        from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+        from serving import tracing
+        memory = InMemorySpanExporter()
+        provider = TracerProvider()
+        provider.add_span_processor(SimpleSpanProcessor(memory))
+        trace.set_tracer_provider(provider)
+        tracing._enabled = True
+
+        class Ctx:
+            def invocation_metadata(self):
+                return ()
+
+        async def stream(name, last):
+            with tracing.server_span(name, Ctx()) as span:
+                for i in range(3):
+                    if i == 2 and last:
+                        tracing.answered(span)
+                    yield i
+
+        async def main():
+            for name, last in (("answered", True), ("mid-stream", False)):
+                gen = stream(name, last)
+                for _ in range(3 if last else 2):
+                    await anext(gen)
+                await gen.aclose()  # the caller ends the call (GeneratorExit at the yield)
+        asyncio.run(main())
+        print(*(f"{s.name}:{s.status.status_code.name}" for s in memory.get_finished_spans()))
+        print(len(tracing._answered))
+    """)
+    assert out.split() == ["answered:UNSET", "mid-stream:ERROR", "0"]
+
+
 def test_a_collector_that_never_answers_does_not_hold_up_spans():
     """Ending a span only queues it (BatchSpanProcessor): with every export blocked, 200 spans still end, and the
     exports run in the processor's own thread, never in the one that ends the span."""
