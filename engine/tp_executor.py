@@ -23,7 +23,7 @@ from engine.collectives import WorkerError, barrier, init_group, send_message
 from engine.config import DeviceConfig
 from engine.model_runner import StepInputs, rank_device
 from engine.tp import check_tensor_parallel
-from engine.tp_worker import encode_call, encode_step, encode_stop, worker_main
+from engine.tp_worker import encode_call, encode_step, encode_stop, spawn_workers
 
 log = logging.getLogger(__name__)
 
@@ -61,18 +61,11 @@ class TPDriver:
         self._init_method = parallel.init_method or f"file://{self._dir}/rendezvous"
         # The workers' config names rank 0's device exactly ('cuda' alone would be each process's current device).
         config = replace(config, device=DeviceConfig(str(device)))
-        ctx = mp.get_context("spawn")
         self.conns: list[Connection] = []
         self.procs: list[mp.process.BaseProcess] = []
         atexit.register(self.shutdown)
-        for rank in range(1, local):  # (node k > 0 starts ranks k * local .. itself)
-            ours, theirs = ctx.Pipe()
-            p = ctx.Process(target=worker_main, name=f"tandem-tp-rank{rank}", daemon=True,
-                            args=(rank, config, resolved, eos_token_id, self._init_method, theirs))
-            p.start()
-            theirs.close()  # the worker's end lives in the worker only: its death closes the socket
-            self.conns.append(ours)
-            self.procs.append(p)
+        # (node k > 0 starts ranks k * local .. itself: engine/tp_node.py)
+        spawn_workers(range(1, local), config, resolved, eos_token_id, self._init_method, self.procs, self.conns)
 
     def _reap_dead(self, timeout: float) -> str:
         """The workers that died (waiting up to `timeout` for one to), reaped, with their exit codes and the error

@@ -11,7 +11,6 @@ the others are killed and the node exits 1, so that the host's supervisor (Kuber
 from __future__ import annotations
 
 import logging
-import multiprocessing as mp
 import signal
 import sys
 from multiprocessing.connection import wait
@@ -20,7 +19,7 @@ from engine.config import EngineConfig
 from engine.loader import resolve_model
 from engine.tp import check_tensor_parallel
 from engine.model_runner import rank_device
-from engine.tp_worker import worker_main
+from engine.tp_worker import spawn_workers
 
 log = logging.getLogger(__name__)
 
@@ -35,17 +34,9 @@ def run_node(config: EngineConfig) -> int:
     local = parallel.ranks_per_node
     first = parallel.node_rank * local
     check_tensor_parallel(resolved.config, parallel.tensor_parallel_size, rank_device(config, first), local)
-    ctx = mp.get_context("spawn")
     procs, conns = [], []
-    for rank in range(first, first + local):
-        ours, theirs = ctx.Pipe()
-        # (eos: only rank 0 samples)
-        p = ctx.Process(target=worker_main, name=f"tandem-tp-rank{rank}", daemon=True,
-                        args=(rank, config, resolved, None, parallel.init_method, theirs))
-        p.start()
-        theirs.close()
-        procs.append(p)
-        conns.append(ours)
+    # (eos None: only rank 0 samples)
+    spawn_workers(range(first, first + local), config, resolved, None, parallel.init_method, procs, conns)
     log.info("node %d of %d: ranks %d..%d started, meeting at %s", parallel.node_rank, parallel.nnodes, first,
              first + local - 1, parallel.init_method)
     code = 0

@@ -139,6 +139,21 @@ def _serve(runner: ModelRunner, messages) -> None:
             return
 
 
+def spawn_workers(ranks, config, resolved, eos_token_id, init_method: str, procs: list, conns: list) -> None:
+    """Starts worker_main for each of `ranks` (multiprocessing "spawn", daemons), each with a pipe to this process,
+    appending each process and this process's end of its pipe as it starts (so a failure midway leaves the started
+    ones in the lists to be stopped)."""
+    ctx = mp.get_context("spawn")
+    for rank in ranks:
+        ours, theirs = ctx.Pipe()
+        p = ctx.Process(target=worker_main, name=f"tandem-tp-rank{rank}", daemon=True,
+                        args=(rank, config, resolved, eos_token_id, init_method, theirs))
+        p.start()
+        theirs.close()  # the worker's end lives in the worker only: its death closes the socket
+        conns.append(ours)
+        procs.append(p)
+
+
 def worker_main(rank: int, config, resolved, eos_token_id, init_method: str, conn: Connection) -> None:
     """A worker process: build the shard, serve rank 0's steps until told to stop (or rank 0 is gone)."""
     code = 0

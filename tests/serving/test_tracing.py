@@ -79,8 +79,8 @@ def test_context_round_trip_through_metadata_and_headers():
     assert out.strip() == "ok"
 
 
-def test_a_failed_block_ends_its_span_with_the_error():
-    out = _run("""
+# A child's tracing set up with an in-memory exporter (`memory`) and a ServicerContext without metadata (`Ctx`).
+_IN_MEMORY = """
         from opentelemetry import trace
         from opentelemetry.sdk.trace import TracerProvider
         from opentelemetry.sdk.trace.export import SimpleSpanProcessor
@@ -95,6 +95,11 @@ def test_a_failed_block_ends_its_span_with_the_error():
         class Ctx:
             def invocation_metadata(self):
                 return ()
+"""
+
+
+def test_a_failed_block_ends_its_span_with_the_error():
+    out = _run(_IN_MEMORY + """
         try:
             with tracing.server_span("decode", Ctx()):
                 raise ValueError("max_tokens=0: must be >= 1")
@@ -109,22 +114,8 @@ def test_a_failed_block_ends_its_span_with_the_error():
 def test_a_stream_cancelled_after_its_last_message_is_no_error():
     """The router ends a Decode call once it has the finished delta: a cancellation after `answered` ends the span
     without an error; before it (a caller gone mid-stream) the span says so."""
-    out = _run("""
+    out = _run(_IN_MEMORY + """
         import asyncio
-        from opentelemetry import trace
-        from opentelemetry.sdk.trace import TracerProvider
-        from opentelemetry.sdk.trace.export import SimpleSpanProcessor
-        from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
-        from serving import tracing
-        memory = InMemorySpanExporter()
-        provider = TracerProvider()
-        provider.add_span_processor(SimpleSpanProcessor(memory))
-        trace.set_tracer_provider(provider)
-        tracing._enabled = True
-
-        class Ctx:
-            def invocation_metadata(self):
-                return ()
 
         async def stream(name, last):
             with tracing.server_span(name, Ctx()) as span:
