@@ -58,8 +58,8 @@ class KvReceiver:
 
     def __init__(self, kv_cache: torch.Tensor, reservations: Reservations, path_metrics: KvPathMetrics):
         self.layout = layout_of(kv_cache)
-        # A tensor-parallel decode instance takes its KV as bytes through rank 0 (engine/sharded_kv.py): no peer
-        # cache is mapped or read into its ranks' caches.
+        # A tensor-parallel decode instance (engine/sharded_kv.py) takes its KV as bytes through rank 0, or by NIXL
+        # rank to rank from a prefill of as many ranks (_sharded_handshake); never by CUDA IPC.
         self.num_ranks = kv_cache.tensor_parallel_size if isinstance(kv_cache, ShardedKvCache) else 1
         self.sharded = (f"this decode instance is tensor-parallel (tensor_parallel_size={self.num_ranks}): its "
                         "ranks take CUDA IPC from no peer" if self.num_ranks > 1 else None)

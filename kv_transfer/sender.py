@@ -68,6 +68,16 @@ _IPC = PATH_LABELS[CUDA_IPC]
 _NIXL = PATH_LABELS[NIXL]
 
 
+def tensor_parallel_refusal(kv_transfer: str, tensor_parallel_size: int) -> str | None:
+    """Why a prefill of tensor_parallel_size ranks cannot send by --kv-transfer kv_transfer, or None (the prefill's
+    flags are checked with it at parse time, before any engine loads)."""
+    if tensor_parallel_size > 1 and kv_transfer == _IPC:
+        return (f"--kv-transfer {kv_transfer} with --tensor-parallel-size {tensor_parallel_size}: CUDA IPC maps one "
+                f"process's cache; a tensor-parallel prefill sends through NIXL (each rank its KV heads) or gRPC "
+                f"bytes; use {AUTO}, {_NIXL} or {PATH_LABELS[GRPC]}")
+    return None
+
+
 class KvSender:
     """The sending side of one prefill process: its cache's layout and CUDA IPC export, the path to each decode
     instance, and the messages of a transfer."""
@@ -76,11 +86,8 @@ class KvSender:
         if kv_transfer not in CHOICES:
             raise ValueError(f"kv_transfer={kv_transfer!r}: must be one of {', '.join(CHOICES)}")
         sharded = isinstance(kv_cache, ShardedKvCache)
-        if sharded and kv_transfer == _IPC:
-            raise ValueError(f"--kv-transfer {kv_transfer} with --tensor-parallel-size "
-                             f"{kv_cache.tensor_parallel_size}: CUDA IPC maps one process's cache; a tensor-parallel "
-                             f"prefill sends through NIXL (each rank its heads) or gRPC bytes; use {AUTO}, {_NIXL} or "
-                             f"{PATH_LABELS[GRPC]}")
+        if sharded and (reason := tensor_parallel_refusal(kv_transfer, kv_cache.tensor_parallel_size)):
+            raise ValueError(reason)
         if kv_transfer == _IPC and kv_cache.device.type != "cuda":
             raise ValueError(f"kv_transfer={_IPC!r}: CUDA IPC needs the KV cache on a CUDA device, this one is on "
                              f"{kv_cache.device.type}; use {AUTO} or {PATH_LABELS[GRPC]}")

@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import argparse
 
-from kv_transfer.base import AUTO, CUDA_IPC, GRPC, NIXL
-from kv_transfer.registry import CHOICES, PATH_LABELS
+from kv_transfer.registry import CHOICES
+from kv_transfer.sender import tensor_parallel_refusal
 from prefill_svc.core import PrefillCore
 from prefill_svc.servicer import PrefillServicer
 from protos.tandem.v1 import prefill_pb2
@@ -38,10 +38,8 @@ def _core_kwargs(ns: argparse.Namespace) -> dict:
     allow = None if ns.decode_allowlist is None else [a.strip() for a in ns.decode_allowlist.split(",") if a.strip()]
     for entry in allow or ():
         split_host_port(entry, "--decode-allowlist")
-    if ns.tensor_parallel_size > 1 and ns.kv_transfer == PATH_LABELS[CUDA_IPC]:
-        raise ValueError(f"--kv-transfer {ns.kv_transfer} with --tensor-parallel-size {ns.tensor_parallel_size}: "
-                         "CUDA IPC maps one process's cache; a tensor-parallel prefill sends through NIXL (each rank "
-                         f"its KV heads) or gRPC bytes; use {AUTO}, {PATH_LABELS[NIXL]} or {PATH_LABELS[GRPC]}")
+    if (reason := tensor_parallel_refusal(ns.kv_transfer, ns.tensor_parallel_size)) is not None:
+        raise ValueError(reason)
     return {"kv_transfer": ns.kv_transfer, "tls": TlsConfig.from_cli_args(ns), "decode_allowlist": allow,
             "discovery": DiscoveryConfig.from_cli_args(ns)}
 
