@@ -80,12 +80,19 @@ class KvReceiver:
     async def handshake(self, req: kv_transfer_pb2.KvHandshakeRequest) -> kv_transfer_pb2.KvHandshakeResponse:
         """Which path transfers from this prefill instance take: CUDA_IPC once its offered cache is mapped here,
         else NIXL once its offered agent is added (another host, or the prefill asks for NIXL on one host too), else
-        GRPC."""
-        reason = layout_mismatch(self.layout, req.layout)
-        if reason is None and self.sharded:
+        GRPC. A prefill cache of another layout is refused (FAILED_PRECONDITION naming the field): no path carries
+        its blocks."""
+        bad = layout_mismatch(self.layout, req.layout)
+        if bad is not None:
+            # No path carries blocks between caches of two layouts (another dtype, block size or model): refused
+            # here, once, so that the prefill fails its requests before computing them, not at each open.
+            log.warning("kv handshake from prefill pid %d on %s refused: %s", req.host.pid, shown(req.host.hostname),
+                        bad)
+            raise ServiceError(grpc.StatusCode.FAILED_PRECONDITION,
+                               f"{bad}: no KV transfer path carries blocks between caches of two layouts (the "
+                               "prefill and decode instances need the same model, --block-size and --kv-cache-dtype)")
+        if self.sharded:
             return await self._sharded_handshake(req)
-        if reason is not None:
-            return self._grpc(req, reason)
         reason = ipc_refusal(self.host, self.device, req.cache if req.HasField("cache") else None)
         if reason is None:
             try:

@@ -4,9 +4,10 @@
 The life of a transfer on the sending side (its `TransferState` goes BOOTSTRAPPING -> WAITING -> TRANSFERRING ->
 SUCCESS, or FAILED from any of them):
 1. BOOTSTRAPPING, `OutgoingTransfer.negotiate` -> `KvSender.path_to(address)`: before the first transfer to a decode
-   instance, a KvHandshake offers this cache's CUDA IPC export (when the cache is on a GPU and --kv-transfer is not
-   grpc). The decode instance checks the host identity, maps the cache, and answers CUDA_IPC, or GRPC with the
-   reason. The answer is kept per address (and dropped when a CUDA IPC transfer fails, so the next request asks
+   instance, a KvHandshake offers this cache's layout and its CUDA IPC export (when the cache is on a GPU and
+   --kv-transfer is not grpc). The decode instance refuses a cache of another layout (FAILED_PRECONDITION naming
+   the field: the request fails before its prefill is computed), checks the host identity, maps the cache, and
+   answers CUDA_IPC, or GRPC with the reason. The answer is kept per address (and dropped when a CUDA IPC transfer fails, so the next request asks
    again). With --kv-transfer nixl (or auto, a CUDA cache and nixl installed) it also offers this process's NIXL
    agent and registered cache (kv_transfer/nixl.py); the decode instance answers NIXL once it added the agent (between
    hosts; on one host too with --kv-transfer nixl). --kv-transfer ipc or nixl turns another answer into an error.
@@ -124,8 +125,6 @@ class KvSender:
     # ---- event loop -------------------------------------------------------------------------------------------
     async def path_to(self, address: str, stub) -> int:
         """The path of transfers to the decode instance at `address` (stub: its DecodeStub)."""
-        if self.cache is None and self.nixl is None:
-            return GRPC
         answer = self._answers.get(address)
         if answer is None:
             req = kv.KvHandshakeRequest(host=self.host, layout=self.layout, cache=self.cache,
@@ -135,6 +134,8 @@ class KvSender:
             try:
                 answer = await stub.KvHandshake(req, timeout=HANDSHAKE_TIMEOUT_S)
             except grpc.aio.AioRpcError as e:
+                # A refusal (FAILED_PRECONDITION: the caches' layouts differ) is not kept: the next request asks
+                # again, and finds a decode instance restarted with the right flags.
                 if e.code() != grpc.StatusCode.UNIMPLEMENTED:
                     raise ServiceError(e.code(), f"kv transfer handshake with decode {address} failed: "
                                                  f"{e.details()}") from None

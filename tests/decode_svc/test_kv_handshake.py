@@ -36,18 +36,36 @@ def test_handshake_answers_grpc_with_the_reason(engine):
         with_cache = await stub.KvHandshake(kv.KvHandshakeRequest(host=host_identity(), layout=layout,
                                                                   cache=offer()))
         without = await stub.KvHandshake(kv.KvHandshakeRequest(host=host_identity(), layout=layout))
-        wrong = kv.KvLayout()
-        wrong.CopyFrom(layout)
-        wrong.num_layers += 1
-        mismatch = await stub.KvHandshake(kv.KvHandshakeRequest(host=host_identity(), layout=wrong, cache=offer()))
-        return with_cache, without, mismatch
+        return with_cache, without
 
-    with_cache, without, mismatch = run(engine, scenario)
+    with_cache, without = run(engine, scenario)
     assert with_cache.path == kv.KV_TRANSFER_PATH_GRPC
     assert with_cache.reason == "this instance's KV cache is on cpu, not a CUDA device"
     assert with_cache.host.boot_id == host_identity().boot_id and with_cache.host.process_id
     assert without.path == kv.KV_TRANSFER_PATH_GRPC and "KV cache is on cpu" in without.reason
-    assert mismatch.path == kv.KV_TRANSFER_PATH_GRPC and mismatch.reason.startswith("layout.num_layers=3")
+
+
+@pytest.mark.parametrize("field, value, shown", [("num_layers", 3, "3"), ("dtype", "int8", "'int8'"),
+                                                 ("block_size", 32, "32")])
+def test_a_cache_of_another_layout_is_refused_at_the_handshake(engine, field, value, shown):
+    """No path carries blocks between caches of two layouts (an int8 prefill cache into a bf16 one, say): the
+    handshake itself is FAILED_PRECONDITION naming the field and both values, with or without a CUDA IPC offer."""
+    async def scenario(stub):
+        wrong = kv.KvLayout()
+        wrong.CopyFrom(layout_of(engine.kv_cache))
+        setattr(wrong, field, value if field != "num_layers" else wrong.num_layers + 1)
+        codes = []
+        for cache in (offer(), None):
+            with pytest.raises(grpc.aio.AioRpcError) as ei:
+                await stub.KvHandshake(kv.KvHandshakeRequest(host=host_identity(), layout=wrong, cache=cache))
+            codes.append((ei.value.code(), ei.value.details()))
+        return codes
+
+    mine = getattr(layout_of(engine.kv_cache), field)
+    for code, details in run(engine, scenario):
+        assert code == grpc.StatusCode.FAILED_PRECONDITION
+        assert details.startswith(f"layout.{field}={shown}: this decode instance's KV cache has {field}={mine!r}")
+        assert "--kv-cache-dtype" in details
 
 
 def test_an_ipc_open_on_a_cpu_cache_is_refused_and_frees(engine):

@@ -1,6 +1,6 @@
 """An int8 KV cache over the gRPC bytes path (in-process prefill and decode services, real gRPC on loopback): each
 block's values and scales arrive bit-exact and decode continues as the offline int8 engine; a prefill whose cache
-dtype differs from the decode's is refused naming the dtype, and neither side keeps a block."""
+dtype differs from the decode's is refused at the handshake naming the dtype, and neither side keeps a block."""
 from __future__ import annotations
 
 import asyncio
@@ -76,25 +76,32 @@ def test_int8_blocks_and_scales_arrive_bit_exact():
 
 
 @pytest.mark.parametrize("decode_dtype", ["auto", "fp8"])
-def test_a_dtype_mismatch_is_refused_naming_the_dtype(decode_dtype):
+def test_a_dtype_mismatch_is_refused_at_the_handshake(decode_dtype):
+    """The decode instance refuses the int8 prefill cache at the handshake (FAILED_PRECONDITION naming the dtype):
+    the prefill fails the request before computing it (its engine never saw the prompt), the router's cancel of the
+    reservation frees it, and neither side keeps a block. A transfer opened anyway (a sender that skipped the
+    handshake) is INVALID_ARGUMENT naming the same field (tests/decode_svc/test_decode_service.py)."""
     engines = (LLMEngine.from_engine_args(EngineArgs(**INT8)),
                LLMEngine.from_engine_args(EngineArgs(**{**ARGS, "kv_cache_dtype": decode_dtype})))
 
     async def scenario(pcore, pstub, dstub, daddr):
         dcall = dstub.Decode(decode_pb2.DecodeRequest(request_id="m", prompt_token_ids=PROMPT, params=params()))
         await dcall.read()
-        with pytest.raises(grpc.aio.AioRpcError) as ei:
-            async for _ in pstub.Prefill(prefill_pb2.PrefillRequest(request_id="m", prompt_token_ids=PROMPT,
-                                                                    params=params(), decode_address=daddr)):
-                pass
-        with pytest.raises(grpc.aio.AioRpcError) as di:
-            while await dcall.read() is not grpc.aio.EOF:
-                pass
-        return ei.value, di.value, await idle(pstub, dstub)
+        errors = []
+        for _ in range(2):  # a refusal is not kept: each request asks again, and is refused again
+            with pytest.raises(grpc.aio.AioRpcError) as ei:
+                async for _ in pstub.Prefill(prefill_pb2.PrefillRequest(request_id="m", prompt_token_ids=PROMPT,
+                                                                        params=params(), decode_address=daddr)):
+                    pass
+            errors.append(ei.value)
+        dcall.cancel()  # what the router does when the prefill fails
+        return errors, await idle(pstub, dstub)
 
-    perr, derr, loads = run_pair(engines, scenario, default_kv_timeout_s=10)
+    errors, loads = run_pair(engines, scenario, default_kv_timeout_s=10)
     want = "float32" if decode_dtype == "auto" else "float8_e4m3fn"
-    for err in (perr, derr):
-        assert err.code() == grpc.StatusCode.INVALID_ARGUMENT, (err.code(), err.details())
+    for err in errors:
+        assert err.code() == grpc.StatusCode.FAILED_PRECONDITION, (err.code(), err.details())
         assert f"layout.dtype='int8': this decode instance's KV cache has dtype='{want}'" in err.details()
+        assert "--kv-cache-dtype" in err.details()
+    assert engines[0].stats().prefix_cache_queries == 0  # the prompt never reached the prefill engine
     assert all(x.num_used_blocks == 0 and x.num_tracked_requests == 0 for x in loads), loads

@@ -231,9 +231,9 @@ def test_the_handshake_quotes_a_peers_strings_in_short(caplog):
     layout.CopyFrom(receiver.layout)
     layout.layout = "x" * 5_000_000
     req = kv.KvHandshakeRequest(host=kv.HostIdentity(hostname="a\n" * 1_000_000, pid=7), layout=layout)
-    with caplog.at_level(logging.INFO, logger="tandem.decode.kv"):
-        answer = asyncio.run(receiver.handshake(req))
-    assert answer.path == kv.KV_TRANSFER_PATH_GRPC
-    assert answer.reason.startswith("layout.layout='xxx") and len(answer.reason) < 200, answer.reason[:300]
+    with caplog.at_level(logging.INFO, logger="tandem.decode.kv"), pytest.raises(ServiceError) as ei:
+        asyncio.run(receiver.handshake(req))
+    assert ei.value.code == grpc.StatusCode.FAILED_PRECONDITION
+    assert ei.value.message.startswith("layout.layout='xxx") and len(ei.value.message) < 400, ei.value.message[:500]
     [line] = [r.getMessage() for r in caplog.records]
-    assert line.startswith("kv transfers from prefill pid 7 on 'a\\na\\n") and "\n" not in line and len(line) < 400
+    assert line.startswith("kv handshake from prefill pid 7 on 'a\\na\\n") and "\n" not in line and len(line) < 400
