@@ -20,7 +20,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.common import git_commit, machine_info, write_json  # noqa: E402
-from engine.config import DTYPE_ALIASES, KV_CACHE_DTYPES, QUANTIZATION_METHODS, _DTYPES, parse_dtype  # noqa: E402
+from engine.config import (DTYPE_ALIASES, KV_CACHE_DTYPES, PREEMPTION_MODES, QUANTIZATION_METHODS,  # noqa: E402
+                           _DTYPES, parse_dtype)
 
 
 def make_prompts(num: int, input_len: int, vocab: int, seed: int) -> list[list[int]]:
@@ -35,7 +36,9 @@ def run_tandem(args, prompts) -> tuple[float, int, dict]:
               max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
               kv_cache_dtype=args.kv_cache_dtype, quantization=args.quantization, enable_prefix_caching=False,
               seed=args.seed, async_scheduling=args.async_scheduling,
-              tensor_parallel_size=args.tensor_parallel_size)
+              tensor_parallel_size=args.tensor_parallel_size, swap_space=args.swap_space,
+              preemption_mode=args.preemption_mode, num_gpu_blocks_override=args.num_gpu_blocks_override,
+              **({} if args.new_token_ratio is None else {"new_token_ratio": args.new_token_ratio}))
     params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
     # Warm-up with full-size prefill steps: Triton compiles one kernel per launch configuration.
     warm = max(1, min(len(prompts), args.max_num_batched_tokens // args.input_len + 1))
@@ -53,6 +56,10 @@ def run_tandem(args, prompts) -> tuple[float, int, dict]:
     elapsed = time.perf_counter() - t0
     print_step_breakdown(llm.engine.step_log, elapsed)
     steps = step_stats(llm.engine.step_log, len(prompts) * args.input_len)
+    stats = llm.engine.stats()
+    steps.update(num_preemptions=stats.num_preemptions, num_swaps=stats.num_swaps,
+                 swapped_out_blocks=stats.swapped_out_blocks, swapped_in_blocks=stats.swapped_in_blocks,
+                 num_gpu_blocks=stats.num_total_blocks)
     llm.close()
     del llm
     return elapsed, n_out, {**latency, **steps}
@@ -168,6 +175,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
                    help="the engine's async scheduling (default: the engine's, on for CUDA)")
     p.add_argument("--tensor-parallel-size", type=int, default=1, help="the engine's ranks (cuda:0, cuda:1, ...)")
+    p.add_argument("--num-gpu-blocks-override", type=int, default=None,
+                   help="the engine's KV blocks (vLLM's flag): a small pool makes a workload preempt")
+    p.add_argument("--swap-space", type=float, default=0.0,
+                   help="GiB of host KV tier (vLLM's flag): preempted requests swap there instead of recomputing")
+    p.add_argument("--preemption-mode", default="auto", choices=PREEMPTION_MODES,
+                   help="with --swap-space: swap, recompute, or auto (the engine's choice per request)")
+    p.add_argument("--new-token-ratio", type=float, default=None,
+                   help="the admission watermark (engine default 0.7); 0 admits whenever a prompt fits, so a small "
+                        "--num-gpu-blocks-override preempts often")
     p.add_argument("--hf-batch-size", type=int, default=256)
     p.add_argument("--stream", "--async-engine", action="store_true",
                    help="tandem: hand tokens out per step, as served, and report TTFT and TPOT (module docstring)")
@@ -198,7 +214,10 @@ def main(argv=None) -> int:
                    input_len=args.input_len, output_len=args.output_len, elapsed_s=round(elapsed, 3),
                    output_tokens_per_s=round(n_out / elapsed, 1), total_tokens_per_s=round(total / elapsed, 1),
                    stream=args.stream if backend == "tandem" else False,
-                   kv_cache_dtype=args.kv_cache_dtype if backend == "tandem" else None, **latency,
+                   kv_cache_dtype=args.kv_cache_dtype if backend == "tandem" else None,
+                   swap_space=args.swap_space if backend == "tandem" else None,
+                   preemption_mode=args.preemption_mode if backend == "tandem" and args.swap_space else None,
+                   **latency,
                    commit=git_commit()["sha"], date=time.strftime("%Y-%m-%d"), machine=machine_info())
         write_json(Path(args.out_dir) / f"throughput-{backend}-{time.strftime('%Y%m%d-%H%M%S')}.json", rec)
         rows.append(rec)
