@@ -18,6 +18,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.common import git_commit, write_json  # noqa: E402
+from engine.config import QUANTIZATION_METHODS  # noqa: E402
 
 
 def main(argv=None) -> int:
@@ -29,7 +30,9 @@ def main(argv=None) -> int:
     p.add_argument("--num-iters", type=int, default=5)
     p.add_argument("--bandwidth", type=float, default=4.26e12, help="bytes/s for the roofline")
     p.add_argument("--enforce-eager", action="store_true")
-    p.add_argument("--quantization", default=None, choices=["fp8"], help="weights in fp8 (as vLLM's flag)")
+    p.add_argument("--quantization", default=None, choices=QUANTIZATION_METHODS,
+                   help="fp8: weights quantized online (as vLLM's flag); awq / gptq / compressed-tensors: the "
+                        "checkpoint's 4-bit weights (bench/w4_checkpoint.py writes a random one of a preset's shape)")
     p.add_argument("--kv-cache-dtype", default="auto")
     p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
                    help="the engine's async scheduling (default: the engine's, on for CUDA)")
