@@ -243,6 +243,108 @@ def sweep_fp8_decode(budget_s: float):
         _sweep("sweep_decode_fp8", name, specs, fp8, deadline, kv_fp8=True)
 
 
+def engine_batch(seq_lens, kv: str, num_layers: int = 28, max_seq_len: int | None = None):
+    """paged_attention's decode arguments over layer 3 of an engine-layout cache (engine/model_runner.py:
+    [blocks, layers, 2, block_size, kv_heads, row], so the strides are the engine's; an int8 row is head_dim values
+    then its float32 scale) for kv in bf16 / fp8 / int8, filled as write_kv fills it; plus the bytes it must read."""
+    from kernels.quant_int8 import INT8_ROW_PAD, int8_cache_views, quantize_int8_rows_ref
+    nblk = [math.ceil(sl / BS) for sl in seq_lens]
+    num_blocks = sum(nblk) + 1
+    row = D + INT8_ROW_PAD if kv == "int8" else D
+    dtype = {"bf16": torch.bfloat16, "fp8": torch.float8_e4m3fn, "int8": torch.int8}[kv]
+    cache = torch.empty(num_blocks, num_layers, 2, BS, HKV, row, dtype=dtype, device="cuda")
+    x = torch.randn(num_blocks, 2, BS, HKV, D, device="cuda") * torch.rand(num_blocks, 2, BS, HKV, 1, device="cuda")
+    extra = {}
+    if kv == "int8":
+        (kc, ks), (vc, vs) = int8_cache_views(cache[:, 3, 0]), int8_cache_views(cache[:, 3, 1])
+        x_q, sc = quantize_int8_rows_ref(x)
+        kc.copy_(x_q[:, 0]), vc.copy_(x_q[:, 1]), ks.copy_(sc[:, 0]), vs.copy_(sc[:, 1])
+        extra = dict(k_scale_cache=ks, v_scale_cache=vs)
+    else:
+        kc, vc = cache[:, 3, 0], cache[:, 3, 1]
+        if kv == "fp8":
+            x *= 64
+            extra = dict(k_scale=1 / 64, v_scale=1 / 64)
+        kc.copy_(x[:, 0]), vc.copy_(x[:, 1])
+    del x
+    perm = torch.randperm(num_blocks, device="cuda")
+    max_seq_len = max_seq_len or max(seq_lens)
+    bt = torch.zeros(len(seq_lens), max(max(nblk), math.ceil(max_seq_len / BS)), dtype=torch.int32, device="cuda")
+    used = 0
+    for i, n in enumerate(nblk):
+        bt[i, :n] = perm[used:used + n]
+        used += n
+    b = len(seq_lens)
+    args = dict(q=torch.randn(b, H, D, dtype=torch.bfloat16, device="cuda"), k_cache=kc, v_cache=vc, block_tables=bt,
+                seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device="cuda"),
+                query_start_loc=torch.arange(b + 1, dtype=torch.int32, device="cuda"), max_query_len=1,
+                max_seq_len=max_seq_len, scale=D ** -0.5, **extra)
+    nbytes = sum(seq_lens) * HKV * 2 * (row * cache.element_size()) + 2 * b * H * D * 2
+    return args, nbytes, 4 * sum(seq_lens) * H * D
+
+
+def int8_decode(budget_s: float):
+    """Decode attention over engine-layout bf16 / fp8 / int8 caches at the offline workload's shape (batch 256, contexts
+    512-768, mean ~640: 500 x 512/256 with --max-num-seqs 256) and at batch 1 (640 keys; the launch sized for
+    max_model_len 784, as the decode CUDA graphs are), each checked against paged_attention_ref; then the int8 KV
+    write against the bf16 / fp8 caches' fused rotary + write, at 256 decode tokens."""
+    from kernels.quant_int8 import INT8_ROW_PAD, int8_cache_views
+    from kernels.rotary import rotary_embedding_write_kv_triton
+    deadline = time.time() + budget_s
+    gen = torch.Generator().manual_seed(0)
+    shapes = (("batch=256 ctx=512..768", torch.randint(512, 769, (256,), generator=gen).tolist(), None),
+              ("batch=1 ctx=640", [640], 784))
+    old = dict(fp8x4=0, num_stages=3)  # the int8 default before the word walk
+    for name, seq_lens, max_len in shapes:
+        tiles = (128, 64) if len(seq_lens) > 1 else (64,)  # batch 1: the default's 64-key tiles, split context
+        words = [dict(fp8x4=x, tile_n=t, num_stages=st) for x in (2, 1) for t in tiles for st in (2, 3)]
+        for kv, configs in (("bf16", [{}]), ("fp8", [{}]), ("int8", [{}, old] + words)):
+            if time.time() > deadline:
+                print("  budget spent")
+                return
+            args, nbytes, flops = engine_batch(seq_lens, kv, max_seq_len=max_len)
+            ref = paged_attention_ref(**args).float()
+            for cfg in configs:
+                out = torch.full_like(args["q"], float("nan"))
+                try:
+                    paged_attention_triton(**args, out=out, config=cfg or None)
+                except Exception as e:  # noqa: BLE001 (an out-of-resources config is a data point)
+                    print(f"  {kv} {cfg}: {type(e).__name__}: {str(e)[:100]}")
+                    continue
+                err = ((out.float() - ref).norm() / ref.norm()).item()
+                ok = bool(torch.isfinite(out).all()) and err < 2e-2
+                record(f"decode_{kv}", name, lambda: paged_attention_triton(**args, config=cfg or None), None,
+                             nbytes, flops, dict(config=cfg or "default", rel_err=err, ok=ok, compiled=compiled()))
+                print(f"    {cfg or 'default'} rel err {err:.2e} {'ok' if ok else 'WRONG'}  {compiled()}")
+            del args, ref
+    tokens = 256
+    k = torch.randn(tokens, HKV, D, dtype=torch.bfloat16, device="cuda")
+    v = torch.randn_like(k)
+    q = torch.randn(tokens, H, D, dtype=torch.bfloat16, device="cuda")
+    pos = torch.randint(0, 768, (tokens,), device="cuda")
+    cos_sin = torch.randn(4096, D, device="cuda")
+    nblocks = 1024
+    slots = torch.randperm(nblocks * BS, device="cuda")[:tokens]
+    for kv in ("bf16", "fp8", "int8"):
+        dtype = {"bf16": torch.bfloat16, "fp8": torch.float8_e4m3fn, "int8": torch.int8}[kv]
+        row = D + INT8_ROW_PAD if kv == "int8" else D
+        cache = torch.zeros(nblocks, 28, 2, BS, HKV, row, dtype=dtype, device="cuda")
+        if kv == "int8":
+            (kc, ks), (vc, vs) = int8_cache_views(cache[:, 3, 0]), int8_cache_views(cache[:, 3, 1])
+            extra = dict(k_scale_cache=ks, v_scale_cache=vs)
+        else:
+            kc, vc, extra = cache[:, 3, 0], cache[:, 3, 1], {}
+        scales = (0.05, 0.05) if kv == "fp8" else (1.0, 1.0)
+        nbytes = tokens * (H + 2 * HKV) * D * 2 * 2 + tokens * HKV * 2 * row * cache.element_size()
+        record(f"rotary_write_kv_{kv}", f"tokens={tokens}",
+               lambda: rotary_embedding_write_kv_triton(pos, q, k, v, cos_sin, kc, vc, slots, *scales, **extra),
+               None, nbytes, 0)
+        if kv == "int8":
+            record("write_kv_int8", f"tokens={tokens}",
+                   lambda: write_kv_triton(k, v, kc, vc, slots, **extra), None, tokens * HKV * 2 * (D * 2 + row), 0)
+        del cache
+
+
 def bench_pointwise(quick: bool):
     bf16 = torch.bfloat16
     for tokens in (64, 4096, 32768) if not quick else (4096, 32768):
@@ -287,7 +389,8 @@ def main() -> None:
     ap.add_argument("--sweep", action="store_true", help="also time attention config variants")
     ap.add_argument("--sweep-budget", type=float, default=150.0, help="seconds the sweep may take")
     ap.add_argument("--full-sweep", action="store_true", help="also the older cache-only prefill and decode sweeps")
-    ap.add_argument("--only", choices=["attention", "pointwise", "sweep", "decode-sweep", "fp8-decode-sweep"],
+    ap.add_argument("--only", choices=["attention", "pointwise", "sweep", "decode-sweep", "fp8-decode-sweep",
+                                       "int8-decode"],
                     help="one group only")
     ap.add_argument("--compile-only", action="store_true", help="launch each timed configuration once, untimed")
     a = ap.parse_args()
@@ -310,6 +413,8 @@ def main() -> None:
         sweep_short_decode(a.sweep_budget)
     if a.only == "fp8-decode-sweep":
         sweep_fp8_decode(a.sweep_budget)
+    if a.only == "int8-decode":
+        int8_decode(a.sweep_budget)
     print(f"done in {time.time() - t0:.0f} s")
     if a.json:
         try:

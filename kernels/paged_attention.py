@@ -16,6 +16,7 @@ fp8 caches are converted to the query dtype on load; k_scale is folded into the 
 output. An int8 cache (k_scale_cache / v_scale_cache: a float32 scale per slot and KV head, kernels/quant_int8.py)
 is converted exactly to the query dtype on load; each key's scale multiplies its column of raw scores, each
 value's scale its column of probabilities before P @ V, so dequantization costs one multiply per score.
+Decodes read an 8-bit cache (fp8 at large batches, int8 always) as int32 words of four values (FP8X4).
 """
 from __future__ import annotations
 
@@ -305,21 +306,60 @@ def _fp8x4_unpack(w, dtype: tl.constexpr, ASM: tl.constexpr):
 
 
 @triton.jit
-def _attend_tiles_fp8x4(
+def _int8x4_unpack(w, dtype: tl.constexpr, ASM: tl.constexpr):
+    """Four int8 values packed little-endian in each int32 of w -> four tensors of w's shape in dtype (exact: |x| <=
+    128), byte j of every word in the j-th. ASM (fp16 only): the bytes, offset by 128, become the low mantissa bits
+    of 1024.0 (prmt with 0x64 exponent bytes, two values per instruction), and 1152.0 is subtracted (sub.f16x2):
+    five instructions per word; the shifts and int -> float casts of the portable version were up to 2x slower in
+    decode (bench/RESULTS.md, "INT8 KV cache")."""
+    if ASM:
+        b0, b1, b2, b3 = tl.inline_asm_elementwise(
+            """{
+            .reg .b32 x, e, c, a, b;
+            xor.b32 x, $4, 0x80808080;
+            mov.b32 e, 0x64646464;
+            mov.b32 c, 0x64806480;
+            prmt.b32 a, x, e, 0x4140;
+            prmt.b32 b, x, e, 0x4342;
+            sub.f16x2 a, a, c;
+            sub.f16x2 b, b, c;
+            mov.b32 {$0, $1}, a;
+            mov.b32 {$2, $3}, b;
+            }""",
+            "=h,=h,=h,=h,r", [w], dtype=(tl.float16, tl.float16, tl.float16, tl.float16), is_pure=True, pack=1)
+    else:  # sign-extending shifts
+        b0 = ((w << 24) >> 24).to(dtype)
+        b1 = ((w << 16) >> 24).to(dtype)
+        b2 = ((w << 8) >> 24).to(dtype)
+        b3 = (w >> 24).to(dtype)
+    return b0, b1, b2, b3
+
+
+@triton.jit
+def _attend_tiles_words(
     acc0, acc1, acc2, acc3,  # [BLOCK_M, HEAD_DIM // 4] each: output columns 4i + j in acc_j
     l_i, m_i,
+    v_unit,  # INT8: acc holds the output over this (the last tile's largest value scale); else 1
     q0, q1, q2, q3,  # [BLOCK_M, HEAD_DIM // 4] each: query columns 4i + j in q_j
     q_pos, bt_row_ptr,
-    kc_ptr, vc_ptr,  # int32 views of the fp8 cache, offset to this KV head
+    kc_ptr, vc_ptr,  # int32 views of the 8-bit cache, offset to this KV head
     stride_kc_b, stride_kc_s, stride_vc_b, stride_vc_s,  # in int32 words
+    ks_ptr, vs_ptr,  # INT8: the slots' k/v scales, offset to this KV head
+    stride_ks_b, stride_ks_s, stride_vs_b, stride_vs_s,
     qk_scale, kv_end, tile_lo, tile_hi,
     HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr, MASK: tl.constexpr,
     PRECISION: tl.constexpr, ASM: tl.constexpr,
+    INT8: tl.constexpr,  # int8 values with a scale per slot (else fp8 e4m3 with the launch's k/v scales)
 ):
-    """_attend_tiles over an fp8 cache read four values per load: one 32-bit address per four keys' (or values') bytes
-    instead of one per byte, which is what bounded the byte-wise fp8 walk (docs/kernels.md). Each word's byte j is
-    column 4i + j, so q . k is the sum of four dots over the columns j mod 4, and P @ V fills the four column sets of
-    the output."""
+    """_attend_tiles over an 8-bit cache (fp8 or int8) read four values per load: one 32-bit address per four keys'
+    (or values') bytes instead of one per byte, which is what bounded the byte-wise fp8 walk (docs/kernels.md); an
+    int8 cache's rows (head_dim + 4 bytes) are only word-aligned, so its byte walk could not even vectorize. Each
+    word's byte j is column 4i + j, so q . k is the sum of four dots over the columns j mod 4, and P @ V fills the
+    four column sets of the output.
+
+    INT8: the raw scores times each key's scale; P times each value's scale over the tile's largest, so the P @ V
+    operands stay in [0, 1] (fp16 dots neither overflow nor lose small products to subnormals), and the ratio of
+    the previous tile's largest to this one's joins the factor that rescales acc."""
     d4 = tl.arange(0, HEAD_DIM // 4)
     n = tl.arange(0, TILE_N)
     for t in range(tile_lo, tile_hi):
@@ -332,25 +372,46 @@ def _attend_tiles_fp8x4(
         off = keys % BLOCK_SIZE
         k_ptrs = kc_ptr + blk[None, :] * stride_kc_b + off[None, :] * stride_kc_s + d4[:, None]  # [D / 4, N]
         v_ptrs = vc_ptr + blk[:, None] * stride_vc_b + off[:, None] * stride_vc_s + d4[None, :]  # [N, D / 4]
-        if MASK != 0:  # words past kv_end read as 0 (four fp8 zeros): a stale cache tail may hold NaN bytes
+        if MASK != 0:  # words past kv_end read as 0 (four zeros): a stale cache tail may hold NaN bytes
             kw = tl.load(k_ptrs, mask=key_ok[None, :], other=0)
             vw = tl.load(v_ptrs, mask=key_ok[:, None], other=0)
         else:
             kw = tl.load(k_ptrs)
             vw = tl.load(v_ptrs)
-        k0, k1, k2, k3 = _fp8x4_unpack(kw, q0.dtype, ASM)
+        if INT8:  # masked keys' scales read as 0: a stale slot's scale may be NaN
+            ks_ptrs = ks_ptr + blk * stride_ks_b + off * stride_ks_s  # [TILE_N]
+            vs_ptrs = vs_ptr + blk * stride_vs_b + off * stride_vs_s
+            if MASK != 0:
+                k_row_scale = tl.load(ks_ptrs, mask=key_ok, other=0.0)
+                v_row_scale = tl.load(vs_ptrs, mask=key_ok, other=0.0)
+            else:
+                k_row_scale = tl.load(ks_ptrs)
+                v_row_scale = tl.load(vs_ptrs)
+            k0, k1, k2, k3 = _int8x4_unpack(kw, q0.dtype, ASM)
+        else:
+            k0, k1, k2, k3 = _fp8x4_unpack(kw, q0.dtype, ASM)
         s = tl.dot(q0, k0, input_precision=PRECISION)
         s = tl.dot(q1, k1, s, input_precision=PRECISION)
         s = tl.dot(q2, k2, s, input_precision=PRECISION)
         s = tl.dot(q3, k3, s, input_precision=PRECISION)
+        if INT8:
+            s = s * k_row_scale[None, :]
         p, alpha, l_i, m_i = _online_softmax(s, l_i, m_i, q_pos, keys, key_ok, qk_scale, MASK)
+        if INT8:
+            v_top = tl.max(v_row_scale, axis=0)  # > 0: every tile walked holds a valid key
+            v_top = tl.where(v_top > 0.0, v_top, v_unit)
+            p = p * (v_row_scale / v_top)[None, :]
+            alpha = alpha * (v_unit / v_top)
+            v_unit = v_top
+            v0, v1, v2, v3 = _int8x4_unpack(vw, q0.dtype, ASM)
+        else:
+            v0, v1, v2, v3 = _fp8x4_unpack(vw, q0.dtype, ASM)
         p = p.to(q0.dtype)
-        v0, v1, v2, v3 = _fp8x4_unpack(vw, q0.dtype, ASM)
         acc0 = tl.dot(p, v0, acc0 * alpha[:, None], input_precision=PRECISION)
         acc1 = tl.dot(p, v1, acc1 * alpha[:, None], input_precision=PRECISION)
         acc2 = tl.dot(p, v2, acc2 * alpha[:, None], input_precision=PRECISION)
         acc3 = tl.dot(p, v3, acc3 * alpha[:, None], input_precision=PRECISION)
-    return acc0, acc1, acc2, acc3, l_i, m_i
+    return acc0, acc1, acc2, acc3, l_i, m_i, v_unit
 
 
 @triton.jit
@@ -434,8 +495,8 @@ def _paged_attention_kernel(
     PRECISION: tl.constexpr,
     NEW_KV: tl.constexpr,  # this step's keys from k/v instead of the cache: 0 no, 1 by pointers, 2 by TMA
     OPAQUE_ZERO: tl.constexpr,  # False under the interpreter (no inline PTX there)
-    FP8X4: tl.constexpr,  # fp8 cache read as int32 words of four values (k/v_cache_ptr, strides in words): 0 no,
-    #                       1 unpacked by shifts and casts, 2 by cvt.rn.f16x2.e4m3x2 (fp16 dots on a GPU)
+    FP8X4: tl.constexpr,  # an 8-bit cache (fp8, int8) read as int32 words of four values (k/v_cache_ptr, strides in
+    #                       words): 0 no, 1 unpacked by shifts and casts, 2 by PTX (fp16 dots on a GPU)
     INT8: tl.constexpr,  # an int8 cache with a scale per slot and KV head
 ):
     # Last query blocks first: under the causal mask they see the most keys, so the cheap ones fill the tail.
@@ -492,14 +553,17 @@ def _paged_attention_kernel(
         acc1 = tl.zeros([BLOCK_M, HEAD_DIM // 4], dtype=tl.float32)
         acc2 = tl.zeros([BLOCK_M, HEAD_DIM // 4], dtype=tl.float32)
         acc3 = tl.zeros([BLOCK_M, HEAD_DIM // 4], dtype=tl.float32)
-        acc0, acc1, acc2, acc3, l_i, m_i = _attend_tiles_fp8x4(
-            acc0, acc1, acc2, acc3, l_i, m_i, q0, q1, q2, q3, q_pos, bt_row_ptr, kc_ptr, vc_ptr,
-            stride_kc_b, stride_kc_s, stride_vc_b, stride_vc_s, qk_scale, kv_end, tile_lo,
-            tl.minimum(tile_hi, full_tiles), HEAD_DIM, BLOCK_SIZE, TILE_N, 0, PRECISION, FP8X4 == 2)
-        acc0, acc1, acc2, acc3, l_i, m_i = _attend_tiles_fp8x4(
-            acc0, acc1, acc2, acc3, l_i, m_i, q0, q1, q2, q3, q_pos, bt_row_ptr, kc_ptr, vc_ptr,
-            stride_kc_b, stride_kc_s, stride_vc_b, stride_vc_s, qk_scale, kv_end,
-            tl.maximum(tile_lo, full_tiles), tile_hi, HEAD_DIM, BLOCK_SIZE, TILE_N, 1, PRECISION, FP8X4 == 2)
+        v_unit = tl.full([], 1.0, tl.float32)
+        acc0, acc1, acc2, acc3, l_i, m_i, v_unit = _attend_tiles_words(
+            acc0, acc1, acc2, acc3, l_i, m_i, v_unit, q0, q1, q2, q3, q_pos, bt_row_ptr, kc_ptr, vc_ptr,
+            stride_kc_b, stride_kc_s, stride_vc_b, stride_vc_s, ks_ptr, vs_ptr, stride_ks_b, stride_ks_s, stride_vs_b,
+            stride_vs_s, qk_scale, kv_end, tile_lo, tl.minimum(tile_hi, full_tiles), HEAD_DIM, BLOCK_SIZE, TILE_N, 0,
+            PRECISION, FP8X4 == 2, INT8)
+        acc0, acc1, acc2, acc3, l_i, m_i, v_unit = _attend_tiles_words(
+            acc0, acc1, acc2, acc3, l_i, m_i, v_unit, q0, q1, q2, q3, q_pos, bt_row_ptr, kc_ptr, vc_ptr,
+            stride_kc_b, stride_kc_s, stride_vc_b, stride_vc_s, ks_ptr, vs_ptr, stride_ks_b, stride_ks_s, stride_vs_b,
+            stride_vs_s, qk_scale, kv_end, tl.maximum(tile_lo, full_tiles), tile_hi, HEAD_DIM, BLOCK_SIZE, TILE_N, 1,
+            PRECISION, FP8X4 == 2, INT8)
     elif NEW_KV == 0:
         q = _load_q(q_base, q_rows, row_ok, d, HEAD_DIM, DOT_FP32, FP8_VIA_FP16)
         acc, l_i, m_i = _attend_tiles(
@@ -565,7 +629,7 @@ def _paged_attention_kernel(
         o_base = out_ptr + (q_start + q_first).to(tl.int64) * stride_o_t + kv_head * QUERIES_PER_KV * stride_o_h
         o_rows = (rows // QUERIES_PER_KV) * stride_o_t + (rows % QUERIES_PER_KV) * stride_o_h  # [BLOCK_M]
         if FP8X4:
-            _store_fp8x4_parts(o_base + o_rows[:, None], factor, acc0, acc1, acc2, acc3, row_ok, HEAD_DIM)
+            _store_fp8x4_parts(o_base + o_rows[:, None], factor * v_unit, acc0, acc1, acc2, acc3, row_ok, HEAD_DIM)
         else:
             tl.store(o_base + o_rows[:, None] + d[None, :], (acc * factor).to(out_ptr.dtype.element_ty),
                      mask=row_ok[:, None] & d_ok)
@@ -574,8 +638,8 @@ def _paged_attention_kernel(
         heads = kv_head * QUERIES_PER_KV + rows % QUERIES_PER_KV  # [BLOCK_M]
         part = (tok * num_heads + heads) * NUM_SEGMENTS + segment  # [BLOCK_M]
         if FP8X4:
-            _store_fp8x4_parts(seg_out_ptr + part[:, None] * HEAD_DIM_PAD, v_scale, acc0, acc1, acc2, acc3, row_ok,
-                               HEAD_DIM)
+            _store_fp8x4_parts(seg_out_ptr + part[:, None] * HEAD_DIM_PAD, v_scale * v_unit, acc0, acc1, acc2, acc3,
+                               row_ok, HEAD_DIM)
         else:
             tl.store(seg_out_ptr + part[:, None] * HEAD_DIM_PAD + d[None, :], acc * v_scale, mask=row_ok[:, None])
         tl.store(seg_max_ptr + part, m_i, mask=row_ok)
@@ -616,10 +680,10 @@ def _tma_ok(t: torch.Tensor, head_dim: int, head_dim_pad: int) -> bool:
             and t.data_ptr() % 16 == 0 and t.stride(0) * t.element_size() % 16 == 0)
 
 
-def _fp8_words(cache: torch.Tensor) -> torch.Tensor | None:
-    """An fp8 cache [num_blocks, block_size, num_kv_heads, head_dim] as int32 words of four values, where its
-    strides and offset allow (the kernel's FP8X4 reads); None otherwise."""
-    if cache.dtype != FP8_DTYPE or cache.stride(3) != 1 or cache.shape[3] % 4:
+def _cache_words(cache: torch.Tensor) -> torch.Tensor | None:
+    """An 8-bit (fp8 or int8) cache [num_blocks, block_size, num_kv_heads, head_dim] as int32 words of four
+    values, where its strides and offset allow (the kernel's FP8X4 reads); None otherwise."""
+    if cache.dtype not in (FP8_DTYPE, INT8_DTYPE) or cache.stride(3) != 1 or cache.shape[3] % 4:
         return None
     if any(st % 4 for st in cache.stride()[:3]) or cache.storage_offset() % 4 or cache.data_ptr() % 4:
         return None
@@ -640,7 +704,7 @@ PREFILL_NEW_KV = 0
 
 def default_config(
     num_tokens: int, num_seqs: int, num_kv_heads: int, queries_per_kv: int, head_dim: int, max_query_len: int,
-    max_seq_len: int, num_sms: int, q_bytes: int = 2, kv_fp8: bool = False,
+    max_seq_len: int, num_sms: int, q_bytes: int = 2, kv_fp8: bool = False, kv_int8: bool = False,
 ) -> dict[str, int]:
     """Tile sizes, warps, stages and context segments for one launch, from host-side shapes only (no sync).
     The choices come from the H200 sweep in docs/kernels.md."""
@@ -660,9 +724,11 @@ def default_config(
             num_segments *= 2
         # An fp8 cache: read in 32-bit words (converted by PTX) once there are >= 4 programs per SM; at ~2 per SM
         # byte loads were as fast or faster; two stages beat three either way (docs/kernels.md, bench/RESULTS.md).
-        fp8x4 = 2 if kv_fp8 and num_seqs * num_kv_heads * num_segments >= 4 * num_sms else 0
+        # An int8 cache always: its rows (head_dim + 4 bytes) are only word-aligned, so its byte loads could not be
+        # vectorized and the byte walk spilled (bench/RESULTS.md, "INT8 KV cache").
+        fp8x4 = 2 if kv_int8 or (kv_fp8 and num_seqs * num_kv_heads * num_segments >= 4 * num_sms) else 0
         return dict(block_m=min_m, tile_n=tile_n, num_segments=num_segments, num_warps=4,
-                    num_stages=2 if kv_fp8 else 3, fp8_via_fp16=1, new_kv=0, maxnreg=0, fp8x4=fp8x4)
+                    num_stages=2 if kv_fp8 or kv_int8 else 3, fp8_via_fp16=1, new_kv=0, maxnreg=0, fp8x4=fp8x4)
     # Prefill chunks, maybe with decodes: each sequence costs ~(its queries * queries_per_kv + BLOCK_M of padding
     # in its last tile) rows; large tiles run the tensor cores better (relative rates measured on the H200).
     efficiency = {16: 0.35, 32: 0.6, 64: 0.92, 128: 1.0, 256: 1.22}
@@ -782,7 +848,7 @@ def paged_attention_triton(
         return out
     queries_per_kv = num_heads // num_kv_heads
     cfg = default_config(num_tokens, num_seqs, num_kv_heads, queries_per_kv, head_dim, max_query_len,
-                         max_seq_len, sm_count(q.device, 4), q.element_size(), k_cache.dtype == FP8_DTYPE)
+                         max_seq_len, sm_count(q.device, 4), q.element_size(), k_cache.dtype == FP8_DTYPE, int8)
     if config:
         unknown = set(config) - set(cfg)
         if unknown:
@@ -815,14 +881,17 @@ def paged_attention_triton(
             new_kv = 1
     if new_kv == 0:
         k = v = q  # unused
-    fp8_via_fp16 = bool(cfg["fp8_via_fp16"]) and k_cache.dtype == FP8_DTYPE and q.dtype == torch.bfloat16
+    via_fp16 = bool(cfg["fp8_via_fp16"]) and q.dtype == torch.bfloat16
+    fp8_via_fp16 = via_fp16 and k_cache.dtype == FP8_DTYPE
     kc, vc, fp8x4 = k_cache, v_cache, 0
-    if cfg["fp8x4"] and head_dim == head_dim_pad and head_dim % 64 == 0:  # an fp8 cache only (_fp8_words)
-        k_words, v_words = _fp8_words(k_cache), _fp8_words(v_cache)
+    if cfg["fp8x4"] and head_dim == head_dim_pad and head_dim % 64 == 0:  # an 8-bit cache only (_cache_words)
+        k_words, v_words = _cache_words(k_cache), _cache_words(v_cache)
         if k_words is not None and v_words is not None:
             kc, vc = k_words, v_words
             # 2 (the PTX conversion) needs fp16 dot operands and a compiler (not the interpreter)
-            fp8x4 = 2 if cfg["fp8x4"] == 2 and not dot_fp32 and (fp8_via_fp16 or q.dtype == torch.float16) else 1
+            fp8x4 = 2 if cfg["fp8x4"] == 2 and not dot_fp32 and (via_fp16 or q.dtype == torch.float16) else 1
+            if int8:  # bf16 queries as fp16 for the PTX conversion's fp16 dots (the word walk keeps P in [0, 1])
+                fp8_via_fp16 = fp8x4 == 2 and q.dtype == torch.bfloat16
     ks, vs = (k_scale_cache, v_scale_cache) if int8 else (kc[:, :, :, 0], vc[:, :, :, 0])  # unused without int8
     grid = (num_tokens // block_q + num_seqs, num_kv_heads, num_segments)
     maxnreg = {} if interpreting() or not cfg["maxnreg"] else {"maxnreg": cfg["maxnreg"]}

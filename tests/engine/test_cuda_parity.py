@@ -217,6 +217,37 @@ def test_fp8_kv_agrees_with_bf16(smollm2_shape_bf16_dir):
     assert teacher >= 0.95, f"teacher-forced agreement {teacher:.1%} (issue 4: >= 95%)"
 
 
+def test_int8_kv_decode_agrees_with_prefill(smollm2_shape_bf16_dir):
+    """int8 KV on CUDA, bf16 weights, 4 prompts x 128 greedy tokens. Decode steps read the int8 cache in 32-bit words
+    (fp16 dots, kernels/paged_attention.py); a prefill over the same sequences reads it value by value (bf16 dots).
+    Teacher-forced over each run's own sequences, the prefill's next-token choice must equal what decode chose at
+    >= 95% of positions (bf16 KV's own decode-vs-prefill agreement is printed beside it as the yardstick), and over
+    the bf16 run's sequences int8's logits stay within 5% of bf16 KV's."""
+    from engine import LLM
+
+    prompts = prompts_for(49152, lens=(64, 64, 64, 64))
+    n = 128
+    agree, logits, seqs = {}, {}, None
+    for kv_dtype in ("auto", "int8"):
+        llm = LLM(str(smollm2_shape_bf16_dir), dtype="bfloat16", device="cuda", kv_cache_memory=1.0,
+                  kv_cache_dtype=kv_dtype, max_num_seqs=MAX_SEQS)
+        outs = greedy(llm, prompts, n)
+        own = [p + g for p, g in zip(prompts, outs)]
+        seqs = seqs or own
+        forced = torch.cat([step_logits(llm, s)[len(p) - 1:-1] for s, p in zip(own, prompts)])  # [4 * n, vocab]
+        chosen = torch.tensor([t for g in outs for t in g], device=forced.device)
+        agree[kv_dtype] = (forced.argmax(-1) == chosen).float().mean().item()
+        logits[kv_dtype] = torch.cat([step_logits(llm, s)[len(p) - 1:-1] for s, p in zip(seqs, prompts)]).float()
+        del llm
+        torch.cuda.empty_cache()
+    a, b = logits["auto"], logits["int8"]
+    rel = ((b - a).norm(dim=-1) / a.norm(dim=-1)).mean().item()
+    print(f"decode's greedy tokens = prefill's argmax over the same sequences: int8 KV {agree['int8']:.1%}, bf16 KV "
+          f"{agree['auto']:.1%}; int8 vs bf16 KV teacher-forced logits mean relative error {rel:.3e}")
+    assert agree["int8"] >= 0.95, agree
+    assert rel < 0.05, rel
+
+
 @pytest.mark.parametrize("kv_dtype", [torch.bfloat16, torch.float8_e4m3fn])
 def test_kernels_on_the_engine_cache_layout(kv_dtype):
     """write_kv and paged_attention on strided views of one [blocks, layers, 2, block, kv_heads, dim] tensor,

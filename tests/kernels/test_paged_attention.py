@@ -190,13 +190,18 @@ def test_fp8_cache_read_in_words(dtype, num_segments, tile_n, fp8x4):
         check(args, config=dict(fp8x4=fp8x4, num_segments=num_segments, tile_n=tile_n, block_m=16))
 
 
-def test_fp8_words_only_where_the_layout_allows():
-    from kernels.paged_attention import _fp8_words
+def test_cache_words_only_where_the_layout_allows():
+    from kernels.paged_attention import _cache_words
+    from kernels.quant_int8 import int8_cache_views
     kv = torch.zeros(3, 2, 2, 16, 4, 64, dtype=torch.float8_e4m3fn)
-    assert _fp8_words(kv[:, 1, 0]).shape == (3, 16, 4, 16)
-    assert _fp8_words(kv[:, 1, 0].to(torch.bfloat16)) is None  # not fp8
-    assert _fp8_words(kv[..., 1:61]) is None  # a row that does not start on a word
-    assert _fp8_words(torch.zeros(3, 16, 4, 66, dtype=torch.float8_e4m3fn)) is None  # head_dim not a multiple of 4
+    assert _cache_words(kv[:, 1, 0]).shape == (3, 16, 4, 16)
+    assert _cache_words(kv[:, 1, 0].to(torch.bfloat16)) is None  # not an 8-bit cache
+    assert _cache_words(kv[..., 1:61]) is None  # a row that does not start on a word
+    assert _cache_words(torch.zeros(3, 16, 4, 66, dtype=torch.float8_e4m3fn)) is None  # head_dim not a multiple of 4
+    # The engine's int8 rows (head_dim values + a 4-byte scale) start on words (17-word rows at head_dim 64)
+    values, _ = int8_cache_views(torch.zeros(3, 2, 2, 16, 4, 64 + 4, dtype=torch.int8)[:, 1, 0])
+    words = _cache_words(values)
+    assert words.shape == (3, 16, 4, 16) and words.stride()[1:] == (4 * 17, 17, 1)
 
 
 @pytest.mark.parametrize("num_segments", [1, 4])

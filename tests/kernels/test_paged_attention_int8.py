@@ -112,3 +112,29 @@ def test_scales_required_and_checked():
         paged_attention_ref(**bare)
     with pytest.raises(ValueError, match="v_scale_cache: torch.float16"):
         paged_attention_triton(**{**args, "v_scale_cache": args["v_scale_cache"].half()})
+
+
+@pytest.mark.parametrize("fp8x4", [1, 2])  # 2 (PTX conversion) runs as 1 under the interpreter and in fp32
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("num_segments,tile_n", [(1, 16), (1, 64), (4, 16)])
+def test_int8_cache_read_in_words(dtype, num_segments, tile_n, fp8x4):
+    # The engine-layout int8 cache read four values per 32-bit load (fp8x4) against the reference: decodes, and with
+    # one segment prefill chunks under the causal mask; contexts ending inside a tile (stale slots hold NaN scales).
+    # Value scales spread over nine decades, so that the word walk's rescaling (P over each tile's largest value
+    # scale) meets tiles whose largest scale rises and falls.
+    specs = [(1, 1), (1, 17), (1, 150), (1, 63), (1, 64)]
+    if num_segments == 1:
+        specs += [(9, 9), (20, 20 + 33), (5, 5 + 2 * tile_n)]
+    for head_dim in (64, 128):
+        args = int8_batch(specs, 8, 2, head_dim, 16, dtype, seed=head_dim + num_segments + tile_n)
+        gen = torch.Generator().manual_seed(head_dim)
+        spread = 10.0 ** torch.empty(args["v_scale_cache"].shape).uniform_(-6, 3, generator=gen)
+        args["v_scale_cache"].mul_(spread.to(DEVICE))
+        check(args, config=dict(fp8x4=fp8x4, num_segments=num_segments, tile_n=tile_n, block_m=16))
+
+
+def test_decodes_read_an_int8_cache_in_words():
+    from kernels.paged_attention import default_config
+    for batch, seq_len in ((1, 640), (256, 640), (64, 4096)):
+        cfg = default_config(batch, batch, 4, 7, 128, 1, seq_len, 132, kv_int8=True)
+        assert cfg["fp8x4"] == 2 and cfg["num_stages"] == 2, cfg
