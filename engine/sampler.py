@@ -1,8 +1,9 @@
 """`Sampler`: turns one step's logits into one token per running sequence.
 
 The order is vLLM's:
-0. structured outputs: a row with a grammar gets -inf at every token its grammar forbids now (vLLM applies the
-   grammar bitmask to the logits before its sampler runs, so everything below sees the masked logits);
+0. structured outputs: a row with a grammar gets -inf at every token its grammar forbids now, on the logits'
+   device (engine/structured_output.py, TokenMasks; vLLM applies the grammar bitmask to the logits before its
+   sampler runs, so everything below sees the masked logits);
 1. logprobs are taken from the raw logits (log_softmax before any processing);
 2. min_tokens: EOS and stop_token_ids are masked while the output is shorter than min_tokens (not on a row with a
    grammar: the grammar decides where the output may end, and masking the end it requires would leave no token);
@@ -31,7 +32,7 @@ from typing import Protocol
 import torch
 
 from engine.sampling_params import SamplingParams
-from engine.structured_output import apply_token_bitmask, fill_bitmask
+from engine.structured_output import TokenMasks
 
 
 class SamplingState(Protocol):
@@ -77,6 +78,7 @@ def draw_seed(seed: int, position: int) -> int:
 class Sampler:
     def __init__(self, vocab_size: int, eos_token_id: int | Sequence[int] | None):
         self.vocab_size = vocab_size
+        self.token_masks = TokenMasks(vocab_size)  # structured outputs' bitmask buffers, kept between steps
         self._generator = torch.Generator()  # CPU; re-seeded for every seeded row's draw (draw_seed)
         if eos_token_id is None:
             self.eos_token_ids: list[int] = []
@@ -99,9 +101,8 @@ class Sampler:
         if grammar_rows:
             grammars = [states[i].grammar for i in grammar_rows]
             assert all(g.active for g in grammars), "a request is scheduled before its grammar compiled"
-            bitmask = fill_bitmask(grammars, grammar_rows, len(states), self.vocab_size)
             logits = logits.clone()  # (not the runner's buffer: a CUDA graph's output is reused)
-            apply_token_bitmask(logits, bitmask, grammar_rows)
+            self.token_masks.apply(logits, grammars, grammar_rows)
         # One pass over the rows for what the batch needs (most steps: plain greedy or plain sampling, no logprobs).
         any_logprobs = any_min_tokens = False
         penalty_rows = []

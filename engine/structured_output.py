@@ -11,17 +11,18 @@ The life of a constrained request (SamplingParams.structured_outputs set):
 3. Until its grammar is compiled the request is not scheduled (vLLM's WAITING_FOR_FSM); then the engine builds its
    matcher and replays the output tokens it already has (a migrated request's prior outputs, the first token the
    prefill instance drew): a matcher always stands after the request's last output token.
-4. Each step that samples for it, the sampler fills the request's row of a token bitmask from the matcher
-   (`fill_bitmask`) and masks the logits with it (`apply_token_bitmask`) before any other processing (vLLM applies
-   the grammar bitmask to the logits before its sampler runs). After the step the engine accepts the sampled token
-   into the matcher; when the matcher terminates (it accepted the end-of-sequence token) the request finishes with
-   "stop".
+4. Each step that samples for it, the sampler's `TokenMasks` fills the request's row of the step's token bitmask
+   from the matcher (`fill_bitmask`: the constrained rows only, packed, on xgrammar's threads) and masks the logits
+   with it on their device (kernels/token_bitmask.py) before any other processing (vLLM applies the grammar bitmask
+   to the logits before its sampler runs). After the step the engine accepts the sampled token into the matcher;
+   when the matcher terminates (it accepted the end-of-sequence token) the request finishes with "stop".
 """
 from __future__ import annotations
 
 import concurrent.futures
 import json
 import logging
+import os
 import re
 import threading
 from collections import OrderedDict
@@ -205,31 +206,73 @@ class GrammarManager:
 
 
 # ---- the token bitmask ----------------------------------------------------------------------------------------
-def fill_bitmask(grammars: list[RequestGrammar], rows: list[int], batch: int, vocab_size: int) -> torch.Tensor:
-    """[batch, ceil(vocab_size / 32)] int32 on the CPU: bit t of row r is set when row r may take token t. Rows
-    without a grammar allow every token."""
+def fill_threads() -> int:
+    """Threads xgrammar's batch fill uses: half the cores this process may run on (the engine's own threads keep
+    the rest), at most 8. (xgrammar's "auto" takes half the host's cores, which a container may not have.)"""
+    return max(1, min(8, len(os.sched_getaffinity(0)) // 2))
+
+
+def fill_bitmask(grammars: list[RequestGrammar], vocab_size: int, out=None, batch_matcher=None):
+    """[len(grammars), ceil(vocab_size / 32)] int32 on the CPU: bit t of row i is set when grammars[i] may take
+    token t next. out: fill this CPU array of that shape instead (a torch tensor, or a numpy view of one: a pinned
+    tensor must go as its numpy view, which DLPack describes as CPU memory, not as CUDA host memory).
+    batch_matcher: an xgrammar BatchGrammarMatcher (fills the rows on its threads), else one row at a time."""
     xgr = _xgr()
-    bitmask = xgr.allocate_token_bitmask(batch, vocab_size)  # all bits set
-    for g, row in zip(grammars, rows):
-        g.matcher.fill_next_token_bitmask(bitmask, row)
-    return bitmask
-
-
-def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int]) -> None:
-    """In place: logits [B, V] float32 get -inf at the tokens bitmask [B, W] (CPU int32) forbids, on `rows` only.
-    xgrammar's kernels: its C++ loop on the CPU, its CUDA / Triton kernel on a GPU."""
-    vocab = logits.shape[1]
-    if logits.device.type == "cuda":
-        mask = bitmask.pin_memory().to(logits.device, non_blocking=True)
+    if out is None:
+        out = xgr.allocate_token_bitmask(len(grammars), vocab_size)
+    if batch_matcher is not None and len(grammars) > 1:
+        batch_matcher.batch_fill_next_token_bitmask([g.matcher for g in grammars], out)
     else:
-        mask = bitmask
-    _xgr().apply_token_bitmask_inplace(logits, mask, vocab_size=vocab, indices=rows)
+        for i, g in enumerate(grammars):
+            g.matcher.fill_next_token_bitmask(out, i)
+    return out
 
 
-def apply_token_bitmask_reference(logits: torch.Tensor, bitmask: torch.Tensor) -> None:
-    """Plain-torch reference of apply_token_bitmask on every row: logits [B, V], bitmask [B, ceil(V / 32)] int32."""
-    vocab = logits.shape[1]
-    shifts = torch.arange(32, dtype=torch.int32, device=bitmask.device)
-    bits = (bitmask.unsqueeze(-1) >> shifts) & 1  # [B, W, 32]: bit j of word w is token 32 * w + j
-    allowed = bits.flatten(1)[:, :vocab].bool().to(logits.device)  # [B, V]
-    logits.masked_fill_(~allowed, float("-inf"))
+class TokenMasks:
+    """One sampler's token masks. Each step the constrained rows' bitmasks are filled on the CPU, packed (row i
+    masks the i-th constrained row), into a buffer kept between steps; on CUDA it is pinned, and the bitmask and the
+    row indices reach the device in one copy each, queued without waiting; kernels.apply_token_bitmask masks
+    those rows in place (a Triton kernel on CUDA, the plain-torch reference elsewhere). A batch's unconstrained
+    rows cost nothing."""
+
+    def __init__(self, vocab_size: int):
+        self.vocab_size = vocab_size
+        self.words = (vocab_size + 31) // 32
+        self._host: tuple[torch.Tensor, torch.Tensor] | None = None  # ([cap, words] int32, [cap] int64)
+        self._host_view = None  # the host bitmask's numpy view (what xgrammar fills)
+        self._device: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._copied = None  # CUDA event: the last copy out of the host buffers is done
+        self._batch_matcher = None
+
+    def apply(self, logits: torch.Tensor, grammars: list[RequestGrammar], rows: list[int]) -> None:
+        """In place: logits [batch, vocab_size] float get -inf at the tokens grammars[i] forbids, in row rows[i]."""
+        from kernels import apply_token_bitmask
+
+        k, cuda = len(rows), logits.device.type == "cuda"
+        if self._copied is not None:
+            self._copied.synchronize()  # (done already: the engine read the last constrained step's tokens)
+        host_mask, host_rows = self._buffers("_host", k, torch.device("cpu"), pin=cuda)
+        if self._batch_matcher is None and k > 1:
+            self._batch_matcher = _xgr().BatchGrammarMatcher(fill_threads())
+        fill_bitmask(grammars, self.vocab_size, out=self._host_view[:k], batch_matcher=self._batch_matcher)
+        host_rows[:k] = torch.tensor(rows, dtype=torch.int64)
+        if not cuda:
+            apply_token_bitmask(logits, host_mask[:k], host_rows[:k])
+            return
+        mask, idx = self._buffers("_device", k, logits.device)
+        mask[:k].copy_(host_mask[:k], non_blocking=True)
+        idx[:k].copy_(host_rows[:k], non_blocking=True)
+        self._copied = torch.cuda.Event()
+        self._copied.record()
+        apply_token_bitmask(logits, mask[:k], idx[:k])
+
+    def _buffers(self, name: str, k: int, device: torch.device, pin: bool = False):
+        held = getattr(self, name)
+        if held is None or held[0].shape[0] < k or held[0].device != device:
+            cap = max(k, 2 * held[0].shape[0] if held is not None else 8)
+            held = (torch.empty(cap, self.words, dtype=torch.int32, device=device, pin_memory=pin),
+                    torch.empty(cap, dtype=torch.int64, device=device, pin_memory=pin))
+            setattr(self, name, held)
+            if name == "_host":
+                self._host_view = held[0].numpy()
+        return held

@@ -18,6 +18,7 @@ from kernels.norm import fused_add_rms_norm_ref, fused_add_rms_norm_triton, rms_
 from kernels.paged_attention import paged_attention_ref, paged_attention_torch, paged_attention_triton
 from kernels.rotary import (rotary_embedding_ref, rotary_embedding_triton, rotary_embedding_write_kv_ref,
                             rotary_embedding_write_kv_triton)
+from kernels.token_bitmask import apply_token_bitmask_ref, apply_token_bitmask_triton
 
 
 def paged_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, max_query_len, max_seq_len,
@@ -66,9 +67,14 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     return (silu_and_mul_triton if x.is_cuda else silu_and_mul_ref)(x)
 
 
+def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: torch.Tensor) -> None:
+    """In place: logits[rows[i]] gets -inf where bitmask[i] (int32 words, bit set: allowed) forbids a token."""
+    (apply_token_bitmask_triton if logits.is_cuda else apply_token_bitmask_ref)(logits, bitmask, rows)
+
+
 __all__ = [
     "paged_attention", "write_kv", "rms_norm", "fused_add_rms_norm", "rotary_embedding", "rotary_embedding_write_kv",
-    "silu_and_mul",
+    "silu_and_mul", "apply_token_bitmask",
     "paged_attention_ref", "write_kv_ref", "rms_norm_ref", "fused_add_rms_norm_ref", "rotary_embedding_ref",
-    "silu_and_mul_ref",
+    "silu_and_mul_ref", "apply_token_bitmask_ref",
 ]

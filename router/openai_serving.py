@@ -13,8 +13,8 @@ The life of a generating request in here:
 3. Streaming (`stream`): the endpoint's head (chat: one role chunk per choice), one event per delta (an SSE chunk;
    /generate: the whole texts so far, NUL-terminated JSON), its tail (the usage chunk when
    `stream_options.include_usage` asks), then `data: [DONE]`. With tools, each chat choice's text goes through its
-   tool-call stream first (content and tool_calls deltas). A failure after the first byte is an SSE error event
-   before [DONE] (/generate breaks off, as vLLM's does).
+   tool-call stream first (content and tool_calls deltas; a call opens in a chunk of its own). A failure after the
+   first byte is an SSE error event before [DONE] (/generate breaks off, as vLLM's does).
 4. Not streaming (`gather`): each choice's text, token ids, logprobs and finish reason, and the usage, from which the
    endpoint builds its response body.
 5. The core streams are closed when done, failed or cancelled (a client gone), which cancels the request in the core.
@@ -487,7 +487,17 @@ class ChatCompletions(_SSEEndpoint):
         if (choice.delta.content is None and not choice.delta.tool_calls and choice.finish_reason is None
                 and choice.logprobs is None and choice.token_ids is None):
             return None  # held back by the tool-call stream: nothing to say yet
-        return sse(self.chunk([choice]))
+        groups = CallStream.chunked(choice.delta.tool_calls or [])
+        if len(groups) == 1:
+            return sse(self.chunk([choice]))
+        # A call's first entry and its arguments go in consecutive chunks (as OpenAI streams them): the content
+        # in the first, the token's logprobs, ids and finish reason in the last.
+        quiet = dict(logprobs=None, finish_reason=None, stop_reason=None, token_ids=None, timings=None)
+        parts = []
+        for k, group in enumerate(groups):
+            update = {"delta": DeltaMessage(content=choice.delta.content if k == 0 else None, tool_calls=group)}
+            parts.append(choice.model_copy(update=update if k == len(groups) - 1 else {**update, **quiet}))
+        return "".join(sse(self.chunk([part])) for part in parts)
 
     def stream_choice(self, p: int, delta: GenerateDelta) -> ChatStreamChoice:
         content, calls, finish = delta.text, None, delta.finish_reason

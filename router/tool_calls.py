@@ -8,10 +8,12 @@ The life of a chat request with `tools`:
    an array of {name, parameters} for required, the function's parameters for a named one).
 2. The messages go to the chat template with the tools (router/openai_serving.py: `chat_prompt_ids`); assistant
    turns with `tool_calls` carry their arguments decoded, as the templates of Qwen2.5 and Llama 3.1 expect.
-3. Each choice's deltas go through a `CallStream`: content goes out as content, each call as one delta entry
-   (index, id, type, name, arguments), in the order the SDK assembles them; the gathered answer runs the same
-   stream over the whole text, so both carry the same calls. finish_reason "stop" becomes "tool_calls" when calls
-   were made; `parallel_tool_calls: false` keeps the first call only.
+3. Each choice's deltas go through a `CallStream`: content goes out as content; a call as a first delta entry
+   (index, id, type, name, arguments "") as soon as its name is certain, then entries of its index and more
+   arguments text as the model writes them (OpenAI's and vLLM's streaming), which the SDK appends. The gathered
+   answer runs the same stream over the whole text, so both carry the same calls, arguments to the character.
+   finish_reason "stop" becomes "tool_calls" when calls were made; `parallel_tool_calls: false` keeps the first
+   call only.
 """
 from __future__ import annotations
 
@@ -19,7 +21,8 @@ import json
 from dataclasses import dataclass, field, replace
 
 from router.tool_parsers import PARSERS, ToolCall, ToolParser
-from router.tool_parsers.base import Event, arguments_text, decode_object
+from router.tool_parsers.base import Arguments, Event, arguments_text, decode_object
+from router.tool_parsers.call_reader import WAIT, ArgumentsReader, Head, call_head
 from engine.sampling_params import StructuredOutputsParams
 
 AUTO_FLAGS = "--enable-auto-tool-choice and --tool-call-parser"
@@ -150,7 +153,7 @@ class ToolChoice:
 # ---------------------------------------------------------------------------------------------------- streams
 class _NamedCall(ToolParser):
     """A named tool choice: the grammar makes the whole output the function's arguments. Its call goes out at once,
-    its arguments as they come (the only format whose arguments stream: they are the raw text)."""
+    its arguments as they come (they are the raw text)."""
     name = "named"
 
     def __init__(self, function: str):
@@ -162,7 +165,7 @@ class _NamedCall(ToolParser):
             out.append(self.call)
             self.call = None
         if text:
-            out.append(_Arguments(text))
+            out.append(Arguments(text))
         return out
 
     def finish(self) -> list[Event]:
@@ -170,19 +173,30 @@ class _NamedCall(ToolParser):
 
 
 class _CallArray(ToolParser):
-    """tool_choice=required: the grammar makes the output a JSON array of {"name", "parameters"}; each element is a
-    call once it is whole. What is not (an output cut short by max_tokens) is content."""
+    """tool_choice=required: the grammar makes the output a JSON array of {"name", "parameters"}, in that order, so
+    each element streams (router/tool_parsers/call_reader.py): the call goes out with its name, its arguments as
+    they come. An element in another form is a call once it is whole. An output cut short before any call
+    (max_tokens) is content."""
     name = "required"
 
     def __init__(self) -> None:
         self.buf, self.opened, self.broken = "", False, False
         self.raw, self.found = "", False  # the whole output (content, when it holds no call at all)
+        self.reader: ArgumentsReader | None = None  # the element streaming now
 
     def feed(self, text: str) -> list[Event]:
         self.buf += text
         self.raw += text
         out: list[Event] = []
         while not self.broken:
+            if self.reader is not None:
+                piece, read, ended = self.reader.feed(self.buf)
+                if piece:
+                    out.append(Arguments(piece))
+                self.buf = self.buf[read:]
+                if not ended:
+                    break
+                self.reader = None
             start = len(self.buf) - len(self.buf.lstrip(" \t\r\n,"))
             if start == len(self.buf):
                 break
@@ -195,6 +209,13 @@ class _CallArray(ToolParser):
             if self.buf[start] == "]":
                 self.buf = self.buf[start + 1:]
                 self.broken = True  # (nothing may follow)
+                break
+            head = call_head(self.buf, start)
+            if isinstance(head, Head):
+                out.append(ToolCall(head.name, ""))
+                self.buf, self.reader, self.found = self.buf[head.arguments_at:], ArgumentsReader(), True
+                continue
+            if head is WAIT:
                 break
             decoded = decode_object(self.buf, start)
             if decoded is None:
@@ -214,44 +235,55 @@ class _CallArray(ToolParser):
 
 
 @dataclass
-class _Arguments:
-    """More arguments text for the last call (only the named choice streams them)."""
-    text: str
-
-
-@dataclass
 class CallStream:
-    """One choice's output through a parser: what each delta adds as OpenAI delta content and tool_calls."""
+    """One choice's output through a parser: what each delta adds as OpenAI delta content and tool_calls. A call's
+    first entry has its index, id, type and name, its arguments "" (OpenAI's and vLLM's first delta of a call); the
+    entries after it, the index and more arguments text, which the client appends (the openai SDK's assembly)."""
     parser: ToolParser
     parallel: bool = True
     calls: list[ToolCall] = field(default_factory=list)
     dropped: bool = False  # parallel_tool_calls=false dropped a call after the first
 
     def feed(self, text: str, final: bool = False) -> tuple[str, list[dict]]:
-        """(content, tool_calls delta entries) for the next text of the output; final: it is the last."""
+        """(content, tool_calls delta entries) for the next text of the output; final: it is the last. A call's
+        first entry and its arguments are two entries of one index (`chunked` puts them in two chunks)."""
         events = self.parser.feed(text) + (self.parser.finish() if final else [])
         content, entries = [], []
         for e in events:
             if isinstance(e, str):
                 content.append(e)
-            elif isinstance(e, _Arguments):
-                self.calls[-1].arguments += e.text  # (the named call: the one call there is)
-                self._entry(entries, len(self.calls) - 1)["function"]["arguments"] += e.text
+            elif isinstance(e, Arguments):
+                if not self.dropped:  # (a dropped call's arguments: every call after the first is dropped)
+                    self.calls[-1].arguments += e.text
+                    self._arguments(entries, len(self.calls) - 1, e.text)
             elif not self.parallel and self.calls:
                 self.dropped = True
             else:
                 self.calls.append(e)
                 entries.append({"index": len(self.calls) - 1, "id": e.id, "type": "function",
-                                "function": {"name": e.name, "arguments": e.arguments}})
+                                "function": {"name": e.name, "arguments": ""}})
+                self._arguments(entries, len(self.calls) - 1, e.arguments)  # (a call read whole: all of them)
         return "".join(content), entries
 
     @staticmethod
-    def _entry(entries: list[dict], index: int) -> dict:
+    def _arguments(entries: list[dict], index: int, text: str) -> None:
+        if not text:
+            return
+        if entries and entries[-1]["index"] == index and "id" not in entries[-1]:
+            entries[-1]["function"]["arguments"] += text
+        else:
+            entries.append({"index": index, "function": {"arguments": text}})
+
+    @staticmethod
+    def chunked(entries: list[dict]) -> list[list[dict]]:
+        """The entries of one delta as the tool_calls of consecutive chunks: a call's first entry ends its chunk
+        when more entries follow, so that no chunk holds two entries of one index."""
+        groups: list[list[dict]] = [[]]
         for entry in entries:
-            if entry["index"] == index:
-                return entry
-        entries.append({"index": index, "function": {"arguments": ""}})
-        return entries[-1]
+            if groups[-1] and "id" in groups[-1][-1]:
+                groups.append([])
+            groups[-1].append(entry)
+        return groups
 
     def finish_reason(self, reason: str | None) -> str | None:
         return "tool_calls" if reason == "stop" and self.calls else reason

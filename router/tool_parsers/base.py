@@ -1,8 +1,10 @@
 """What a tool-call parser turns model text into, and the incremental interface every format implements.
 
-A parser sees the output text one delta at a time (`feed`) and answers with events: content text, or a tool call
-that is complete. Each call is found once its JSON is whole, never guessed from a prefix, so nothing sent has to be
-taken back: text that turns out not to be a call (a malformed block, an object without a name) goes out as
+A parser sees the output text one delta at a time (`feed`) and answers with events: content text, a tool call, or
+more arguments text for the call before. A call goes out once the text makes it certain, never guessed: a call
+object that opens with its name and then its arguments object goes out there, its arguments following as they are
+generated (router/tool_parsers/call_reader.py); any other goes out whole, once its JSON is. So nothing sent has to
+be taken back: text that turns out not to be a call (a malformed block, an object without a name) goes out as
 content instead. Gathering (non-streaming) runs the same parser over the whole text (`parse`), so a streamed answer
 and a gathered one always carry the same content and the same calls, however the text was split.
 """
@@ -29,8 +31,14 @@ class ToolCall:
         self.id = self.id or tool_call_id()
 
 
-Event = str | ToolCall
-"""A parser's output: content text, or one complete call."""
+@dataclass
+class Arguments:
+    """More of the last call's arguments text (it went out before its arguments were whole)."""
+    text: str
+
+
+Event = str | ToolCall | Arguments
+"""A parser's output: content text, a call (its arguments whole, or so far), or more of the last call's arguments."""
 
 
 def arguments_text(value) -> str:
@@ -82,5 +90,12 @@ class ToolParser(ABC):
 
     def parse(self, text: str) -> tuple[str, list[ToolCall]]:
         """The whole output's content and calls."""
-        events = self.feed(text) + self.finish()
-        return "".join(e for e in events if isinstance(e, str)), [e for e in events if isinstance(e, ToolCall)]
+        content, calls = [], []
+        for e in self.feed(text) + self.finish():
+            if isinstance(e, str):
+                content.append(e)
+            elif isinstance(e, Arguments):
+                calls[-1].arguments += e.text
+            else:
+                calls.append(e)
+        return "".join(content), calls

@@ -2,13 +2,16 @@
 `<|python_tag|>`: `{"name": ..., "parameters": {...}}`, several separated by `;`.
 
 As vLLM's parser: a reply that starts (after whitespace) with `{` or `<|python_tag|>` is calls; any other reply is
-content. In calls, each whole JSON object that names a function is a call (`parameters` or `arguments`); the first
-text that is not one (or an object that is incomplete at the end) ends the calls, and it and the rest are content.
+content. In calls, an object that opens as a streaming call (`{"name": "f", "parameters": {`: call_reader.py) is
+that call at once, its arguments streamed to the end of its object; any other whole JSON object that names a
+function is a call (`parameters` or `arguments`). The first text that is neither (or an object that is incomplete
+at the end) ends the calls, and it and the rest are content.
 `<|python_tag|>` is a special token: it reaches the text only when special tokens are not skipped.
 """
 from __future__ import annotations
 
-from router.tool_parsers.base import Event, ToolParser, call_from_object, decode_object
+from router.tool_parsers.base import Arguments, Event, ToolCall, ToolParser, call_from_object, decode_object
+from router.tool_parsers.call_reader import WAIT, ArgumentsReader, Head, call_head
 
 PYTHON_TAG = "<|python_tag|>"
 _SEPARATORS = " \t\r\n;"
@@ -19,7 +22,8 @@ class Llama3JsonParser(ToolParser):
 
     def __init__(self) -> None:
         self.buf = ""
-        self.mode = "start"  # "start" (undecided), "calls", "content"
+        self.mode = "start"  # "start" (undecided), "calls", "arguments" (a streaming call's object), "content"
+        self.reader: ArgumentsReader | None = None
 
     def feed(self, text: str) -> list[Event]:
         self.buf += text
@@ -39,6 +43,14 @@ class Llama3JsonParser(ToolParser):
             self.buf = ""
             return out
         while True:
+            if self.mode == "arguments":
+                piece, read, ended = self.reader.feed(self.buf)
+                if piece:
+                    out.append(Arguments(piece))
+                self.buf = self.buf[read:]
+                if not ended:
+                    return out
+                self.mode = "calls"
             start = len(self.buf) - len(self.buf.lstrip(_SEPARATORS))
             if start == len(self.buf):
                 return out
@@ -46,6 +58,13 @@ class Llama3JsonParser(ToolParser):
                 self.mode = "content"
                 out.append(self.buf[start:])
                 self.buf = ""
+                return out
+            head = call_head(self.buf, start)
+            if isinstance(head, Head):
+                out.append(ToolCall(head.name, ""))
+                self.buf, self.mode, self.reader = self.buf[head.arguments_at:], "arguments", ArgumentsReader()
+                continue
+            if head is WAIT:
                 return out
             decoded = decode_object(self.buf, start)
             if decoded is None:

@@ -5,7 +5,8 @@ worker keeps a block; a restarted worker takes traffic at the router's first hea
 
 Three stacks (random:tiny on the CPU, one intra-op thread per process):
 - 1 prefill + 2 decode: 16 live streams (8 SSE, 8 gRPC; greedy and seeded; 320 tokens) and decode-0 killed; its
-  restart rejoining; then a load of 200 streams and decode-1 killed (bench/migration.py's measurement);
+  restart rejoining; constrained streams (a JSON schema, a regex) moved off a killed decode with their grammar;
+  then a load of 200 streams and decode-1 killed (bench/migration.py's measurement);
 - 2 prefill + 1 decode, workers not restarted: a prefill killed while long prompts are in flight; then the only
   decode killed for good: the streams end with an error that names --migration-timeout;
 - 1 prefill + 1 decode: the decode killed and restarted by `tandem up`: the streams pause, then complete.
@@ -21,6 +22,7 @@ import time
 
 import grpc
 import httpx
+import jsonschema
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
@@ -236,6 +238,69 @@ def test_the_restarted_decode_takes_traffic_within_two_health_polls(stack12):
     tokens = re.search(r'^tandem:generation_tokens_total\{[^}]*role="decode"[^}]*\} (\S+)$', text, re.M)
     assert tokens and float(tokens.group(1)) > 0, "the restarted decode-0 generated nothing"
     print(f"\ndecode-0 answered, and was back in the router's rotation {rejoin:.2f} s later")
+
+
+# Long constrained outputs (random weights: only the grammar shapes them; a byte-level tokenizer: a token a
+# character): a fixed-length array of enums, and a regex of 80 pairs.
+PETS = {"type": "object", "properties": {"pets": {"type": "array", "items": {"enum": ["cat", "dog", "emu"]},
+                                                  "minItems": 40, "maxItems": 40}},
+        "required": ["pets"], "additionalProperties": False}
+PAIRS = r"(ab|cd|ef){80}"
+
+
+def constrained_spec(i: int) -> tuple[str, list[int], dict]:
+    """Streams 0-3: SSE with the JSON schema (vLLM's structured_outputs); 4-5: gRPC with the regex (the proto's).
+    params_of(i) without ignore_eos: the grammar ends the output."""
+    params = {k: v for k, v in params_of(i, 400).items() if k != "ignore_eos"}
+    if i < 4:
+        return "sse", prompt_of(500 + i), {**params, "structured_outputs": {"json": PETS,
+                                                                            "disable_any_whitespace": True}}
+    return "grpc", prompt_of(500 + i), {**params, "structured_outputs": common_pb2.StructuredOutputs(regex=PAIRS)}
+
+
+def satisfies(i: int, text: str) -> bool:
+    if i >= 4:
+        return re.fullmatch(PAIRS, text) is not None
+    jsonschema.validate(json.loads(text), PETS)
+    return True
+
+
+def back_in_rotation(stack: Stack, names: list[str], timeout: float = 120) -> None:
+    """Waits until the workers answer health checks, and for the router's next two health polls (1 s apart)."""
+    deadline = time.monotonic() + timeout
+    while not all(serving(stack, n) for n in names):
+        assert time.monotonic() < deadline, f"{names} not serving after {timeout:g} s"
+        time.sleep(0.2)
+    time.sleep(2.0)
+
+
+def test_constrained_streams_moved_off_a_killed_decode_keep_their_grammar(stack12):
+    """Six constrained streams (4 SSE with a JSON schema, 2 gRPC with a regex; greedy and seeded) run on both
+    decode workers; once each has 10 tokens, decode-0 is killed. The moved streams continue on decode-1, whose
+    matcher is rebuilt from the tokens already sent (the engine replays them, as on the prefill that draws the
+    first token after them): every output still satisfies its constraint and is token for token the undisturbed
+    run's (seeded draws depend on the seed and the position only)."""
+    back_in_rotation(stack12, ["decode-0", "decode-1"])  # (an earlier test's kill restarted decode-0)
+    specs = [constrained_spec(i) for i in range(6)]
+    undisturbed = asyncio.run(streams(stack12, specs))
+    for i, r in enumerate(undisturbed):
+        assert r.error is None and r.finish == "stop" and satisfies(i, r.text), (i, r.error, r.finish, r.text)
+        assert len(r.tokens) > 100, (i, len(r.tokens))  # long enough to be mid-stream at the kill
+    lines = len(stack12.lines)
+    victim = stack12.child_pids()["decode-0"]
+
+    async def kill():
+        os.kill(victim, signal.SIGKILL)
+
+    got = asyncio.run(streams(stack12, specs, kill, at=10))
+    for i, (r, ref) in enumerate(zip(got, undisturbed)):
+        assert r.error is None, (i, r.error)
+        assert r.key() == ref.key(), i  # tokens, text, finish and usage
+        assert satisfies(i, r.text), (i, r.text)
+    moved = set(moves(stack12.lines[lines:]))
+    assert moved and moved <= {r.rid for r in got}, moved
+    back_in_rotation(stack12, ["decode-0", "decode-1"])  # (the restarted decode-0, for the tests after this one)
+    print(f"\n{len(moved)} of 6 constrained streams moved off the killed decode, each still valid and exact")
 
 
 def test_a_load_of_200_streams_loses_none_when_a_decode_dies(stack12):

@@ -4,7 +4,13 @@ Qwen2.5's real chat template (tests/router/chat_templates), `--tool-call-parser 
 Random weights do not decide to call a tool, so what can be checked honestly is checked: the template renders the
 tools and the tool turns (the prompt grows by them), `tool_choice: none` leaves the text alone, `auto` parses
 whatever the model wrote the same way streamed and gathered. The full loop (call, result, answer) runs with a named
-choice, which the structured-outputs grammar enforces: it needs engine.sampling_params.StructuredOutputsParams."""
+choice, which the structured-outputs grammar enforces: it needs engine.sampling_params.StructuredOutputsParams.
+
+Arguments stream as they are generated: with `tool_choice: required` (the grammar makes the calls), and with `auto`
+where a `guided_regex` makes the model write two calls in the parser's format (Hermes here; Llama 3 JSON on a
+second, colocated stack with `--tool-call-parser llama3_json`), text before them included. Through the SDK's
+`chat.completions.stream`, each multi-key arguments object arrives in many deltas, which put together equal the
+arguments of the same seeded request not streamed; cut short by max_tokens, both views hold the same partial call."""
 from __future__ import annotations
 
 import json
@@ -67,6 +73,133 @@ def assembled(chunks):
     for chunk in chunks:
         state.handle_chunk(chunk)
     return state.current_completion_snapshot
+
+
+# ---------------------------------------------------------------------------------------------------- streaming
+def strict(name: str, properties: dict) -> dict:
+    """A strict function tool (the SDK's `chat.completions.stream` parses strict tools' arguments as they come)."""
+    return {"type": "function", "function": {"name": name, "strict": True, "parameters": {
+        "type": "object", "properties": properties, "required": list(properties), "additionalProperties": False}}}
+
+
+FORECAST = strict("get_forecast", {"city": {"type": "string", "enum": ["Paris", "Oslo", "Lima"]},
+                                   "days": {"type": "integer", "minimum": 1, "maximum": 7},
+                                   "unit": {"type": "string", "enum": ["C", "F"]}})
+CLOCK = strict("get_time", {"zone": {"type": "string", "enum": ["UTC", "CET"]}, "hour24": {"type": "boolean"}})
+_FORECAST_ARGS = r'\{"city": "(Paris|Oslo|Lima)", "days": [1-7], "unit": "(C|F)"\}'
+_CLOCK_ARGS = r'\{"zone": "(UTC|CET)", "hour24": (true|false)\}'
+# Two calls in each parser's format, text before them in Hermes' (random weights write what the regex allows).
+HERMES_CALLS = (r'[a-z]{2,6}\. <tool_call>\n\{"name": "get_forecast", "arguments": ' + _FORECAST_ARGS +
+                r'\}\n</tool_call>\n<tool_call>\n\{"name": "get_time", "arguments": ' + _CLOCK_ARGS +
+                r'\}\n</tool_call>')
+LLAMA_CALLS = (r'<\|python_tag\|>\{"name": "get_forecast", "parameters": ' + _FORECAST_ARGS +
+               r'\}; \{"name": "get_time", "parameters": ' + _CLOCK_ARGS + r'\}')
+
+
+def streamed_calls(client, sdk_stream: bool = True, **kw):
+    """The request streamed: (the completion as the SDK assembled it; per call index, the arguments fragments of
+    the chunks; each call's first entry as it came). sdk_stream: through `chat.completions.stream` (strict tools
+    parsed; it refuses an answer cut short), else `create(stream=True)` into the SDK's assembler."""
+    deltas, firsts, chunks = {}, [], []
+    if sdk_stream:
+        with client.chat.completions.stream(**kw) as stream:
+            chunks = [event.chunk for event in stream if event.type == "chunk"]
+            completion = stream.get_final_completion()
+    else:
+        chunks = list(client.chat.completions.create(**kw, stream=True))
+        completion = assembled(chunks)
+    for chunk in chunks:
+        for tc in (tc for c in chunk.choices for tc in c.delta.tool_calls or ()):
+            if tc.id:
+                firsts.append(tc)
+            elif tc.function.arguments:
+                deltas.setdefault(tc.index, []).append(tc.function.arguments)
+    return completion, deltas, firsts
+
+
+def check_streams_like_gathered(client, tools, regex, expect_content: bool):
+    for seed in (0, 1):
+        kw = dict(model="qwen", messages=ASK, tools=tools, max_tokens=240, temperature=1.0, seed=seed,
+                  extra_body={"guided_regex": regex})
+        whole = client.chat.completions.create(**kw).choices[0]
+        streamed, deltas, firsts = streamed_calls(client, **kw)
+        choice = streamed.choices[0]
+        assert whole.finish_reason == choice.finish_reason == "tool_calls", whole
+        assert [(c.function.name, c.function.arguments) for c in choice.message.tool_calls] == [
+            (c.function.name, c.function.arguments) for c in whole.message.tool_calls]
+        assert [c.function.name for c in whole.message.tool_calls] == ["get_forecast", "get_time"]
+        assert [(f.index, f.type, f.function.name, f.function.arguments) for f in firsts] == [
+            (0, "function", "get_forecast", ""), (1, "function", "get_time", "")]
+        for i, call in enumerate(whole.message.tool_calls):
+            args = json.loads(call.function.arguments)
+            assert "".join(deltas[i]) == call.function.arguments and len(deltas[i]) > len(args), (i, deltas[i])
+            assert choice.message.tool_calls[i].function.parsed_arguments == args  # (the SDK's strict parse)
+        assert (choice.message.content or "") == (whole.message.content or "")
+        assert bool(whole.message.content) == expect_content
+
+
+@pytest.mark.skipif(not HAVE_GRAMMAR, reason="needs structured outputs")
+def test_hermes_calls_stream_their_arguments(client):
+    check_streams_like_gathered(client, [FORECAST, CLOCK], HERMES_CALLS, expect_content=True)
+
+
+@pytest.mark.skipif(not HAVE_GRAMMAR, reason="needs structured outputs")
+def test_a_call_cut_short_streams_what_the_gathered_answer_holds(client):
+    kw = dict(model="qwen", messages=ASK, tools=[FORECAST, CLOCK], temperature=1.0, seed=3,
+              extra_body={"guided_regex": HERMES_CALLS})
+    full = client.chat.completions.create(**kw, max_tokens=240, logprobs=True).choices[0]
+    tokens = [t.token for t in full.logprobs.content]
+    second = full.message.tool_calls[1].function.arguments
+    # max_tokens ends the output inside the second call's arguments (the byte-level tokenizer: one token each)
+    at = "".join(tokens).index(second) + len(second) // 2
+    cut = next(k for k in range(len(tokens)) if len("".join(tokens[:k])) >= at)
+    assert len("".join(tokens[:cut])) == at
+    whole = client.chat.completions.create(**kw, max_tokens=cut).choices[0]
+    streamed = assembled(client.chat.completions.create(**kw, max_tokens=cut, stream=True)).choices[0]
+    assert whole.finish_reason == streamed.finish_reason == "length"
+    got = [(c.function.name, c.function.arguments) for c in whole.message.tool_calls]
+    assert got == [(c.function.name, c.function.arguments) for c in streamed.message.tool_calls]
+    assert got == [(full.message.tool_calls[0].function.name, full.message.tool_calls[0].function.arguments),
+                   ("get_time", second[:len(second) // 2])]
+    assert streamed.message.content == whole.message.content == full.message.content
+
+
+@pytest.mark.skipif(not HAVE_GRAMMAR, reason="needs structured outputs")
+@pytest.mark.parametrize("seed,parallel", [(0, False), (1, False), (0, True), (1, True)])
+def test_required_calls_stream_their_arguments(client, seed, parallel):
+    """The grammar's array of calls; one call without parallel calls (the SDK's strict stream), else as many as
+    the random weights write before max_tokens (the last may be cut short: the SDK's assembler takes that)."""
+    kw = dict(model="qwen", messages=ASK, tools=[FORECAST, CLOCK], tool_choice="required", max_tokens=200,
+              temperature=1.0, seed=seed, parallel_tool_calls=parallel)
+    whole = client.chat.completions.create(**kw).choices[0]
+    streamed, deltas, firsts = streamed_calls(client, sdk_stream=not parallel, **kw)
+    choice = streamed.choices[0]
+    assert choice.finish_reason == whole.finish_reason
+    calls = [(c.function.name, c.function.arguments) for c in whole.message.tool_calls]
+    assert calls and [(c.function.name, c.function.arguments) for c in choice.message.tool_calls] == calls
+    assert [(f.index, f.function.name, f.function.arguments) for f in firsts] == [
+        (i, name, "") for i, (name, _) in enumerate(calls)]
+    if not parallel:
+        assert len(calls) == 1 and whole.finish_reason == "tool_calls"
+    for i, (name, arguments) in enumerate(calls):
+        assert "".join(deltas.get(i, [])) == arguments
+        if whole.finish_reason == "tool_calls" or i < len(calls) - 1:  # (the last may be cut short)
+            args = json.loads(arguments)
+            assert set(args) == set((FORECAST if name == "get_forecast" else CLOCK)["function"]["parameters"]
+                                    ["properties"]) and len(deltas[i]) > len(args)
+
+
+@pytest.fixture(scope="module")
+def llama_client(model_dir):
+    s = Stack("--model", str(model_dir), "--served-model-name", "qwen", "--tool-call-parser", "llama3_json",
+              "--enable-auto-tool-choice", colocated=True).wait_ready()
+    yield openai.OpenAI(base_url=s.http + "/v1", api_key="unused", timeout=120, max_retries=0)
+    s.stop()
+
+
+@pytest.mark.skipif(not HAVE_GRAMMAR, reason="needs structured outputs")
+def test_llama3_json_calls_stream_their_arguments(llama_client):
+    check_streams_like_gathered(llama_client, [FORECAST, CLOCK], LLAMA_CALLS, expect_content=False)
 
 
 def test_tools_and_tool_turns_are_rendered(client):

@@ -12,8 +12,7 @@ import pytest
 import torch
 
 from engine.sampling_params import MAX_STRUCTURED_OUTPUT_BYTES, SamplingParams, StructuredOutputsParams
-from engine.structured_output import (GrammarManager, apply_token_bitmask, apply_token_bitmask_reference,
-                                      fill_bitmask)
+from engine.structured_output import GrammarManager, TokenMasks, fill_bitmask
 from engine.tokenizer import synthetic_tokenizer
 
 VOCAB = 512
@@ -39,7 +38,7 @@ def walk(manager: GrammarManager, tokenizer, so: S, seed: int, max_tokens: int =
     rng = random.Random(seed)
     out: list[int] = []
     for _ in range(max_tokens):
-        mask = fill_bitmask([g], [0], 1, VOCAB)
+        mask = fill_bitmask([g], VOCAB)
         allowed = [t for t in range(VOCAB) if (int(mask[0, t // 32]) >> (t % 32)) & 1]
         assert allowed, "the grammar left no token"
         # Prefer ending once allowed half the time, so that walks are short and do end.
@@ -148,9 +147,8 @@ def test_padding_rows_of_the_model_vocab_are_never_allowed(tokenizer):
     try:
         g = m.grammar_for(SamplingParams(structured_outputs=S(regex=r"[^x]*")))
         assert g.activate([]) is None
-        mask = fill_bitmask([g], [0], 1, VOCAB + 100)
         logits = torch.zeros(1, VOCAB + 100)
-        apply_token_bitmask(logits, mask, [0])
+        TokenMasks(VOCAB + 100).apply(logits, [g], [0])
         assert torch.isinf(logits[0, VOCAB:]).all()
         allowed = torch.isfinite(logits[0]).nonzero().flatten().tolist()
         assert set(range(ord(" "), ord("x"))) <= set(allowed) and ord("x") not in allowed
@@ -164,21 +162,35 @@ def test_prior_tokens_the_grammar_refuses(manager, tokenizer):
     assert err is not None and "output token 0" in err
 
 
-@pytest.mark.parametrize("batch,vocab", [(1, 31), (3, 512), (5, 1000), (4, 49155)])
-def test_bitmask_fast_path_matches_reference(batch, vocab):
-    gen = torch.Generator().manual_seed(batch * vocab)
-    words = (vocab + 31) // 32
-    bitmask = torch.randint(-2**31, 2**31 - 1, (batch, words), generator=gen, dtype=torch.int64).to(torch.int32)
-    bitmask[0] = -1  # a row with every token allowed
-    logits = torch.randn(batch, vocab, generator=gen)
-    rows = list(range(0, batch, 2)) if batch > 1 else [0]
-    fast, ref = logits.clone(), logits.clone()
-    apply_token_bitmask(fast, bitmask, rows)
-    masked = ref[rows].clone()
-    apply_token_bitmask_reference(masked, bitmask[rows])
-    ref[rows] = masked
-    assert torch.equal(fast, ref)
-    assert torch.isfinite(fast[0]).all()
+def test_token_masks_mask_the_constrained_rows_as_xgrammar_does(manager, tokenizer):
+    """TokenMasks (packed constrained rows, xgrammar's batch fill, kernels.apply_token_bitmask) against xgrammar's own
+    fill and apply over the whole batch, step after step with the buffers reused (and grown)."""
+    import xgrammar
+
+    schema = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}
+    constraints = [S(regex=r"[a-c]{3}-\d{2}"), S(json=schema, disable_any_whitespace=True), S(choice=["red", "green"])]
+    grammars = [manager.grammar_for(SamplingParams(structured_outputs=c)) for c in constraints * 4]
+    for g in grammars:
+        assert g.activate([]) is None
+    masks, rng = TokenMasks(VOCAB), random.Random(0)
+    for step, batch in enumerate([3, 6, 12, 12]):
+        rows = sorted(rng.sample(range(batch + 2), batch))  # (some rows of the batch unconstrained)
+        live = grammars[:batch]
+        logits = torch.randn(batch + 2, VOCAB)
+        got = logits.clone()
+        masks.apply(got, live, rows)
+        whole = xgrammar.allocate_token_bitmask(batch + 2, VOCAB)
+        for g, row in zip(live, rows):
+            g.matcher.fill_next_token_bitmask(whole, row)
+        want = logits.clone()
+        xgrammar.apply_token_bitmask_inplace(want, whole, indices=rows)
+        assert torch.equal(got, want), step
+        assert torch.equal(fill_bitmask(live, VOCAB, batch_matcher=xgrammar.BatchGrammarMatcher(2)),
+                           fill_bitmask(live, VOCAB))
+        for g, row in zip(live, rows):  # each takes an allowed token
+            token = int(torch.isfinite(got[row]).nonzero()[0])
+            if not g.terminated:
+                g.matcher.accept_token(token)
 
 
 def test_structural_tag_both_forms(manager, tokenizer):

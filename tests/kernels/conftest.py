@@ -23,7 +23,7 @@ if not ON_CUDA:
 
         for name in ("kernels._checks", "kernels.activation", "kernels.kv_write", "kernels.norm",
                      "kernels.paged_attention", "kernels.rotary", "kernels.gemv", "kernels.quant_fp8", "kernels.w4a16",
-                     "kernels"):
+                     "kernels.token_bitmask", "kernels"):
             if name in sys.modules:
                 importlib.reload(sys.modules[name])
 

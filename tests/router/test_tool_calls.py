@@ -12,7 +12,7 @@ from engine.sampling_params import SamplingParams
 from router.backend import GenerateDelta
 from router.core import RouterCore
 from router.http import create_app
-from router.tool_calls import ToolChoice, ToolChoiceError, ToolConfig, constrained, tool_choice_constraint
+from router.tool_calls import CallStream, ToolChoice, ToolChoiceError, ToolConfig, constrained, tool_choice_constraint
 from scripted_backend import Scripted
 
 WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
@@ -125,10 +125,15 @@ async def test_streamed_calls_assemble_to_the_gathered_ones():
     assert [(c.function.name, c.function.arguments) for c in final.message.tool_calls] == [
         (c["function"]["name"], c["function"]["arguments"]) for c in choice["message"]["tool_calls"]]
     # Each call's first entry carries its index, id, type and name.
-    firsts = [tc for line in streamed.text.split("\n\n") if line.startswith("data: {")
-              for c in json.loads(line[6:])["choices"] for tc in c["delta"].get("tool_calls", [])]
-    assert [(tc["index"], tc["type"], tc["function"]["name"]) for tc in firsts if "id" in tc] == [
-        (0, "function", "get_weather"), (1, "function", "get_time")]
+    chunks = [[tc for c in json.loads(line[6:])["choices"] for tc in c["delta"].get("tool_calls", [])]
+              for line in streamed.text.split("\n\n") if line.startswith("data: {")]
+    firsts = [tc for chunk in chunks for tc in chunk]
+    assert [(tc["index"], tc["type"], tc["function"]["name"], tc["function"]["arguments"]) for tc in firsts
+            if "id" in tc] == [(0, "function", "get_weather", ""), (1, "function", "get_time", "")]
+    # ... then its arguments as the model wrote them, in the chunks after: one index per chunk
+    assert [tc["function"]["arguments"] for tc in firsts if tc["index"] == 0 and "id" not in tc] == [
+        '{"ci', 'ty": "Paris"}']
+    assert all(len({tc["index"] for tc in chunk}) == len(chunk) for chunk in chunks)
 
 
 @pytest.mark.anyio
@@ -183,10 +188,23 @@ def test_a_named_choice_streams_its_arguments_as_generated():
     stream = ToolChoice("named", name="get_weather").stream()
     content, entries = feed_all(stream, ['{"ci', 'ty": ', '"Paris"}'])
     assert content == "" and entries[0]["id"].startswith("call_") and entries[0]["function"]["name"] == "get_weather"
-    assert [e["function"]["arguments"] for e in entries] == ['{"ci', 'ty": ', '"Paris"}']
+    assert [e["function"]["arguments"] for e in entries] == ["", '{"ci', 'ty": ', '"Paris"}']
     assert all(e["index"] == 0 for e in entries) and all("id" not in e for e in entries[1:])
     assert [(c.name, c.arguments) for c in stream.calls] == [("get_weather", '{"city": "Paris"}')]
     assert stream.finish_reason("stop") == "tool_calls" and stream.finish_reason("length") == "length"
+
+
+def assembled_entries(entries: list[dict]) -> list[tuple[str, str]]:
+    """(name, arguments) per index, the entries put together as the openai SDK does (strings appended)."""
+    calls: dict[int, list[str]] = {}
+    for e in entries:
+        if "id" in e:
+            assert e["index"] not in calls and e["type"] == "function", e
+            calls[e["index"]] = [e["function"]["name"], e["function"]["arguments"]]
+        else:
+            assert set(e) == {"index", "function"} and set(e["function"]) == {"arguments"}, e
+            calls[e["index"]][1] += e["function"]["arguments"]
+    return [tuple(calls[i]) for i in sorted(calls)]
 
 
 def test_required_reads_the_array_of_calls_split_anywhere():
@@ -194,7 +212,34 @@ def test_required_reads_the_array_of_calls_split_anywhere():
     for cut in range(len(text) + 1):
         stream = ToolChoice("required").stream()
         content, entries = feed_all(stream, [text[:cut], text[cut:]])
-        assert content == "" and [(e["function"]["name"], json.loads(e["function"]["arguments"]))
-                                  for e in entries] == [("get_weather", {"city": "Paris"}), ("get_time", {})]
+        assert content == "" and assembled_entries(entries) == [("get_weather", '{"city": "Paris"}'),
+                                                                ("get_time", "{}")]
+        assert [(c.name, c.arguments) for c in stream.calls] == assembled_entries(entries)
     cut_short = ToolChoice("required").stream()
     assert feed_all(cut_short, ['[{"name": "get_weather", "para']) == ('[{"name": "get_weather", "para', [])
+
+
+def test_required_streams_each_calls_arguments_as_they_come():
+    text = '[{"name":"get_weather","parameters":{"city":"Paris","days":3}},{"name":"get_time","parameters":{}}]'
+    stream = ToolChoice("required").stream()
+    per_token = [stream.feed(ch, final=k == len(text) - 1) for k, ch in enumerate(text)]
+    entries = [e for _, es in per_token for e in es]
+    firsts = [e for e in entries if "id" in e]
+    assert [(e["index"], e["function"]["name"], e["function"]["arguments"]) for e in firsts] == [
+        (0, "get_weather", ""), (1, "get_time", "")]
+    assert len([e for e in entries if e["index"] == 0 and "id" not in e]) == len('{"city":"Paris","days":3}')
+    assert assembled_entries(entries) == [("get_weather", '{"city":"Paris","days":3}'), ("get_time", "{}")]
+    # cut short in the second call's arguments (max_tokens): what was streamed is the call
+    two = text.replace('"parameters":{}', '"parameters":{"zone":"CET"}')
+    cut = ToolChoice("required").stream()
+    _, entries = feed_all(cut, [two[:70], two[70:two.index("CET")]])
+    assert assembled_entries(entries) == [(c.name, c.arguments) for c in cut.calls] == [
+        ("get_weather", '{"city":"Paris","days":3}'), ("get_time", '{"zone":"')]
+
+
+def test_parallel_tool_calls_false_drops_the_later_calls_arguments_too():
+    text = '[{"name":"get_weather","parameters":{"city":"Paris"}},{"name":"get_time","parameters":{"zone":"CET"}}]'
+    stream = CallStream(ToolChoice("required").stream().parser, parallel=False)
+    content, entries = feed_all(stream, list(text))
+    assert content == "" and assembled_entries(entries) == [("get_weather", '{"city":"Paris"}')]
+    assert stream.dropped and [(c.name, c.arguments) for c in stream.calls] == [("get_weather", '{"city":"Paris"}')]

@@ -1,0 +1,219 @@
+"""Structured outputs' cost in a decode step: a batch of requests each held to a JSON schema against the same batch
+unconstrained (random:qwen2.5-7b, bf16, batch 256 on the H200; target: the constrained step at most 10% slower).
+
+On the H200 (the box has no xgrammar: the carried wheels go in first; the device call carries [".carry"]):
+  python3 -m pip install -q --no-deps --target /tmp/site .carry/whl/*.whl && PYTHONPATH=/tmp/site:$PWD \
+    HF_HUB_OFFLINE=1 python3 bench/structured_mask.py --model random:qwen2.5-7b --dtype bfloat16 --batch-size 256 \
+    --json $OUT/structured_mask.json
+.carry/whl (git ignores it): xgrammar 0.2.9 for CPython 3.12 and what it needs that the box lacks, made with
+  python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+    --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
+    -d .carry/whl xgrammar==0.2.9 apache-tvm-ffi==0.1.15.post2 pydantic==2.14.4 pydantic-core==2.50.5 \
+    annotated-types==0.8.0 typing-inspection==0.4.5 typing-extensions==4.16.0
+CPU smoke test (a tiny model; the numbers mean nothing):
+  python bench/structured_mask.py --model random:tiny --device cpu --batch-size 8 --input-len 16 --output-len 8 \
+    --num-iters 1 --num-schemas 2
+
+Per mode ("none": unconstrained; "json": request i follows schema i % --num-schemas, a long array of objects, so no
+output can end inside the timed steps) it adds --batch-size requests of --input-len random prompt tokens (seeded
+sampling at temperature 1), steps the engine until every request decodes, runs warm-up steps, then times
+--output-len `LLMEngine.step()` calls, --num-iters times: "step ms" is the median of the iterations' mean step time.
+The grammars compile before the timing (reported apart). "mask share" is (json - none) / json: everything the
+constraint adds to a step (the bitmask fill on the CPU, its copy and the Triton kernel, the matchers taking the
+tokens, and the sync a constrained step needs before the next launches). A second, instrumented json pass breaks
+it down per step: "fill ms" (xgrammar's fill, host), "apply ms" (copy + kernel, device time between CUDA events;
+host time on the CPU), "accept ms" (the matchers taking the step's tokens, host).
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from bench.common import format_table, git_commit, machine_info, write_json  # noqa: E402
+
+
+def schema(k: int, min_items: int) -> dict:
+    """Schema k: an object holding an array of at least min_items records (field names differ per k)."""
+    record = {"type": "object", "properties": {
+        f"name{k}": {"type": "string", "maxLength": 24},
+        "qty": {"type": "integer", "minimum": 0, "maximum": 1000},
+        "ok": {"type": "boolean"},
+        "tags": {"type": "array", "items": {"enum": ["red", "green", "blue"]}, "maxItems": 3}},
+        "required": [f"name{k}", "qty", "ok", "tags"], "additionalProperties": False}
+    return {"type": "object", "properties": {"items": {"type": "array", "items": record, "minItems": min_items}},
+            "required": ["items"], "additionalProperties": False}
+
+
+class Timer:
+    """Accumulates host seconds, and on CUDA device seconds between event pairs (read once at the end)."""
+
+    def __init__(self) -> None:
+        self.host = 0.0
+        self.events: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
+
+    def device(self) -> float:
+        torch.cuda.synchronize()
+        return sum(a.elapsed_time(b) for a, b in self.events) / 1e3
+
+
+def instrument(cuda: bool) -> tuple[dict[str, Timer], callable]:
+    """Wraps the mask's pieces with timers; returns them and an undo."""
+    import kernels
+    from engine import structured_output as so
+
+    timers = {name: Timer() for name in ("fill", "apply", "accept")}
+    orig_fill, orig_apply, orig_advance = so.fill_bitmask, kernels.apply_token_bitmask, so.RequestGrammar.advance
+    pending: list = []  # the event recorded after the fill, waiting for its apply
+
+    def fill(*a, **kw):
+        t0 = time.perf_counter()
+        out = orig_fill(*a, **kw)
+        timers["fill"].host += time.perf_counter() - t0
+        if cuda:
+            pending.append(torch.cuda.Event(enable_timing=True))
+            pending[-1].record()
+        return out
+
+    def apply(*a, **kw):
+        t0 = time.perf_counter()
+        orig_apply(*a, **kw)
+        timers["apply"].host += time.perf_counter() - t0
+        if cuda:
+            end = torch.cuda.Event(enable_timing=True)
+            end.record()
+            timers["apply"].events.append((pending.pop(), end))
+
+    def advance(self, ids):
+        t0 = time.perf_counter()
+        out = orig_advance(self, ids)
+        timers["accept"].host += time.perf_counter() - t0
+        return out
+
+    so.fill_bitmask, kernels.apply_token_bitmask, so.RequestGrammar.advance = fill, apply, advance
+
+    def undo():
+        so.fill_bitmask, kernels.apply_token_bitmask, so.RequestGrammar.advance = orig_fill, orig_apply, orig_advance
+
+    return timers, undo
+
+
+def run_mode(engine, args, constrained: bool, iters: int) -> dict:
+    """Fills the engine with the batch, times the decode steps; returns the mean step seconds per iteration and
+    the grammars' compile time."""
+    from engine import SamplingParams
+    from engine.sampling_params import StructuredOutputsParams
+
+    vocab = engine.runner.hf_config.vocab_size
+    sync = torch.cuda.synchronize if engine.runner.device.type == "cuda" else (lambda: None)
+    steps = args.warmup_steps + iters * args.output_len
+    gen = torch.Generator().manual_seed(0)
+    rids = [f"{'json' if constrained else 'none'}-{i}" for i in range(args.batch_size)]
+    t_add = time.perf_counter()
+    for i, rid in enumerate(rids):
+        so = None
+        if constrained:
+            so = StructuredOutputsParams(json=schema(i % args.num_schemas, args.min_items),
+                                         disable_any_whitespace=True)
+        params = SamplingParams(temperature=1.0, seed=i, max_tokens=steps + 16, ignore_eos=True,
+                                structured_outputs=so)
+        prompt = torch.randint(10, vocab - 10, (args.input_len,), generator=gen).tolist()
+        engine.add_request(rid, prompt, params)
+    started: set[str] = set()
+    compile_s = None
+    while len(started) < len(rids):  # prefill (after the compiles) until every request has decoded once
+        for out in engine.step():
+            assert not out.finished, f"{out.request_id} finished ({out.finish_reason}) before the timing"
+            if out.new_token_ids:
+                started.add(out.request_id)
+                if compile_s is None:
+                    compile_s = time.perf_counter() - t_add
+    for _ in range(args.warmup_steps):
+        engine.step()
+    per_step = []
+    for _ in range(iters):
+        sync()
+        t0 = time.perf_counter()
+        for _ in range(args.output_len):
+            for out in engine.step():
+                assert not out.finished, f"{out.request_id} finished ({out.finish_reason}) inside the timing"
+        sync()
+        per_step.append((time.perf_counter() - t0) / args.output_len)
+    for rid in rids:
+        engine.abort(rid)
+    while engine.has_unfinished_requests():
+        engine.step()
+    return {"step_s": per_step, "to_first_decode_s": compile_s}
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="random:qwen2.5-7b")
+    p.add_argument("--dtype", default="auto")
+    p.add_argument("--device", default=None, help="cuda or cpu (default: the engine's)")
+    p.add_argument("--batch-size", type=int, default=256, help="requests decoding together")
+    p.add_argument("--input-len", type=int, default=128)
+    p.add_argument("--output-len", type=int, default=64, help="decode steps timed per iteration")
+    p.add_argument("--num-iters", type=int, default=3)
+    p.add_argument("--warmup-steps", type=int, default=8)
+    p.add_argument("--num-schemas", type=int, default=4, help="distinct schemas across the batch")
+    p.add_argument("--min-items", type=int, default=64, help="records each output must hold (it cannot end early)")
+    p.add_argument("--kv-cache-memory", type=float, default=None, help="GiB of KV cache (default: the engine's)")
+    p.add_argument("--enforce-eager", action="store_true")
+    p.add_argument("--json", default=None)
+    args = p.parse_args(argv)
+
+    from engine import EngineArgs, LLMEngine
+
+    kw = dict(model=args.model, dtype=args.dtype, max_num_seqs=args.batch_size, enable_prefix_caching=False,
+              enforce_eager=args.enforce_eager,
+              max_model_len=args.input_len + args.warmup_steps + args.num_iters * args.output_len + 64)
+    if args.device is not None:
+        kw["device"] = args.device
+    if args.kv_cache_memory is not None:
+        kw["kv_cache_memory"] = args.kv_cache_memory
+    engine = LLMEngine.from_engine_args(EngineArgs(**kw))
+    cuda = engine.runner.device.type == "cuda"
+    try:
+        warm = run_mode(engine, args, True, 1)  # warm-up: compiles the schemas, builds the mask buffers
+        none = run_mode(engine, args, False, args.num_iters)
+        json_ = run_mode(engine, args, True, args.num_iters)
+        timers, undo = instrument(cuda)
+        try:
+            run_mode(engine, args, True, 1)
+        finally:
+            undo()
+    finally:
+        engine.close()
+    steps = args.output_len + args.warmup_steps  # the instrumented pass: warm-up and timed steps, not the prefill
+    t_none, t_json = statistics.median(none["step_s"]), statistics.median(json_["step_s"])
+    share = (t_json - t_none) / t_json
+    fill_ms = timers["fill"].host / steps * 1e3
+    apply_ms = (timers["apply"].device() if cuda else timers["apply"].host) / steps * 1e3
+    accept_ms = timers["accept"].host / steps * 1e3
+    print(f"model {args.model} device {engine.runner.device} dtype {engine.runner.dtype} batch {args.batch_size} "
+          f"schemas {args.num_schemas}")
+    print(format_table(["mode", "step ms", "tok/s"], [
+        ["none", t_none * 1e3, args.batch_size / t_none], ["json", t_json * 1e3, args.batch_size / t_json]]))
+    print(f"mask share {share:.1%} (target <= 10%); per step: fill {fill_ms:.2f} ms (host), apply {apply_ms:.3f} ms "
+          f"({'device' if cuda else 'host'}), accept {accept_ms:.2f} ms (host); the first pass decoded "
+          f"{warm['to_first_decode_s']:.1f} s after its requests came (the schemas' compiles)")
+    if args.json:
+        write_json(args.json, dict(
+            model=args.model, batch_size=args.batch_size, input_len=args.input_len, output_len=args.output_len,
+            num_schemas=args.num_schemas, min_items=args.min_items, step_ms_none=t_none * 1e3,
+            step_ms_json=t_json * 1e3, mask_share=share, fill_ms_per_step=fill_ms, apply_ms_per_step=apply_ms,
+            accept_ms_per_step=accept_ms, step_s_none=none["step_s"], step_s_json=json_["step_s"],
+            compile_to_first_decode_s=warm["to_first_decode_s"],
+            machine=machine_info(), commit=git_commit()["sha"], date=time.strftime("%Y-%m-%d")))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
