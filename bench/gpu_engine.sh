@@ -3,7 +3,9 @@
 #   TANDEM_COMMIT=<sha> bash bench/gpu_engine.sh [stage ...]
 # stages: parity latency perf profile (the default: these four), checks (kernel tests + parity side by side), kvx
 # (KV transfer paths), ttft (idle disaggregated stack, through bench/gpu_serve.sh), build (the engine's model build
-# on CUDA: build_model's tests, fp8 checkpoints, and the build's peak GPU memory against the final model's size)
+# on CUDA: build_model's tests, fp8 checkpoints, and the build's peak GPU memory against the final model's size),
+# w4 (4-bit AWQ weights against bf16), swap (a preempting workload, swap vs recompute), hosttier (8k-prefix TTFT
+# from the host KV tier)
 # Env: NP/OL/IL (throughput prompts, output and input length), BACKENDS ("tandem hf"), MNS (max_num_seqs list,
 # e.g. "256 512"), MBT (max_num_batched_tokens), VARIANTS (engine flag sets for latency and perf, separated by
 # ";", e.g. VARIANTS=";--kv-cache-dtype fp8;--quantization fp8 --kv-cache-dtype fp8": "" is the bf16 default).
@@ -61,6 +63,27 @@ print(f'build: model {size / 2**30:.2f} GiB, peak allocated {torch.cuda.max_memo
     ttft)  # the idle disaggregated stack: TTFT of 512-token prompts one at a time, and one short rate
       MODES=disaggregated RATES=${TTFT_RATES:-8} NUM_PROMPTS=${TTFT_PROMPTS:-40} IDLE_PROBES=10 DEADLINE=${TTFT_DEADLINE:-170} \
         OUT="$OUT/serve" COMMIT=${TANDEM_COMMIT:-unknown} bash bench/gpu_serve.sh 2>&1 | tail -8 ;;
+    w4)  # issue 17: a random AWQ Qwen2.5-7B (bench/w4_checkpoint.py) against bf16: batch-1 decode, then 500 x 512/256
+      W4=/tmp/qwen2.5-7b-awq; [[ -d $W4 ]] || timeout 300 python3 bench/w4_checkpoint.py --preset qwen2.5-7b --out $W4
+      for m in "$M" "--model $W4 --quantization awq --dtype float16"; do
+        tag=$([[ $m == *awq* ]] && echo w4 || echo bf16)
+        timeout 200 python3 bench/latency.py $m --async-scheduling --json "$OUT/latency-$tag.json" 2>&1 \
+          | tee "$OUT/latency-$tag.log" | tail -3
+        timeout 300 python3 bench/throughput.py $m --num-prompts ${NP:-500} --input-len ${IL:-512} \
+          --output-len ${OL:-256} --max-num-seqs ${MNS:-256} --max-num-batched-tokens ${MBT:-8192} --out-dir "$OUT" \
+          2>&1 | tee "$OUT/throughput-$tag.log" | grep -v "^ *$" | tail -4
+      done ;;
+    swap)  # issue 17: a workload that preempts (a small pool, the admission watermark off): swap vs recompute
+      for mode in swap recompute; do
+        echo "-- preemption-mode $mode"
+        timeout 300 python3 bench/throughput.py $M --num-prompts ${SWAP_NP:-300} --input-len 512 --output-len 256 \
+          --max-num-seqs 256 --num-gpu-blocks-override ${SWAP_BLOCKS:-2000} --new-token-ratio 0 \
+          --swap-space ${SWAP_GIB:-16} --preemption-mode $mode --out-dir "$OUT" 2>&1 \
+          | tee "$OUT/swap-$mode.log" | grep -v "^ *$" | tail -4
+      done ;;
+    hosttier)  # issue 17: TTFT of an 8k-token prefix from the host tier vs recomputing it
+      timeout 300 python3 bench/host_tier.py $M --prefix-len ${PREFIX:-8192} --swap-space 8 --num-iters 3 \
+        --json "$OUT/host_tier.json" 2>&1 | tee "$OUT/host_tier.log" | tail -8 ;;
     profile)
       for b in ${BATCH:-256}; do
         timeout ${PROFILE_TIMEOUT:-300} python3 bench/profile_decode.py $M --batch $b --input-len 512 \

@@ -34,16 +34,18 @@ ENGINE = dict(model="random:tiny", device="cuda", dtype="float32", kv_cache_memo
 PROMPT_LENS = (5, 40, 100, 333)
 
 
-def flags(device: str = "cuda") -> list[str]:
+def flags(device: str = "cuda", kv_cache_dtype: str = "auto") -> list[str]:
     out = []
-    for k, v in {**ENGINE, "device": device}.items():
+    for k, v in {**ENGINE, "device": device, "kv_cache_dtype": kv_cache_dtype}.items():
         out += [f"--{k.replace('_', '-')}"] if v is True else [f"--{k.replace('_', '-')}", str(v)]
     return out
 
 
-@pytest.fixture(scope="module", params=["cuda:0", "cuda:1"], ids=["decode-same-gpu", "decode-on-second-gpu"])
+# (an int8 cache: its per-slot scales travel inside each block's bytes, as on the other paths)
+@pytest.fixture(scope="module", params=[("cuda:0", "auto"), ("cuda:0", "int8"), ("cuda:1", "auto")],
+                ids=["decode-same-gpu", "decode-same-gpu-int8", "decode-on-second-gpu"])
 def stack(request):
-    decode_device = request.param
+    decode_device, kv_cache_dtype = request.param
     if torch.cuda.device_count() <= torch.device(decode_device).index:
         pytest.skip(f"needs {decode_device}: {torch.cuda.device_count()} GPU(s) here")
     dport, pport, dmetrics, pmetrics = free_ports(4)
@@ -52,10 +54,10 @@ def stack(request):
             for name in ("decode", "prefill")}
     procs = {
         "decode": subprocess.Popen([sys.executable, "-m", "decode_svc.server", "--port", str(dport),
-                                    "--metrics-port", str(dmetrics), *flags(decode_device)], cwd=ROOT, env=env,
+                                    "--metrics-port", str(dmetrics), *flags(decode_device, kv_cache_dtype)], cwd=ROOT, env=env,
                                    stdout=logs["decode"].open("w"), stderr=subprocess.STDOUT),
         "prefill": subprocess.Popen([sys.executable, "-m", "prefill_svc.server", "--port", str(pport),
-                                     "--metrics-port", str(pmetrics), "--kv-transfer", "ipc", *flags("cuda:0")],
+                                     "--metrics-port", str(pmetrics), "--kv-transfer", "ipc", *flags("cuda:0", kv_cache_dtype)],
                                     cwd=ROOT,
                                     env=env, stdout=logs["prefill"].open("w"), stderr=subprocess.STDOUT),
     }
@@ -81,7 +83,7 @@ def stack(request):
                 pytest.fail(f"{dead or 'stack'} not serving:\n{tail()}")
             time.sleep(0.5)
         yield dict(decode=f"127.0.0.1:{dport}", prefill=f"127.0.0.1:{pport}", metrics=(pmetrics, dmetrics),
-                   tail=tail)
+                   tail=tail, kv_cache_dtype=kv_cache_dtype)
     finally:
         for p in procs.values():
             p.terminate()
@@ -94,7 +96,7 @@ def stack(request):
 
 def path_bytes(port: int) -> dict[str, float]:
     text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
-    out = {"grpc": 0.0, "ipc": 0.0}
+    out = {"grpc": 0.0, "ipc": 0.0, "nixl": 0.0}
     for m in re.finditer(r'^tandem:kv_transfer_path_bytes_total\{([^}]*)\} (\S+)$', text, re.M):
         path = re.search(r'path="(\w+)"', m.group(1)).group(1)
         out[path] += float(m.group(2))
@@ -135,8 +137,11 @@ def test_ipc_transfers_match_the_offline_engine_and_move_no_bytes_over_grpc(stac
 
     gen = torch.Generator().manual_seed(3)
     prompts = [torch.randint(300, 500, (n,), generator=gen).tolist() for n in PROMPT_LENS]
-    expected = LLM(**ENGINE).generate([{"prompt_token_ids": p} for p in prompts],
-                                      SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True))
+    offline = LLM(**ENGINE, kv_cache_dtype=stack["kv_cache_dtype"])
+    expected = offline.generate([{"prompt_token_ids": p} for p in prompts],
+                                SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True))
+    block_bytes = offline.engine.runner.kv_bytes_per_block
+    offline.close()
     before = [path_bytes(p) for p in stack["metrics"]]
 
     async def scenario():
@@ -148,13 +153,12 @@ def test_ipc_transfers_match_the_offline_engine_and_move_no_bytes_over_grpc(stac
     after = [path_bytes(p) for p in stack["metrics"]]
     want = [expected[2].outputs[0].token_ids] + [e.outputs[0].token_ids for e in expected]
     assert [toks for toks, _ in results] == want, stack["tail"]()
-    block_bytes = ENGINE["block_size"] * 2 * 2 * 2 * 16 * 4  # layers x (k, v) x kv heads x head_dim x float32
     for (_, done), n in zip(results, (PROMPT_LENS[2], *PROMPT_LENS)):
         assert done.path == kv.KV_TRANSFER_PATH_CUDA_IPC
         assert done.num_blocks == -(-n // 16) and done.transfer_bytes == done.num_blocks * block_bytes
     total = sum(done.transfer_bytes for _, done in results)
     for b, a in zip(before, after):  # prefill, then decode
-        assert a["grpc"] == b["grpc"], (b, a)
+        assert a["grpc"] == b["grpc"] and a["nixl"] == b["nixl"], (b, a)
         assert a["ipc"] - b["ipc"] == total, (b, a)
     for load in (pload, dload):
         assert load.num_used_blocks == 0 and load.num_tracked_requests == 0, load
