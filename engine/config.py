@@ -113,7 +113,7 @@ class SchedulerConfig:
     new_token_ratio: float = 0.7
     """Admission watermark (SGLang's new_token_ratio): a waiting request (or a decode reservation) is admitted only while the free KV blocks left after it cover this share of every admitted request's remaining max_tokens, so that admitted requests do not preempt each other. It starts here, decays to a seventh of it over 600 steps without preemption, and rises again on a preemption; 0 turns the watermark off (admit whenever the prompt fits, preempt when the pool is full)."""
     preemption_mode: str = "auto"
-    """What a preempted request's KV becomes when --swap-space gives a host tier: swap (copied to host memory and back when it runs again), recompute (freed, recomputed from its tokens), or auto: swap when its computed tokens exceed one step's --max-num-batched-tokens (recomputing them would take at least a whole step of prefill), else recompute (one chunk of a step that runs anyway). Without a host tier: always recompute."""
+    """What a preempted request's KV becomes when --swap-space gives a host tier: swap (copied to host memory and back when it runs again), recompute (freed, recomputed from its tokens), or auto: swap when it has at least one full block of computed KV (copying a token's KV twice over the host link costs less than recomputing a row of the model), else recompute (a small chunk of a step that runs anyway). Without a host tier: always recompute."""
 
     def __post_init__(self) -> None:
         if self.preemption_mode not in PREEMPTION_MODES:

@@ -235,13 +235,15 @@ class Scheduler:
         self.waiting.appendleft(req)
 
     def _should_swap(self, req: Request) -> bool:
-        """Swap rather than recompute (SchedulerConfig.preemption_mode): both cost about the same per token (a
-        prefill row of the model against two copies of its KV over the host link), so the choice is by size: a
-        request whose computed tokens fit in one step's token budget is recomputed as one chunk of a step that runs
-        anyway, a longer one would take whole steps of prefill (and attention grows with its square) and is swapped."""
+        """Swap rather than recompute (SchedulerConfig.preemption_mode). Under auto, a request holding at least one
+        full block of computed KV is swapped: a token's KV crosses the host link twice (2 x 2 x layers x KV heads x
+        head_dim bytes), while recomputing it is a row of the whole model (2 x parameters FLOPs), and with grouped
+        KV heads the copy is the cheaper by several times (measured on the H200, bench/RESULTS.md: swapping
+        requests of 512-768 tokens beat recomputing them). A request with less than a block computed is
+        recomputed: one small chunk of a step that runs anyway, no host block taken."""
         if self.kv.host is None or self.config.preemption_mode == "recompute":
             return False
-        return self.config.preemption_mode == "swap" or req.num_computed_tokens > self.config.max_num_batched_tokens
+        return self.config.preemption_mode == "swap" or req.num_computed_tokens >= self.kv.block_size
 
     def update_from_output(self, out: SchedulerOutput) -> None:
         """The step's sampled tokens are read (the engine appends them next): they are no longer in flight, and

@@ -3,6 +3,8 @@ blocks evicted from the device's prefix cache come back from the host as prefix 
 in the order they were recorded; nothing leaks on either pool."""
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 
@@ -119,14 +121,21 @@ def test_swapped_requests_continue_exactly(reference, async_scheduling):
     assert s.num_swapped == 0 and engine.kv.host.owned == 0
 
 
-def test_auto_swaps_long_requests_and_recomputes_short_ones(reference):
+def test_auto_swaps_requests_of_a_block_or_more(reference):
+    """auto: a request with a full block of computed KV is swapped, one with less is recomputed; either way the
+    tokens are an unpreempted run's."""
     reqs, want = reference
     engine = make_engine(num_gpu_blocks_override=24, swap_space=0.01, preemption_mode="auto")
+    sched, bs = engine.scheduler, engine.kv.block_size
+    probe = SimpleNamespace(num_computed_tokens=bs - 1)
+    assert not sched._should_swap(probe)
+    probe.num_computed_tokens = bs
+    assert sched._should_swap(probe)
     got = run_all(engine, reqs)
     assert got == want
     s = engine.stats()
-    # prompts(8) run from 3 to 80 tokens (+ 40 outputs) and a step's budget is 64 tokens: both kinds occur.
-    assert 0 < s.num_swaps < engine.scheduler.num_preemptions, (s.num_swaps, engine.scheduler.num_preemptions)
+    assert engine.scheduler.num_preemptions > 0 and s.num_swaps > 0, (s.num_swaps, engine.scheduler.num_preemptions)
+    assert s.swapped_out_blocks == s.swapped_in_blocks > 0 and engine.kv.host.owned == 0
 
 
 def test_aborting_a_swapped_request_frees_its_host_blocks(reference):
