@@ -53,6 +53,9 @@ log = logging.getLogger("tandem.kv.nixl")
 
 PACKAGE = "nixl-cu12"
 READ_TIMEOUT_S = 30.0  # at most, per run (the transfer's own deadline is usually shorter)
+# Prefill agents a decode process keeps (NixlPeers._make_room): far more than a deployment's prefill processes,
+# a bound on what restarted ones leave behind.
+MAX_PEERS = 64
 _POLL_S = 0.0005
 _api = None
 
@@ -127,11 +130,14 @@ class NixlPeers:
     """The decode process's agent, its cache registered, and the prefill agents it added (by name). Every agent call
     runs on the engine thread (`on_engine`): the agent is not thread-safe, and reads must be ordered with frees."""
 
-    def __init__(self, name: str, on_engine: Callable[[Callable[[torch.Tensor], object]], Awaitable]):
+    def __init__(self, name: str, on_engine: Callable[[Callable[[torch.Tensor], object]], Awaitable],
+                 max_peers: int = MAX_PEERS):
         self.name = name
         self.on_engine = on_engine
+        self.max_peers = max_peers
         self.local: NixlCache | None = None  # created on the first NIXL handshake
         self.peers: dict[str, kv_transfer_pb2.NixlCache] = {}  # agent name -> its cache (loop reads, atomic)
+        self.last_used: dict[str, float] = {}  # agent name -> when it was added or last opened a transfer
         # A tensor-parallel decode: a prefill's rank 0 agent name -> every rank's, in rank order (add_ranks).
         self.rank_names: dict[str, list[str]] = {}
 
@@ -148,6 +154,7 @@ class NixlPeers:
         assert self.local.block_bytes == block_bytes, (self.local.block_bytes, block_bytes)
         if offer.agent_name in self.peers:  # the prefill asks again (its transfer failed): start afresh
             self._remove(offer.agent_name)
+        self._make_room()
         added = self.local.agent.add_remote_agent(offer.agent_metadata)
         name = added.decode() if isinstance(added, bytes) else added
         if name != offer.agent_name:
@@ -157,7 +164,27 @@ class NixlPeers:
         peer.CopyFrom(offer)
         peer.ClearField("agent_metadata")
         self.peers[name] = peer
+        self.last_used[name] = time.monotonic()
         log.info("added nixl agent %s (%s, %d blocks) for KV reads", shown(name), offer.mem_type, offer.num_blocks)
+
+    def _make_room(self) -> None:
+        """Below max_peers agents, the least recently used go: every prefill process that ever shook hands (a
+        restarted one comes back under a new name) would otherwise keep its agent, its metadata and UCX's
+        connection here for good. A live prefill whose agent went is refused at its next open (FAILED_PRECONDITION)
+        and shakes hands again."""
+        while len(self.peers) >= self.max_peers:
+            victim = min(self.peers, key=lambda n: self.last_used.get(n, 0.0))
+            log.info("dropping nixl agent %s, the least recently used of %d (at most %d are kept)", shown(victim),
+                     len(self.peers), self.max_peers)
+            if victim in self.rank_names:
+                self.forget(victim)  # each rank drops that prefill's rank agents as its own peers fill up
+            else:
+                self._remove(victim)
+
+    def touch(self, name: str) -> None:
+        """A transfer opened from agent `name` (event loop)."""
+        if name in self.peers:
+            self.last_used[name] = time.monotonic()
 
     async def add_ranks(self, offers, num_ranks: int) -> None:
         """A tensor-parallel decode of num_ranks ranks: each rank adds the prefill rank of its number (rank_add);
@@ -170,7 +197,10 @@ class NixlPeers:
         peer = kv_transfer_pb2.NixlCache()
         peer.CopyFrom(offers[0])
         peer.ClearField("agent_metadata")
+        if peer.agent_name not in self.peers:
+            self._make_room()
         self.peers[peer.agent_name] = peer
+        self.last_used[peer.agent_name] = time.monotonic()
         self.rank_names[peer.agent_name] = [o.agent_name for o in offers]
         log.info("added %d nixl agents (one per rank) of %s for KV reads", len(offers), shown(peer.agent_name))
 
@@ -178,8 +208,10 @@ class NixlPeers:
         """A tensor-parallel prefill whose read failed: its next transfer must shake hands again."""
         self.peers.pop(name, None)
         self.rank_names.pop(name, None)
+        self.last_used.pop(name, None)
 
     def _remove(self, name: str) -> None:
+        self.last_used.pop(name, None)
         if self.peers.pop(name, None) is not None:
             try:
                 self.local.agent.remove_remote_agent(name)
@@ -309,6 +341,7 @@ class NixlReceiver(BlockReceiver):
         if not op.HasField("nixl"):
             raise ServiceError(grpc.StatusCode.INVALID_ARGUMENT, "open.nixl: must be set on path=NIXL")
         peer = self.side.nixl.peers.get(op.nixl.agent_name)
+        self.side.nixl.touch(op.nixl.agent_name)
         if peer is None:
             raise ServiceError(grpc.StatusCode.FAILED_PRECONDITION,
                                f"open.nixl.agent_name={shown(op.nixl.agent_name)}: no NIXL handshake from that agent "
