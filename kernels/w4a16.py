@@ -15,7 +15,7 @@ x's own values times small integers and the only roundings are float32 sums and 
 
 One kernel, _w4a16_kernel: output tiles on grid axis 0 (group-M swizzled), K splits on axis 1; split-K
 (split_k > 1) sums the K ranges deterministically: each split writes a float32 partial, the last program of an
-output tile to take a ticket (kernels/gemv.py's counters) adds them in split order and writes y. q - z is made
+output tile to take a ticket (kernels/split_k.py) adds them in split order and writes y. q - z is made
 without an int->float conversion: the bits 0x4B000000 | q are the float32 2^23 + q, minus (2^23 + z), exactly.
   gemv  M <= GEMV_MAX_M rows (decode): every packed word is read once for all M rows. One row: a kernel of its
         own, _w4a16_stream_kernel (16-byte loads of words along N, the next step's words in flight during this
@@ -40,7 +40,8 @@ import triton
 import triton.language as tl
 
 from kernels._checks import FLOAT_DTYPES, check_out, check_same_device, check_tensor, interpreting, sm_count
-from kernels.gemv import COUNTERS_PER_DEVICE, INTERPRETER_SMS, _counters
+from kernels.gemv import INTERPRETER_SMS
+from kernels.split_k import COUNTERS_PER_DEVICE, plan_split_k, split_k_reduce
 
 PACK = 8  # 4-bit values per int32 word
 GEMV_MAX_M = 16  # rows the GEMV takes (its FMA loop is unrolled per row); the GEMM takes any M
@@ -368,21 +369,13 @@ def _w4a16_kernel(
     out_mask = (rm < M)[:, None] & (rn < N)[None, :]  # [BLOCK_M, BLOCK_N]
     y_ptrs = y_ptr + rm.to(tl.int64)[:, None] * stride_ym + rn[None, :]
     if SPLIT:
-        num_splits = tl.num_programs(1)
         tile = rm.to(tl.int64)[:, None] * N + rn[None, :]  # offsets inside one [M, N] partial
         split_stride = (tl.zeros((), dtype=tl.int64) + M) * N
-        tl.store(part_ptr + pid_k * split_stride + tile, acc, mask=out_mask)
-        tl.debug_barrier()  # every thread's partial is written before the ticket releases them (CTA, then GPU)
-        ticket = tl.atomic_add(count_ptr + pid, 1, sem="acq_rel", scope="gpu")
-        tl.debug_barrier()
-        if ticket == num_splits - 1:  # the last program of this output tile: all partials are visible
-            total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-            for sp in range(0, num_splits):  # in split order, whichever program came last
-                total += tl.load(part_ptr + sp * split_stride + tile, mask=out_mask, other=0.0, cache_modifier=".cg")
+        total, last = split_k_reduce(acc, part_ptr, count_ptr, pid, tile, out_mask, split_stride)
+        if last:
             if HAS_BIAS:
                 total += tl.load(bias_ptr + rn_c).to(tl.float32)[None, :]
             tl.store(y_ptrs, total.to(y_ptr.dtype.element_ty), mask=out_mask)
-            tl.atomic_xchg(count_ptr + pid, 0, sem="relaxed", scope="gpu")  # ready for the next launch
     else:
         if HAS_BIAS:
             acc += tl.load(bias_ptr + rn_c).to(tl.float32)[None, :]
@@ -503,21 +496,13 @@ def _w4a16_stream_kernel(
     out_mask = (rm < M)[:, None] & (rn < N)[None, :]
     y_ptrs = y_ptr + rm.to(tl.int64)[:, None] * stride_ym + rn[None, :]
     if SPLIT:
-        num_splits = tl.num_programs(1)
         tile = rm.to(tl.int64)[:, None] * N + rn[None, :]
         split_stride = (tl.zeros((), dtype=tl.int64) + M) * N
-        tl.store(part_ptr + pid_k * split_stride + tile, acc, mask=out_mask)
-        tl.debug_barrier()  # every thread's partial is written before the ticket releases them (CTA, then GPU)
-        ticket = tl.atomic_add(count_ptr + pid_n, 1, sem="acq_rel", scope="gpu")
-        tl.debug_barrier()
-        if ticket == num_splits - 1:  # the last program of this N tile: all partials are visible
-            total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-            for sp in range(0, num_splits):  # in split order, whichever program came last
-                total += tl.load(part_ptr + sp * split_stride + tile, mask=out_mask, other=0.0, cache_modifier=".cg")
+        total, last = split_k_reduce(acc, part_ptr, count_ptr, pid_n, tile, out_mask, split_stride)
+        if last:
             if HAS_BIAS:
                 total += tl.load(bias_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
             tl.store(y_ptrs, total.to(y_ptr.dtype.element_ty), mask=out_mask)
-            tl.atomic_xchg(count_ptr + pid_n, 0, sem="relaxed", scope="gpu")  # ready for the next launch
     else:
         if HAS_BIAS:
             acc += tl.load(bias_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
@@ -566,22 +551,13 @@ def _launch(x, qweight, scales, qzeros, bias, perm, out, M, N, K, group_size, *,
     if group_size % block_k:
         raise ValueError(f"config: block_k={block_k} does not divide the group size {group_size}")
     tiles = triton.cdiv(M, block_m) * triton.cdiv(N, block_n)
-    k_per_split = triton.cdiv(triton.cdiv(K, split_k), block_k) * block_k
-    num_splits = triton.cdiv(K, k_per_split)  # <= split_k: no empty splits
-    if num_splits > 1:
-        if tiles > COUNTERS_PER_DEVICE:
-            raise ValueError(f"qweight: N={N} (M={M}) makes {tiles} output tiles, split-K takes at most "
-                             f"{COUNTERS_PER_DEVICE} (use split_k=1 or larger blocks)")
-        part = torch.empty((num_splits, M, N), dtype=torch.float32, device=x.device)
-        counters = _counters(x.device)
-    else:
-        part = counters = out  # unused
-    _w4a16_kernel[(tiles, num_splits)](
+    plan = plan_split_k(K, block_k, split_k, tiles, out, f"qweight: N={N} (M={M})")
+    _w4a16_kernel[(tiles, plan.num_splits)](
         x, qweight, scales, qzeros if qzeros is not None else qweight, perm if perm is not None else qweight,
-        bias if bias is not None else out, out, part, counters,
-        M, N, K, group_size, x.stride(0), out.stride(0), k_per_split,
+        bias if bias is not None else out, out, plan.part, plan.counters,
+        M, N, K, group_size, x.stride(0), out.stride(0), plan.k_per_split,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=group_m, MODE=mode,
-        UNPACK_RESHAPE=unpack_reshape, SPLIT=num_splits > 1,
+        UNPACK_RESHAPE=unpack_reshape, SPLIT=plan.split,
         HAS_ZEROS=qzeros is not None, HAS_PERM=perm is not None, HAS_BIAS=bias is not None,
         DOT_FP32=x.dtype == torch.float32 or _INTERPRET,
         num_warps=num_warps, num_stages=num_stages,
@@ -594,21 +570,12 @@ def _launch_stream(x, qweight, scales, qzeros, bias, perm, out, M, N, K, group_s
     if group_size % block_k:
         raise ValueError(f"config: block_k={block_k} does not divide the group size {group_size}")
     tiles = triton.cdiv(N, cfg.block_n)
-    k_per_split = triton.cdiv(triton.cdiv(K, cfg.split_k), block_k) * block_k
-    num_splits = triton.cdiv(K, k_per_split)  # <= split_k: no empty splits
-    if num_splits > 1:
-        if tiles > COUNTERS_PER_DEVICE:
-            raise ValueError(f"qweight: N={N} makes {tiles} output tiles, split-K takes at most "
-                             f"{COUNTERS_PER_DEVICE} (use split_k=1 or larger blocks)")
-        part = torch.empty((num_splits, M, N), dtype=torch.float32, device=x.device)
-        counters = _counters(x.device)
-    else:
-        part = counters = out  # unused
-    _w4a16_stream_kernel[(tiles, num_splits)](
+    plan = plan_split_k(K, block_k, cfg.split_k, tiles, out, f"qweight: N={N}")
+    _w4a16_stream_kernel[(tiles, plan.num_splits)](
         x, qweight, scales, qzeros if qzeros is not None else qweight, perm if perm is not None else qweight,
-        bias if bias is not None else out, out, part, counters,
-        M, N, K, group_size, x.stride(0), out.stride(0), k_per_split, 0x4B000000,
-        BLOCK_M=triton.next_power_of_2(M), BLOCK_N=cfg.block_n, BLOCK_K=block_k, SPLIT=num_splits > 1,
+        bias if bias is not None else out, out, plan.part, plan.counters,
+        M, N, K, group_size, x.stride(0), out.stride(0), plan.k_per_split, 0x4B000000,
+        BLOCK_M=triton.next_power_of_2(M), BLOCK_N=cfg.block_n, BLOCK_K=block_k, SPLIT=plan.split,
         HAS_ZEROS=qzeros is not None, HAS_PERM=perm is not None, HAS_BIAS=bias is not None,
         X_PAIRS=cfg.x_pairs and M == 1 and perm is None and x.dtype == torch.bfloat16 and x.data_ptr() % 4 == 0,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
