@@ -117,12 +117,47 @@ def test_stream_kernel(M, dtype):
         for cfg in (W4GemvConfig(block_n=16, block_k=32, split_k=1, mode="stream"),
                     W4GemvConfig(block_n=32, block_k=16, split_k=3, mode="stream", x_pairs=False),
                     W4GemvConfig(block_n=8, block_k=32, split_k=2)):
-            if cfg.kernel_mode(M) != 3:
+            if cfg.kernel_mode(M, dtype) != 3:
                 continue
             y = torch.full((M, 37), float("nan"), device=DEVICE, dtype=dtype)
             w4a16_gemv_triton(*args, out=y, config=cfg)
             assert_close(y, ref)
-    assert W4GemvConfig().kernel_mode(1) == 3 and W4GemvConfig().kernel_mode(2) == 2
+    assert W4GemvConfig().kernel_mode(1, torch.float16) == 3 and W4GemvConfig().kernel_mode(2) == 2
+
+
+@pytest.mark.parametrize("N, K, G", [(37, 96, 32), (64, 128, 128), (24, 80, 16)])
+def test_pair_kernel(N, K, G):
+    """The paired-bf16 kernel ('auto' and 'pair' at one bfloat16 row; the interpreter runs its float32 twin of the
+    PTX, so the bit plumbing of x's pairs and the nibble masks is what this checks): zero points (16 included), act
+    order, bias; N ragged or a multiple of the tile (no masks), splits ragged or not, x read 4 inputs a load or
+    (unaligned, act order) one at a time; every output written."""
+    for i, (zeros, perm, bias) in enumerate([(True, False, True), (False, True, False), (True, True, True),
+                                             (False, False, False)]):
+        x, *w = operands(1, N, K, G, zeros, perm, bias, dtype=torch.bfloat16, seed=70 + N + i)
+        xs = torch.empty(1, K + 1, dtype=torch.bfloat16, device=DEVICE)
+        xs[:, 1:] = x  # 2-byte aligned, not 8: one input a load
+        for xi in (x, xs[:, 1:]):
+            ref = w4a16_ref(xi, *w)
+            for cfg in (W4GemvConfig(block_n=16, block_k=16, split_k=1, mode="pair"),
+                        W4GemvConfig(block_n=8, block_k=16, split_k=4),
+                        W4GemvConfig(block_n=32, block_k=G if G <= 64 else 32, split_k=2, mode="pair")):
+                assert cfg.kernel_mode(1, torch.bfloat16) == 4
+                y = torch.full((1, N), float("nan"), device=DEVICE, dtype=torch.bfloat16)
+                w4a16_gemv_triton(xi, *w, out=y, config=cfg)
+                assert_close(y, ref)
+
+
+def test_pair_kernel_x_range():
+    """x enters the pair kernel scaled by 2^100 through its exponent bits: inputs from 1e-30 to 1e5 and exact zeros
+    (a zero's bits become 2^-27 before the scaling, nothing after it) give the reference's sums."""
+    x, q, s, z, b, p = operands(1, 32, 128, 64, True, False, False, dtype=torch.bfloat16, seed=5)
+    x = x.float()
+    x[0, :16] = 0.0
+    x[0, 16:32] *= 1e-30
+    x[0, 32:40] *= 1e5
+    x = x.to(torch.bfloat16)
+    ref = w4a16_ref(x, q, s, z)
+    assert_close(w4a16_gemv_triton(x, q, s, z, config=W4GemvConfig(block_n=32, block_k=64, split_k=1)), ref)
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
