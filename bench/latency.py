@@ -1,9 +1,12 @@
 """Single-request latency: TTFT for one prompt and batch-1 decode speed, next to the bandwidth roofline.
 
   python bench/latency.py --model random:qwen2.5-7b --dtype bfloat16 --input-len 512 --output-len 256
+  python bench/latency.py --model random:qwen2.5-7b --dtype bfloat16 --quantization awq   # 4-bit weights
 
 The roofline is weight bytes / measured copy bandwidth (4.26 TB/s on the H200): a batch-1 decode step must read
-every weight once.
+every weight once. --quantization awq / gptq / compressed-tensors on a random: model rounds its random linears to
+that format's 4-bit layout (engine/quant_w4.py random_w4_linears: groups of 128, zero points for awq), so a 4-bit
+model's decode runs without a checkpoint.
 """
 from __future__ import annotations
 
@@ -18,7 +21,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.common import git_commit, write_json  # noqa: E402
-from engine.config import QUANTIZATION_METHODS  # noqa: E402
+from engine.config import QUANTIZATION_METHODS, ModelConfig, SchedulerConfig  # noqa: E402
 
 
 def main(argv=None) -> int:
@@ -31,8 +34,15 @@ def main(argv=None) -> int:
     p.add_argument("--bandwidth", type=float, default=4.26e12, help="bytes/s for the roofline")
     p.add_argument("--enforce-eager", action="store_true")
     p.add_argument("--quantization", default=None, choices=QUANTIZATION_METHODS,
-                   help="fp8: weights quantized online (as vLLM's flag); awq / gptq / compressed-tensors: the "
-                        "checkpoint's 4-bit weights (bench/w4_checkpoint.py writes a random one of a preset's shape)")
+                   help="fp8: weights quantized at load (as vLLM's flag); a 4-bit format: the checkpoint's (e.g. "
+                   "bench/w4_checkpoint.py's), or a random: model rounded to it")
+    p.add_argument("--max-num-seqs", type=int, default=SchedulerConfig.max_num_seqs,
+                   help="the engine's (fewer: fewer decode CUDA graphs to capture; batch 1 needs 1)")
+    p.add_argument("--max-prefill-cudagraph-tokens", type=int, default=ModelConfig.max_prefill_cudagraph_tokens,
+                   help="the engine's (0: prompts run eagerly, no prefill graphs to capture; TTFT then eager)")
+    p.add_argument("--w4-table", default=None,
+                   help="4-bit weights: one-row GEMV configs from `bench/w4a16_gemm.py --table-out` (a sweep's "
+                   "best), set in kernels/w4a16.py GEMV_TABLE before the model loads")
     p.add_argument("--kv-cache-dtype", default="auto")
     p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
                    help="the engine's async scheduling (default: the engine's, on for CUDA)")
@@ -43,10 +53,15 @@ def main(argv=None) -> int:
 
     from engine import LLM, SamplingParams
 
+    if args.w4_table:
+        from bench.w4a16_gemm import apply_table
+        apply_table(args.w4_table)
+
     llm = LLM(args.model, dtype=args.dtype, max_model_len=args.input_len + args.output_len + 16,
               enable_prefix_caching=False, enforce_eager=args.enforce_eager, async_scheduling=args.async_scheduling,
               quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype,
-              tensor_parallel_size=args.tensor_parallel_size)
+              tensor_parallel_size=args.tensor_parallel_size, max_num_seqs=args.max_num_seqs,
+              max_prefill_cudagraph_tokens=args.max_prefill_cudagraph_tokens)
     vocab = llm.engine.runner.hf_config.vocab_size
     g = torch.Generator().manual_seed(0)
     prompt = torch.randint(10, vocab - 10, (args.input_len,), generator=g).tolist()
@@ -68,6 +83,7 @@ def main(argv=None) -> int:
     weight_bytes = sum(t.numel() * t.element_size() for t in llm.engine.runner.model.parameters())
     roofline = args.bandwidth / weight_bytes
     print(f"model {args.model} dtype {llm.engine.runner.dtype} quantization {args.quantization} "
+          f"w4 table {args.w4_table} "
           f"kv cache {args.kv_cache_dtype} device {llm.engine.runner.device} "
           f"tensor_parallel_size {args.tensor_parallel_size}")
     print(f"TTFT ({args.input_len}-token prompt)  {ttft * 1e3:8.2f} ms")
@@ -77,7 +93,8 @@ def main(argv=None) -> int:
     if args.json:
         write_json(args.json, dict(model=args.model, input_len=args.input_len, output_len=args.output_len,
                                    quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype,
-                                   tensor_parallel_size=args.tensor_parallel_size, ttft_ms=ttft * 1e3,
+                                   tensor_parallel_size=args.tensor_parallel_size, dtype=str(llm.engine.runner.dtype),
+                                   weight_bytes=weight_bytes, ttft_ms=ttft * 1e3, ms_per_token=1e3 / decode_tps,
                                    decode_tokens_per_s=decode_tps, roofline_tokens_per_s=roofline,
                                    commit=git_commit()["sha"], date=time.strftime("%Y-%m-%d")))
     llm.close()

@@ -489,7 +489,8 @@ def build_model(resolved: ResolvedModel, dtype: torch.dtype, device: torch.devic
     2. load_weights allocates and fills the embeddings, norm and lm_head, then one decoder layer at a time;
        with `quantization` ('fp8', online) each layer is quantized as soon as it is filled, so the peak is the fp8
        model plus one layer's 16-bit weights (per output channel scales: quantizing q/k/v before fusing them gives
-       the fused linear's quantization exactly, bit for bit);
+       the fused linear's quantization exactly, bit for bit); a random model with a 4-bit `quantization` is rounded
+       to that format's 4-bit layout the same way (engine/quant_w4.py random_w4_linears);
     3. q/k/v and gate/up are fused (engine/model.py fuse_projections).
     With tp_size > 1 each layer is also split for rank tp_rank (engine/tp.py shard_layer) as soon as it is filled
     (after online quantization, so the ranks hold one process's fp8 weights and scales): a rank's peak is its shard
@@ -502,7 +503,7 @@ def build_model(resolved: ResolvedModel, dtype: torch.dtype, device: torch.devic
     from engine.model import LlamaForCausalLM, build_cos_sin_cache
     from engine.quant import Fp8Linear, check_online_fp8, check_quantization, fp8_checkpoint, prepare_fp8_checkpoint
     from engine.quant import quantize_linears
-    from engine.quant_w4 import check_checkpoint_quantization
+    from engine.quant_w4 import W4_METHODS, check_checkpoint_quantization, random_w4_linears
 
     check_quantization(quantization)
     device = torch.device(device)
@@ -526,6 +527,8 @@ def build_model(resolved: ResolvedModel, dtype: torch.dtype, device: torch.devic
     if online:
         check_online_fp8(model, device, dtype)  # before any weight is read
     hooks = [quantize_linears] if online else []
+    if resolved.weights_dir is None and quantization in W4_METHODS:  # random weights in a 4-bit format
+        hooks.append(lambda layer: random_w4_linears(layer, quantization))
     if tp_size > 1:
         from engine.tp import check_tensor_parallel, shard_layer
 

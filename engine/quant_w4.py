@@ -236,10 +236,11 @@ def _compressed_tensors_w4(qc: dict) -> W4Checkpoint:
 
 def check_checkpoint_quantization(quantization: str | None, config, spec: str) -> None:
     """--quantization must agree with what the checkpoint stores: awq / gptq / compressed-tensors name its
-    quant_method (4-bit weights are never made at load); fp8 is online quantization of a 16-bit checkpoint (or a
+    quant_method (4-bit weights are never made at load, except for random models: config None); fp8 is online
+    quantization of a 16-bit checkpoint (or a
     no-op on an fp8 one) and cannot apply to 4-bit weights."""
-    if quantization is None:
-        return
+    if quantization is None or (config is None and quantization in W4_METHODS):
+        return  # random weights: random_w4_linears makes them 4-bit in the format's layout
     qc = quantization_config_dict(config)
     method = qc.get("quant_method") if qc is not None else None
     w4 = w4_checkpoint(config)
@@ -338,6 +339,46 @@ class W4Linear(nn.Module):
         return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
                 f"group_size={self.group_size}, zero_points={self.qzeros is not None}, "
                 f"act_order={self.perm is not None}, scales={str(self.scales.dtype).removeprefix('torch.')}")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Random 4-bit models (random:<preset> --quantization awq / gptq / compressed-tensors)
+
+RANDOM_W4_GROUP = 128  # the group size of a random 4-bit model (AWQ's and GPTQ's usual one)
+
+
+@torch.no_grad()
+def quantize_w4_rtn(linear: nn.Linear, group_size: int = RANDOM_W4_GROUP, zero_points: bool = True) -> W4Linear:
+    """The linear's weight rounded to 4 bits per group of group_size inputs (round to nearest: min..max over 0..15
+    with zero points, +-max over -8..7 without), for random models only: random:<preset> with a 4-bit
+    --quantization runs the kernels of that format's checkpoints (the same W4Linear layout) on weights close to the
+    random 16-bit ones. Real checkpoints load as they are stored; Tandem does not quantize them to 4 bits."""
+    w = linear.weight.detach().float().t()  # [K, N]
+    k, n = w.shape
+    g = group_size if k % group_size == 0 else k
+    grouped = w.reshape(k // g, g, n)
+    if zero_points:
+        lo, hi = grouped.amin(dim=1), grouped.amax(dim=1)  # [K/G, N]
+        scales = ((hi - lo) / 15).clamp_min(1e-8).half()
+        zeros = torch.round(-lo / scales.float()).clamp(0, 15)
+    else:
+        scales = (grouped.abs().amax(dim=1) / 7).clamp_min(1e-8).half()
+        zeros = torch.full_like(scales, 8, dtype=torch.float32)
+    q = torch.round(grouped / scales.float()[:, None] + zeros[:, None]).clamp(0, 15).reshape(k, n)
+    del w, grouped
+    bias = None if linear.bias is None else linear.bias.detach()
+    return W4Linear(pack_w4(q.to(torch.uint8)), scales, zeros.to(torch.uint8) if zero_points else None, None, bias)
+
+
+@torch.no_grad()
+def random_w4_linears(layer: nn.Module, method: str) -> None:
+    """Replaces every nn.Linear of one random decoder layer by quantize_w4_rtn of it: zero points for awq (AutoAWQ
+    stores them), symmetric for gptq and compressed-tensors (their usual sym=true / symmetric schemes)."""
+    assert method in W4_METHODS, method
+    for name in [name for name, m in layer.named_modules() if isinstance(m, nn.Linear)]:
+        parent_name, _, attr = name.rpartition(".")
+        parent = layer.get_submodule(parent_name)
+        setattr(parent, attr, quantize_w4_rtn(getattr(parent, attr), zero_points=method == "awq"))
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -6,7 +6,9 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from kernels import pdl
 from kernels._checks import FLOAT_DTYPES, check_out, check_tensor
+from kernels.pdl import PDL_SUPPORTED
 
 
 def silu_and_mul_ref(x: torch.Tensor) -> torch.Tensor:
@@ -22,7 +24,10 @@ def _silu_and_mul_kernel(
     stride_x,
     I,
     BLOCK_I: tl.constexpr,
+    TRIGGER: tl.constexpr,  # let a programmatic dependent (the W4A16 GEMV) start its weight loads now
 ):
+    if TRIGGER:
+        pdl.launch_dependents()
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK_I + tl.arange(0, BLOCK_I)
     mask = cols < I
@@ -50,5 +55,6 @@ def silu_and_mul_triton(x: torch.Tensor, *, out: torch.Tensor | None = None) -> 
         return out
     block_i = min(triton.next_power_of_2(inter), 1024)
     grid = (x2.shape[0], triton.cdiv(inter, block_i))
-    _silu_and_mul_kernel[grid](out2, x2, out2.stride(0), x2.stride(0), inter, BLOCK_I=block_i, num_warps=4)
+    _silu_and_mul_kernel[grid](out2, x2, out2.stride(0), x2.stride(0), inter, BLOCK_I=block_i,
+                               TRIGGER=PDL_SUPPORTED, num_warps=4)
     return out

@@ -9,13 +9,9 @@ once per token), for BLOCK_N rows of W over its share of K. Three ways to do the
   dot       acc[BLOCK_N, 16] += W @ x^T on the tensor cores, x padded to 16 rows with zeros (W streamed through
             shared memory num_stages deep, as Triton pipelines any tl.dot operand)
 The fma modes prefetch the next slab of W into registers (num_stages > 1), since Triton pipelines only dot operands.
-Split-K (split_k > 1) gives small N enough programs: program (n, s) sums K range s into an fp32 workspace
-[split_k, M, N], then takes a ticket from the N tile's counter; the program that takes the last ticket sums the
-split_k partials in split order (s = 0, 1, ...) and writes y, and resets the counter to 0 for the next launch. The
-result does not depend on which program finishes last (no float atomics): deterministic, one launch, no host sync,
-so a launch can be captured in a CUDA graph. Counters live in one zeroed buffer per device, made at the first
-split launch (not inside a graph capture: warm up outside first, as the engine's capture does). Two split launches
-on different streams running at the same time would share counters: launches on one stream only.
+Split-K (split_k > 1) gives small N enough programs: program (n, s) sums K range s, and the last of an N tile's
+programs to finish adds the partials in split order and writes y (kernels/split_k.py: deterministic, one launch, no
+host sync, capturable in a CUDA graph).
 
 fp8 weights (`--quantization fp8`, engine/quant.py's Fp8Linear): W float8_e4m3fn [N, K] with a float32 scale per
 output channel, y = (x @ W^T) * scale + bias. x stays 16-bit (no activation quantization: at small M the step is
@@ -40,11 +36,11 @@ import triton.language as tl
 
 from kernels._checks import (FLOAT_DTYPES, FP8_DTYPE, check_out, check_same_device, check_tensor, interpreting,
                              sm_count)
+from kernels.split_k import plan_split_k, split_k_reduce
 
 INTERPRETER_SMS = 132  # the interpreter takes an H200's count, so CPU tests take the GPU's split decisions
 MAX_M = 16  # rows the kernel takes: past that the matmul is no longer bandwidth-bound at these widths (cuBLAS)
 MODES = ("fma", "fma_late", "dot")
-COUNTERS_PER_DEVICE = 1 << 16  # N tiles a split launch may have (one int32 ticket counter each)
 _INTERPRET = interpreting()  # read once: triton.jit read it when the kernel below was decorated
 
 
@@ -288,42 +284,21 @@ def _gemv_kernel(
     out_mask = (rn < N)[:, None] & (rm < M)[None, :]  # [BLOCK_N, BLOCK_M]
     y_ptrs = y_ptr + rm.to(tl.int64)[None, :] * stride_ym + rn[:, None]
     if SPLIT:
-        num_splits = tl.num_programs(1)
         tile = rm.to(tl.int64)[None, :] * N + rn[:, None]  # [BLOCK_N, BLOCK_M] offsets inside one [M, N] partial
         split_stride = (tl.zeros((), dtype=tl.int64) + M) * N  # elements of one partial, in 64 bits
-        tl.store(part_ptr + pid_k * split_stride + tile, acc, mask=out_mask)
-        tl.debug_barrier()  # every thread's partial is written before the ticket releases them (CTA, then GPU)
-        ticket = tl.atomic_add(count_ptr + pid_n, 1, sem="acq_rel", scope="gpu")
-        tl.debug_barrier()
-        if ticket == num_splits - 1:  # the last program of this row tile: all partials are visible
-            total = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-            for s in range(0, num_splits):  # in split order, whichever program came last
-                total += tl.load(part_ptr + s * split_stride + tile, mask=out_mask, other=0.0, cache_modifier=".cg")
+        total, last = split_k_reduce(acc, part_ptr, count_ptr, pid_n, tile, out_mask, split_stride)
+        if last:
             if W_FP8:
                 total *= tl.load(scale_ptr + rn, mask=rn < N, other=0.0)[:, None]
             if HAS_BIAS:
                 total += tl.load(bias_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)[:, None]
             tl.store(y_ptrs, total.to(y_ptr.dtype.element_ty), mask=out_mask)
-            tl.atomic_xchg(count_ptr + pid_n, 0, sem="relaxed", scope="gpu")  # ready for the next launch
     else:
         if W_FP8:
             acc *= tl.load(scale_ptr + rn, mask=rn < N, other=0.0)[:, None]
         if HAS_BIAS:
             acc += tl.load(bias_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)[:, None]
         tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=out_mask)
-
-
-_COUNTERS: dict[torch.device, torch.Tensor] = {}
-
-
-def _counters(device: torch.device) -> torch.Tensor:
-    c = _COUNTERS.get(device)
-    if c is None:
-        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            raise RuntimeError("gemv: the first split-K launch on a device is inside a CUDA graph capture; launch "
-                               "once outside the capture first (it makes the zeroed ticket counters)")
-        c = _COUNTERS[device] = torch.zeros(COUNTERS_PER_DEVICE, dtype=torch.int32, device=device)
-    return c
 
 
 def gemv_triton(
@@ -373,21 +348,12 @@ def gemv_triton(
     if cfg.mode == "fma_late" and block_m > 4:
         raise ValueError(f"x: {M} rows, mode='fma_late' takes at most 4 (config {cfg.short()})")
     tiles = triton.cdiv(N, cfg.block_n)
-    k_per_split = triton.cdiv(triton.cdiv(K, cfg.split_k), cfg.block_k) * cfg.block_k
-    num_splits = triton.cdiv(K, k_per_split)  # <= split_k: no empty splits
-    if num_splits > 1:
-        if tiles > COUNTERS_PER_DEVICE:
-            raise ValueError(f"weight: N={N} makes {tiles} row tiles of {cfg.block_n}, split-K takes at most "
-                             f"{COUNTERS_PER_DEVICE} (use split_k=1 or a larger block_n)")
-        part = torch.empty((num_splits, M, N), dtype=torch.float32, device=x.device)
-        counters = _counters(x.device)
-    else:
-        part = counters = out  # unused
-    _gemv_kernel[(tiles, num_splits)](
-        x, weight, weight_scale if fp8 else out, bias if bias is not None else out, out, part, counters,
-        M, N, K, x.stride(0), weight.stride(0), out.stride(0), k_per_split,
+    plan = plan_split_k(K, cfg.block_k, cfg.split_k, tiles, out, f"weight: N={N} in row tiles of {cfg.block_n}")
+    _gemv_kernel[(tiles, plan.num_splits)](
+        x, weight, weight_scale if fp8 else out, bias if bias is not None else out, out, plan.part, plan.counters,
+        M, N, K, x.stride(0), weight.stride(0), out.stride(0), plan.k_per_split,
         BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, MODE=cfg.mode,
-        PREFETCH=cfg.mode != "dot" and cfg.num_stages > 1, SPLIT=num_splits > 1,
+        PREFETCH=cfg.mode != "dot" and cfg.num_stages > 1, SPLIT=plan.split,
         HAS_BIAS=bias is not None, W_FP8=fp8, EVEN_K=K % cfg.block_k == 0, INTERPRET=_INTERPRET,
         DOT_FP32=x.dtype == torch.float32 or _INTERPRET,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,

@@ -13,7 +13,9 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels import pdl
 from kernels._checks import FLOAT_DTYPES, check_out, check_same_device, check_tensor
+from kernels.pdl import PDL_SUPPORTED
 
 
 def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float, act_dtype: torch.dtype | None = None
@@ -49,7 +51,10 @@ def _rms_norm_kernel(
     eps,
     HAS_RESIDUAL: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    TRIGGER: tl.constexpr,  # let a programmatic dependent (the W4A16 GEMV) start its weight loads now
 ):
+    if TRIGGER:
+        pdl.launch_dependents()
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK_N)
     mask = cols < N
@@ -119,7 +124,7 @@ def _launch_rms_norm(
         out2, res_out2, x2, r2, weight,
         out2.stride(0), res_out2.stride(0), x2.stride(0), r2.stride(0),
         n, eps,
-        HAS_RESIDUAL=residual is not None, BLOCK_N=block_n, num_warps=num_warps,
+        HAS_RESIDUAL=residual is not None, BLOCK_N=block_n, TRIGGER=PDL_SUPPORTED, num_warps=num_warps,
     )
     return out, res_out
 

@@ -13,17 +13,15 @@ so its scale and zero point are one row [BLOCK_N] and the scale multiplies the s
 acc += (x_tile @ (q - z)_tile) * s. q - z (integers in [-16, 15]) is exact in any float dtype, so the products are
 x's own values times small integers and the only roundings are float32 sums and one multiply per group.
 
-One kernel, _w4a16_kernel: output tiles on grid axis 0 (group-M swizzled), K splits on axis 1; split-K
-(split_k > 1) sums the K ranges deterministically: each split writes a float32 partial, the last program of an
-output tile to take a ticket (kernels/gemv.py's counters) adds them in split order and writes y. q - z is made
-without an int->float conversion: the bits 0x4B000000 | q are the float32 2^23 + q, minus (2^23 + z), exactly.
-  gemv  M <= GEMV_MAX_M rows (decode): every packed word is read once for all M rows. One row: a kernel of its
-        own, _w4a16_stream_kernel (16-byte loads of words along N, the next step's words in flight during this
-        step's arithmetic, one LOP3 + FADD + FFMA per weight, the zero point once per word through sum(x); see
-        its docstring), also forced with mode 'stream' up to STREAM_MAX_M rows; 2..16 rows (MODE 2): the rows
-        padded to 16 and one tl.dot per step (16 rows cost what one does); blocks under 16 (tests) loop over
-        the rows with FMAs (MODE 0). MODE 1 (the older one-row FMA path, [BLOCK_K / 8, 8, BLOCK_N] slabs) is
-        still reached with mode 'fma'.
+One kernel here, _w4a16_kernel: output tiles on grid axis 0 (group-M swizzled), K splits on axis 1; split-K
+(split_k > 1) sums the K ranges deterministically (kernels/split_k.py). q - z is made without an int->float
+conversion: the bits 0x4B000000 | q are the float32 2^23 + q, minus (2^23 + z), exactly.
+  gemv  M <= GEMV_MAX_M rows (decode): every packed word is read once for all M rows. One row: the kernels of
+        kernels/w4a16_gemv.py, _w4a16_pair_kernel for bfloat16 x (mode 'pair': paired bf16 FMAs, two weights an
+        instruction) and _w4a16_stream_kernel otherwise (mode 'stream': float32 FMAs; also forced up to
+        STREAM_MAX_M rows); 2..16 rows (MODE 2): the rows padded to 16 and one tl.dot per step (16 rows cost what
+        one does); blocks under 16 (tests) loop over the rows with FMAs (MODE 0). MODE 1 (the older one-row FMA
+        path, [BLOCK_K / 8, 8, BLOCK_N] slabs) is still reached with mode 'fma'.
   gemm  any M (prefill): [BLOCK_M, BLOCK_N] tiles, the unpacked [BLOCK_K, BLOCK_N] tile of (q - z) in x's dtype
         fed to tl.dot (the tensor cores; float32 x, and the interpreter, take an exact float32 dot).
 Both read x through perm when there is one (act order): no separate gather.
@@ -40,7 +38,9 @@ import triton
 import triton.language as tl
 
 from kernels._checks import FLOAT_DTYPES, check_out, check_same_device, check_tensor, interpreting, sm_count
-from kernels.gemv import COUNTERS_PER_DEVICE, INTERPRETER_SMS, _counters
+from kernels.gemv import INTERPRETER_SMS
+from kernels.split_k import COUNTERS_PER_DEVICE, plan_split_k, split_k_reduce
+from kernels.w4a16_gemv import launch_pair, launch_stream
 
 PACK = 8  # 4-bit values per int32 word
 GEMV_MAX_M = 16  # rows the GEMV takes (its FMA loop is unrolled per row); the GEMM takes any M
@@ -117,10 +117,14 @@ class W4GemvConfig:
     mode: str = "auto"
     """'fma': CUDA-core FMAs (one row: a [BLOCK_K / 8, BLOCK_N] accumulator reduced once at the end; more rows: a
     loop over them); 'dot': the rows padded to 16 and one tl.dot per step (tensor cores: 16 rows cost one);
-    'stream': _w4a16_stream_kernel (up to STREAM_MAX_M rows, FMAs, one LOP3 per weight, words double-buffered);
-    'auto': 'stream' for one row, 'dot' for more (blocks under 16: 'fma')."""
+    'stream': _w4a16_stream_kernel (up to STREAM_MAX_M rows, float32 FMAs, words double-buffered); 'pair':
+    _w4a16_pair_kernel (one bfloat16 row, bf16x2 FMAs; block_k a multiple of 16; elsewhere as 'auto'); 'auto':
+    'pair' for one bfloat16 row, 'stream' for one row of another dtype, 'dot' for more (blocks under 16: 'fma')."""
     x_pairs: bool = True
     """'stream' at one row: bfloat16 x read two inputs a load."""
+    pdl: bool = True
+    """'pair' and 'stream': launched as programmatic dependents where Triton and the GPU allow it (sm_90): the
+    first words load while the previous kernel finishes (kernels/w4a16_gemv.py)."""
 
     def __post_init__(self) -> None:
         for name in ("block_n", "block_k", "num_warps"):
@@ -131,22 +135,26 @@ class W4GemvConfig:
             raise ValueError(f"block_k={self.block_k}: must be >= {PACK}")
         if self.split_k < 1:
             raise ValueError(f"split_k={self.split_k}: must be >= 1")
-        if self.mode not in ("auto", "fma", "dot", "stream"):
-            raise ValueError(f"mode={self.mode!r}: must be 'auto', 'fma', 'dot' or 'stream'")
+        if self.mode not in ("auto", "fma", "dot", "stream", "pair"):
+            raise ValueError(f"mode={self.mode!r}: must be 'auto', 'fma', 'dot', 'stream' or 'pair'")
         if self.mode == "dot" and min(self.block_n, self.block_k) < 16:
             raise ValueError(f"mode='dot': block_n={self.block_n} and block_k={self.block_k} must be >= 16")
 
-    def kernel_mode(self, M: int) -> int:
-        """The kernel's MODE for M rows: 0 FMA over the rows, 1 FMA one row, 2 tl.dot, 3 the stream kernel."""
-        if (self.mode == "stream" and M <= STREAM_MAX_M) or (self.mode == "auto" and M == 1):
+    def kernel_mode(self, M: int, dtype: torch.dtype = torch.bfloat16) -> int:
+        """The kernel for M rows of x in `dtype`: 0 FMA over the rows, 1 FMA one row, 2 tl.dot (MODEs of
+        _w4a16_kernel), 3 the stream kernel, 4 the pair kernel."""
+        auto = self.mode == "auto" or self.mode == "pair"
+        if auto and M == 1 and dtype == torch.bfloat16 and self.block_k % 16 == 0:
+            return 4
+        if (self.mode == "stream" and M <= STREAM_MAX_M) or (auto and M == 1):
             return 3
-        if self.mode == "dot" or (self.mode == "auto" and M > 1 and min(self.block_n, self.block_k) >= 16):
+        if self.mode == "dot" or (auto and M > 1 and min(self.block_n, self.block_k) >= 16):
             return 2
         return 1 if M == 1 else 0
 
     def short(self) -> str:
         return (f"gemv/{self.mode}/n{self.block_n}/k{self.block_k}/s{self.split_k}/w{self.num_warps}/"
-                f"st{self.num_stages}" + ("" if self.x_pairs else "/x16"))
+                f"st{self.num_stages}" + ("" if self.x_pairs else "/x16") + ("" if self.pdl else "/nopdl"))
 
 
 @dataclass(frozen=True)
@@ -195,31 +203,41 @@ def _split_for(tiles: int, K: int, block_k: int, num_sms: int, waves: float = 2)
     return max(1, min(triton.cdiv(target, tiles), K // (2 * block_k)))
 
 
-# H200 sweeps (bench/w4a16_gemm.py --sweep, group 128, Qwen2.5-7B's fused projections): (N, K) -> the config for
-# one row, (block_n, block_k, split_k, num_warps, num_stages) of the stream kernel, and (block_n, block_k, split_k)
-# for 2..16 rows (tensor-core dot, 4 warps, 3 stages). Other shapes (tensor-parallel shards, other models) take the
-# heuristic below, which lands near these.
-GEMV_TABLE: dict[tuple[int, int], tuple[tuple[int, int, int, int, int], tuple[int, int, int]]] = {
-    (4608, 3584): ((64, 128, 12, 4, 1), (128, 64, 16)),  # qkv
-    (3584, 3584): ((64, 128, 12, 4, 1), (128, 64, 16)),  # o
-    (37888, 3584): ((128, 128, 4, 4, 1), (128, 64, 4)),  # gate_up
-    (3584, 18944): ((64, 128, 24, 2, 1), (128, 64, 16)),  # down
+# H200 sweeps (bench/w4a16_gemm.py --sweep / --sweep-pair, group 128, Qwen2.5-7B's fused projections; bench/
+# RESULTS.md): (N, K) -> (one bfloat16 row: the pair kernel, one row of another dtype: the stream kernel, 2..16
+# rows: the tensor-core dot). Other shapes (tensor-parallel shards, other models) take the heuristics below; so does
+# a config whose block_k does not divide the group size.
+_G = W4GemvConfig
+GEMV_TABLE: dict[tuple[int, int], tuple[W4GemvConfig, W4GemvConfig, W4GemvConfig]] = {
+    (4608, 3584): (_G(512, 128, 28, 4, 1), _G(64, 128, 12, 4, 1), _G(128, 64, 16, 4, 3)),  # qkv
+    (3584, 3584): (_G(512, 128, 28, 4, 1), _G(64, 128, 12, 4, 1), _G(128, 64, 16, 4, 3)),  # o
+    (37888, 3584): (_G(1024, 64, 7, 4, 1), _G(128, 128, 4, 4, 1), _G(128, 64, 4, 4, 3)),  # gate_up
+    (3584, 18944): (_G(512, 128, 38, 4, 1), _G(64, 128, 24, 2, 1), _G(128, 64, 16, 4, 3)),  # down
 }
 
 
-def default_gemv_config(M: int, N: int, K: int, group_size: int, num_sms: int = INTERPRETER_SMS) -> W4GemvConfig:
-    """One row: the stream kernel, [BK/8, BN] tiles of words with BK up to 128 (16-word runs per thread), split-K
-    until the grid covers the SMs about four times. More rows: wide N tiles and one tl.dot per step, split-K
-    likewise."""
+def default_gemv_config(M: int, N: int, K: int, group_size: int, num_sms: int = INTERPRETER_SMS,
+                        dtype: torch.dtype = torch.bfloat16) -> W4GemvConfig:
+    """One bfloat16 row: the pair kernel, 4 warps, 64 words of a step a thread ([1024 outputs, 64 inputs] tiles for
+    wide N, [512, 128] otherwise: the sweep's winners), split-K until the grid covers the SMs about twice. One row of
+    another dtype: the stream kernel, [BK/8, BN] tiles of words, split-K until the grid covers the SMs about four
+    times. More rows: wide N tiles and one tl.dot per step, split-K likewise."""
+    pair = M == 1 and dtype == torch.bfloat16 and group_size % 16 == 0
     entry = GEMV_TABLE.get((N, K))
     if entry is not None and num_sms >= 128:
-        if M == 1:
-            block_n, block_k, split_k, warps, stages = entry[0]
-        else:
-            (block_n, block_k, split_k), warps, stages = entry[1], 4, 3
-        if group_size % block_k == 0:
-            return W4GemvConfig(block_n=block_n, block_k=block_k, split_k=split_k, num_warps=warps,
-                                num_stages=stages)
+        cfg = entry[0] if pair else entry[1] if M == 1 else entry[2]
+        if group_size % cfg.block_k == 0:
+            return cfg
+    if pair:
+        wide = N >= 16384
+        block_k = _pow2_divisor(group_size, 64 if wide else 128)
+        warps = 4
+        block_n = min(1024 if wide else 512, max(16, triton.next_power_of_2(N)))
+        tiles = triton.cdiv(N, block_n)
+        split_k = 1 if tiles >= 2 * num_sms else max(1, min(triton.cdiv(2 * num_sms, tiles), K // block_k))
+        if split_k > 1 and tiles > COUNTERS_PER_DEVICE:
+            split_k = 1
+        return W4GemvConfig(block_n=block_n, block_k=block_k, split_k=split_k, num_warps=warps, num_stages=1)
     if M == 1:
         block_k = _pow2_divisor(group_size, 128)
         block_n = 128 if N >= 16384 else 64  # narrow tiles and deep splits won the sweep at every shape
@@ -368,159 +386,16 @@ def _w4a16_kernel(
     out_mask = (rm < M)[:, None] & (rn < N)[None, :]  # [BLOCK_M, BLOCK_N]
     y_ptrs = y_ptr + rm.to(tl.int64)[:, None] * stride_ym + rn[None, :]
     if SPLIT:
-        num_splits = tl.num_programs(1)
         tile = rm.to(tl.int64)[:, None] * N + rn[None, :]  # offsets inside one [M, N] partial
         split_stride = (tl.zeros((), dtype=tl.int64) + M) * N
-        tl.store(part_ptr + pid_k * split_stride + tile, acc, mask=out_mask)
-        tl.debug_barrier()  # every thread's partial is written before the ticket releases them (CTA, then GPU)
-        ticket = tl.atomic_add(count_ptr + pid, 1, sem="acq_rel", scope="gpu")
-        tl.debug_barrier()
-        if ticket == num_splits - 1:  # the last program of this output tile: all partials are visible
-            total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-            for sp in range(0, num_splits):  # in split order, whichever program came last
-                total += tl.load(part_ptr + sp * split_stride + tile, mask=out_mask, other=0.0, cache_modifier=".cg")
+        total, last = split_k_reduce(acc, part_ptr, count_ptr, pid, tile, out_mask, split_stride)
+        if last:
             if HAS_BIAS:
                 total += tl.load(bias_ptr + rn_c).to(tl.float32)[None, :]
             tl.store(y_ptrs, total.to(y_ptr.dtype.element_ty), mask=out_mask)
-            tl.atomic_xchg(count_ptr + pid, 0, sem="relaxed", scope="gpu")  # ready for the next launch
     else:
         if HAS_BIAS:
             acc += tl.load(bias_ptr + rn_c).to(tl.float32)[None, :]
-        tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=out_mask)
-
-
-@triton.jit
-def _w4a16_stream_kernel(
-    x_ptr,  # [M, K] (rows strided, K contiguous)
-    qw_ptr,  # [K // 8, N] int32, contiguous
-    s_ptr,  # [K // G, N], contiguous
-    z_ptr,  # [K // G, N] uint8 (only when HAS_ZEROS)
-    perm_ptr,  # [K] int32 (only when HAS_PERM)
-    bias_ptr,  # [N] (only when HAS_BIAS)
-    y_ptr,  # [M, N]
-    part_ptr,  # [num_splits, M, N] float32 partial sums (only when SPLIT)
-    count_ptr,  # [>= number of N tiles] int32 tickets, 0 between launches (only when SPLIT)
-    M, N, K, group_size,
-    stride_xm, stride_ym,
-    k_per_split,  # a multiple of BLOCK_K
-    magic_bits,  # 0x4B000000, as an argument: a register, so (word & mask) | magic is one LOP3 with the mask as its
-    # one immediate (both constants would cost a move of the mask into a register for every weight)
-    BLOCK_M: tl.constexpr,  # rows, a power of two >= M (1 for decode at batch 1)
-    BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,  # divides group_size and k_per_split
-    SPLIT: tl.constexpr,
-    HAS_ZEROS: tl.constexpr,
-    HAS_PERM: tl.constexpr,
-    HAS_BIAS: tl.constexpr,
-    X_PAIRS: tl.constexpr,  # bfloat16 x read as int32 words of two inputs (no perm, x aligned): half the loads
-):
-    """The GEMV for few rows as a stream of packed words, in as few instructions per weight as the float32 sums
-    allow (it is bound by instruction issue, not by the bytes, once the words arrive as 16-byte loads): only 2D
-    [BLOCK_K / 8, BLOCK_N] tiles of words, the 8 nibbles of a word unrolled at compile time, the next step's words
-    loaded before this step's arithmetic (registers double-buffer the stream whatever the compiler pipelines), and
-    no shift per nibble: nibble j sits at bits p = 4j of the word for j <= 4 (p = 4(j - 3) after one shift by 12
-    for j = 5..7), so (word & 0xF << p) | 0x4B000000 read as float32 is exactly 2^23 + q * 2^p (< 2^24), and minus
-    2^23 it is q * 2^p exactly; x comes pre-multiplied by 2^-p (a power of two: the products round as x * q would).
-    Per weight: one LOP3, one FADD, one FFMA. The zero point enters once per word: sum_j x_j (q_j - z) = sum_j x_j
-    q_j - z sum_j x_j (float32 sums; the reference's tolerance is bf16's)."""
-    pid_n = tl.program_id(0)
-    pid_k = tl.program_id(1)
-    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    # Outputs past N are masked, not clamped: a clamped index hides the contiguity along N from the compiler and
-    # every word becomes its own 4-byte load; masked, N a multiple of 4 gives 16-byte loads.
-    n_ok = rn < N
-    ri = tl.arange(0, BLOCK_K // 8)
-    rm = tl.arange(0, BLOCK_M)
-    rm_c = tl.minimum(rm, M - 1)
-    x_rows = x_ptr + rm_c.to(tl.int64)[:, None] * stride_xm  # [BLOCK_M, 1]
-    k_lo = pid_k * k_per_split
-    k_hi = tl.minimum(k_lo + k_per_split, K)
-    w_ptrs = qw_ptr + ((k_lo // 8 + ri).to(tl.int64) * N)[:, None] + rn[None, :]  # [BK/8, BN]
-    step = (BLOCK_K // 8) * N  # words between two steps' tiles
-    nxt = tl.load(w_ptrs, mask=n_ok[None, :], other=0, eviction_policy="evict_first")
-    if BLOCK_M == 1:
-        acc2 = tl.zeros((BLOCK_K // 8, BLOCK_N), dtype=tl.float32)  # reduced over the packed rows at the end
-    else:
-        acc3 = tl.zeros((BLOCK_M, BLOCK_K // 8, BLOCK_N), dtype=tl.float32)
-    for k0 in range(k_lo, k_hi, BLOCK_K):
-        packed = nxt
-        w_ptrs += step
-        more = (k0 + BLOCK_K + ri * 0 < k_hi)[:, None] & n_ok[None, :]  # past the last step: no read
-        nxt = tl.load(w_ptrs, mask=more, other=0, eviction_policy="evict_first")
-        hi = packed >> 12  # nibbles 5..7 at bits 8..19 (the sign bits above are masked away)
-        # The step's scales and zero points as [BK/8, BN] tiles in the words' layout (a row index that is always 0
-        # but not known to be: a [BN] vector would get its own layout and a trip through shared memory, with a
-        # barrier, for each use); every row reads the same bytes, from L1.
-        g_off = (k0 // group_size).to(tl.int64) * N + rn[None, :] + (ri // (BLOCK_K // 8))[:, None] * N
-        s = tl.load(s_ptr + g_off, mask=n_ok[None, :], other=0.0).to(tl.float32)
-        if HAS_ZEROS:
-            z = tl.load(z_ptr + g_off, mask=n_ok[None, :], other=0).to(tl.float32)
-        else:
-            z = tl.zeros((BLOCK_K // 8, BLOCK_N), dtype=tl.float32) + 8.0
-        for j in tl.static_range(8):
-            src = packed if j < 5 else hi
-            # nibble j sits in src at bits 4 * (j if j < 5 else j - 3) (written out below: a constexpr cannot be
-            # reassigned inside the unrolled loop)
-            w = ((src & (0xF << (4 * j if j < 5 else 4 * (j - 3)))) | magic_bits).to(tl.float32, bitcast=True) - _MAGIC
-            kk = k0 + ri * 8 + j  # [BK/8] inputs of nibble j
-            if HAS_PERM:
-                cols = tl.load(perm_ptr + kk)
-            else:
-                cols = kk
-            if BLOCK_M == 1:
-                if X_PAIRS:
-                    if j % 2 == 0:  # inputs j and j + 1 of each packed row in one word
-                        xw = tl.load(x_ptr.to(tl.pointer_type(tl.int32)) + (k0 // 2 + ri * 4 + j // 2))
-                        xj = (xw << 16).to(tl.float32, bitcast=True)  # bfloat16 is float32's upper half
-                    else:
-                        xj = (xw & -65536).to(tl.float32, bitcast=True)
-                else:
-                    xj = tl.load(x_ptr + cols).to(tl.float32)  # [BK/8]
-                if j == 0:
-                    xs = xj
-                    p2 = (xj * (0.5 ** (4 * j if j < 5 else 4 * (j - 3))))[:, None] * w
-                else:
-                    xs += xj
-                    p2 += (xj * (0.5 ** (4 * j if j < 5 else 4 * (j - 3))))[:, None] * w
-            else:
-                xj = tl.load(x_rows + cols[None, :]).to(tl.float32)  # [BM, BK/8]
-                if j == 0:
-                    xs3 = xj
-                    p3 = (xj * (0.5 ** (4 * j if j < 5 else 4 * (j - 3))))[:, :, None] * w[None, :, :]
-                else:
-                    xs3 += xj
-                    p3 += (xj * (0.5 ** (4 * j if j < 5 else 4 * (j - 3))))[:, :, None] * w[None, :, :]
-        # sum_j x_j (q_j - z) = sum_j x_j q_j - z sum_j x_j: the zero point once per word, not once per weight
-        if BLOCK_M == 1:
-            acc2 += (p2 - xs[:, None] * z) * s
-        else:
-            acc3 += (p3 - xs3[:, :, None] * z[None, :, :]) * s[None, :, :]
-    if BLOCK_M == 1:
-        acc = tl.sum(acc2, axis=0)[None, :]  # [1, BN]
-    else:
-        acc = tl.sum(acc3, axis=1)  # [BM, BN]
-
-    out_mask = (rm < M)[:, None] & (rn < N)[None, :]
-    y_ptrs = y_ptr + rm.to(tl.int64)[:, None] * stride_ym + rn[None, :]
-    if SPLIT:
-        num_splits = tl.num_programs(1)
-        tile = rm.to(tl.int64)[:, None] * N + rn[None, :]
-        split_stride = (tl.zeros((), dtype=tl.int64) + M) * N
-        tl.store(part_ptr + pid_k * split_stride + tile, acc, mask=out_mask)
-        tl.debug_barrier()  # every thread's partial is written before the ticket releases them (CTA, then GPU)
-        ticket = tl.atomic_add(count_ptr + pid_n, 1, sem="acq_rel", scope="gpu")
-        tl.debug_barrier()
-        if ticket == num_splits - 1:  # the last program of this N tile: all partials are visible
-            total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-            for sp in range(0, num_splits):  # in split order, whichever program came last
-                total += tl.load(part_ptr + sp * split_stride + tile, mask=out_mask, other=0.0, cache_modifier=".cg")
-            if HAS_BIAS:
-                total += tl.load(bias_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
-            tl.store(y_ptrs, total.to(y_ptr.dtype.element_ty), mask=out_mask)
-            tl.atomic_xchg(count_ptr + pid_n, 0, sem="relaxed", scope="gpu")  # ready for the next launch
-    else:
-        if HAS_BIAS:
-            acc += tl.load(bias_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
         tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=out_mask)
 
 
@@ -566,52 +441,16 @@ def _launch(x, qweight, scales, qzeros, bias, perm, out, M, N, K, group_size, *,
     if group_size % block_k:
         raise ValueError(f"config: block_k={block_k} does not divide the group size {group_size}")
     tiles = triton.cdiv(M, block_m) * triton.cdiv(N, block_n)
-    k_per_split = triton.cdiv(triton.cdiv(K, split_k), block_k) * block_k
-    num_splits = triton.cdiv(K, k_per_split)  # <= split_k: no empty splits
-    if num_splits > 1:
-        if tiles > COUNTERS_PER_DEVICE:
-            raise ValueError(f"qweight: N={N} (M={M}) makes {tiles} output tiles, split-K takes at most "
-                             f"{COUNTERS_PER_DEVICE} (use split_k=1 or larger blocks)")
-        part = torch.empty((num_splits, M, N), dtype=torch.float32, device=x.device)
-        counters = _counters(x.device)
-    else:
-        part = counters = out  # unused
-    _w4a16_kernel[(tiles, num_splits)](
+    plan = plan_split_k(K, block_k, split_k, tiles, out, f"qweight: N={N} (M={M})")
+    _w4a16_kernel[(tiles, plan.num_splits)](
         x, qweight, scales, qzeros if qzeros is not None else qweight, perm if perm is not None else qweight,
-        bias if bias is not None else out, out, part, counters,
-        M, N, K, group_size, x.stride(0), out.stride(0), k_per_split,
+        bias if bias is not None else out, out, plan.part, plan.counters,
+        M, N, K, group_size, x.stride(0), out.stride(0), plan.k_per_split,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=group_m, MODE=mode,
-        UNPACK_RESHAPE=unpack_reshape, SPLIT=num_splits > 1,
+        UNPACK_RESHAPE=unpack_reshape, SPLIT=plan.split,
         HAS_ZEROS=qzeros is not None, HAS_PERM=perm is not None, HAS_BIAS=bias is not None,
         DOT_FP32=x.dtype == torch.float32 or _INTERPRET,
         num_warps=num_warps, num_stages=num_stages,
-    )
-
-
-def _launch_stream(x, qweight, scales, qzeros, bias, perm, out, M, N, K, group_size, cfg: W4GemvConfig) -> None:
-    """One launch of _w4a16_stream_kernel: N tiles on grid axis 0, K splits on axis 1."""
-    block_k = cfg.block_k
-    if group_size % block_k:
-        raise ValueError(f"config: block_k={block_k} does not divide the group size {group_size}")
-    tiles = triton.cdiv(N, cfg.block_n)
-    k_per_split = triton.cdiv(triton.cdiv(K, cfg.split_k), block_k) * block_k
-    num_splits = triton.cdiv(K, k_per_split)  # <= split_k: no empty splits
-    if num_splits > 1:
-        if tiles > COUNTERS_PER_DEVICE:
-            raise ValueError(f"qweight: N={N} makes {tiles} output tiles, split-K takes at most "
-                             f"{COUNTERS_PER_DEVICE} (use split_k=1 or larger blocks)")
-        part = torch.empty((num_splits, M, N), dtype=torch.float32, device=x.device)
-        counters = _counters(x.device)
-    else:
-        part = counters = out  # unused
-    _w4a16_stream_kernel[(tiles, num_splits)](
-        x, qweight, scales, qzeros if qzeros is not None else qweight, perm if perm is not None else qweight,
-        bias if bias is not None else out, out, part, counters,
-        M, N, K, group_size, x.stride(0), out.stride(0), k_per_split, 0x4B000000,
-        BLOCK_M=triton.next_power_of_2(M), BLOCK_N=cfg.block_n, BLOCK_K=block_k, SPLIT=num_splits > 1,
-        HAS_ZEROS=qzeros is not None, HAS_PERM=perm is not None, HAS_BIAS=bias is not None,
-        X_PAIRS=cfg.x_pairs and M == 1 and perm is None and x.dtype == torch.bfloat16 and x.data_ptr() % 4 == 0,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
 
 
@@ -637,10 +476,16 @@ def w4a16_gemv_triton(
         check_out("out", out, (M, N), x.dtype, x.device)
     if M == 0 or N == 0:
         return out
-    cfg = config or default_gemv_config(M, N, K, group_size, sm_count(x.device, INTERPRETER_SMS))
-    mode = cfg.kernel_mode(M)
+    cfg = config or default_gemv_config(M, N, K, group_size, sm_count(x.device, INTERPRETER_SMS), x.dtype)
+    mode = cfg.kernel_mode(M, x.dtype)
+    if mode == 4:
+        launch_pair(x, qweight, scales, qzeros, bias, perm, out, N, K, group_size, block_n=cfg.block_n,
+                    block_k=cfg.block_k, split_k=cfg.split_k, num_warps=cfg.num_warps, pdl=cfg.pdl)
+        return out
     if mode == 3:
-        _launch_stream(x, qweight, scales, qzeros, bias, perm, out, M, N, K, group_size, cfg)
+        launch_stream(x, qweight, scales, qzeros, bias, perm, out, M, N, K, group_size, block_n=cfg.block_n,
+                      block_k=cfg.block_k, split_k=cfg.split_k, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+                      x_pairs=cfg.x_pairs, pdl=cfg.pdl)
         return out
     block_m = max(16, triton.next_power_of_2(M)) if mode == 2 else 1 if mode == 1 else triton.next_power_of_2(M)
     _launch(x, qweight, scales, qzeros, bias, perm, out, M, N, K, group_size, block_m=block_m, block_n=cfg.block_n,

@@ -436,7 +436,7 @@ def test_load_time_errors_name_the_linear_or_the_tensors(tiny_llama_dir, checkpo
 
 def test_quantization_flag_must_name_the_checkpoint_format(checkpoints):
     """--quantization awq / gptq / compressed-tensors loads a checkpoint of that format (the same model as without
-    the flag); naming another, fp8 on 4-bit weights, or a 4-bit method for a 16-bit model fails at load."""
+    the flag); naming another, or fp8 on 4-bit weights, fails at load."""
     awq = str(checkpoints["awq"])
     plain, flagged = LLM(awq, **KW), LLM(awq, quantization="awq", **KW)
     assert torch.equal(step_logits(plain, PROBE), step_logits(flagged, PROBE))
@@ -447,12 +447,36 @@ def test_quantization_flag_must_name_the_checkpoint_format(checkpoints):
     with pytest.raises(ValueError, match=r"quantization='fp8': model='.*awq' stores 4-bit weights .* drop "
                                          r"--quantization, or pass --quantization awq"):
         LLM(awq, quantization="fp8", **KW)
-    with pytest.raises(ValueError, match=r"quantization='awq': model='random:tiny' has quantization_config."
-                                         r"quant_method=None; .*Tandem does not quantize to 4 bits at load"):
-        LLM("random:tiny", quantization="awq", **KW)
     with pytest.raises(ValueError, match=r"quantization='int4': must be one of None, fp8, awq, gptq, "
                                          r"compressed-tensors"):
         LLM(awq, quantization="int4", **KW)
+
+
+def test_random_model_in_a_4_bit_format():
+    """random:<preset> with a 4-bit --quantization (bench/latency.py's W4 runs) rounds each random linear to
+    W4Linear: zero points for awq, none for gptq and compressed-tensors; the logits stay near the 16-bit model's."""
+    from engine.quant_w4 import W4Linear, quantize_w4_rtn, random_w4_linears
+
+    base = step_logits(LLM("random:tiny-qwen2", **KW), PROBE)
+    for fmt, zeros in (("awq", True), ("gptq", False), ("compressed-tensors", False)):
+        llm = LLM("random:tiny-qwen2", quantization=fmt, **KW)
+        layers = llm.engine.runner.model.model.layers
+        linears = [m for m in layers.modules() if isinstance(m, W4Linear)]
+        assert len(linears) == 4 * len(layers) and not any(isinstance(m, torch.nn.Linear) for m in layers.modules())
+        assert all((m.qzeros is not None) == zeros for m in linears)
+        logits = step_logits(llm, PROBE)
+        assert ((logits - base).norm() / base.norm()).item() < 0.25
+    # groups of 128 inputs where K allows, the dequantized weight within half a step of the 16-bit one
+    linear = torch.nn.Linear(256, 24, bias=True)
+    for zp in (True, False):
+        w4 = quantize_w4_rtn(linear, zero_points=zp)
+        assert w4.group_size == 128 and torch.equal(w4.bias, linear.bias)
+        from kernels.w4a16 import dequantize_w4_ref
+        err = (dequantize_w4_ref(w4.qweight, w4.scales, w4.qzeros).t() - linear.weight).abs()
+        step = w4.scales.float().repeat_interleave(128, dim=0).t()
+        assert bool((err <= 0.51 * step + 1e-6).all())  # 0.5 of a step, the fp16 scale aside
+    with pytest.raises(AssertionError):
+        random_w4_linears(torch.nn.Sequential(linear), "fp8")
 
 
 def test_weight_bytes_of_a_4_bit_checkpoint_equal_the_engines_model(checkpoints):

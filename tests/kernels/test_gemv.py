@@ -6,8 +6,9 @@ import torch
 
 import kernels.gemv as gemv
 from kernels._checks import FP8_DTYPE, FP8_MAX
-from kernels.gemv import (CONFIGS_FP8, MAX_M, GemvConfig, _counters, default_config, gemv_ref, gemv_triton, linear,
+from kernels.gemv import (CONFIGS_FP8, MAX_M, GemvConfig, default_config, gemv_ref, gemv_triton, linear,
                           pick_config, table_config)
+from kernels.split_k import counters
 
 ON_CUDA = torch.cuda.is_available()
 DEVICE = "cuda" if ON_CUDA else "cpu"
@@ -73,7 +74,7 @@ def test_split_k_deterministic_and_counters_reset():
     y1 = gemv_triton(x, w, b, config=cfg)
     y2 = gemv_triton(x, w, b, config=cfg)  # the counters must be back at 0, else no program writes y
     assert torch.equal(y1, y2)
-    assert int(_counters(x.device).abs().sum()) == 0
+    assert int(counters(x.device).abs().sum()) == 0
     assert_close(y1, gemv_ref(x, w, b))
 
 
@@ -189,7 +190,7 @@ def test_fp8_weight_half_x_split_k(dtype, M):
     cfg = GemvConfig(block_n=8, block_k=16, split_k=6, mode="fma")
     assert torch.equal(gemv_triton(x, w_q, b, weight_scale=s, config=cfg),
                        gemv_triton(x, w_q, b, weight_scale=s, config=cfg))
-    assert int(_counters(x.device).abs().sum()) == 0
+    assert int(counters(x.device).abs().sum()) == 0
     assert_close(gemv_triton(x, w_q, b, weight_scale=s), ref)  # the default config for fp8
 
 
@@ -238,7 +239,7 @@ def test_qwen_7b_shapes_cuda(N, K, bias, M):
         y = gemv_triton(x, w, b, config=cfg)
         assert_close(y, ref)
         assert torch.equal(y, gemv_triton(x, w, b, config=cfg)), "split-K result changed between launches"
-    assert int(_counters(x.device).abs().sum()) == 0
+    assert int(counters(x.device).abs().sum()) == 0
 
 
 @cuda_only
@@ -284,4 +285,4 @@ def test_fp8_qwen_7b_shapes_cuda(N, K, bias, M):
         y = gemv_triton(x, w_q, b, weight_scale=s, config=cfg)
         assert_close(y, ref)
         assert torch.equal(y, gemv_triton(x, w_q, b, weight_scale=s, config=cfg))
-    assert int(_counters(x.device).abs().sum()) == 0
+    assert int(counters(x.device).abs().sum()) == 0

@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.gemv import _counters
+from kernels.split_k import counters
 from kernels.w4a16 import (GEMV_MAX_M, W4GemmConfig, W4GemvConfig, default_gemm_config, default_gemv_config,
                            dequantize_w4_ref, pack_w4, unpack_w4, w4a16_gemm_triton, w4a16_gemv_triton, w4a16_ref,
                            w4a16_triton)
@@ -117,12 +117,47 @@ def test_stream_kernel(M, dtype):
         for cfg in (W4GemvConfig(block_n=16, block_k=32, split_k=1, mode="stream"),
                     W4GemvConfig(block_n=32, block_k=16, split_k=3, mode="stream", x_pairs=False),
                     W4GemvConfig(block_n=8, block_k=32, split_k=2)):
-            if cfg.kernel_mode(M) != 3:
+            if cfg.kernel_mode(M, dtype) != 3:
                 continue
             y = torch.full((M, 37), float("nan"), device=DEVICE, dtype=dtype)
             w4a16_gemv_triton(*args, out=y, config=cfg)
             assert_close(y, ref)
-    assert W4GemvConfig().kernel_mode(1) == 3 and W4GemvConfig().kernel_mode(2) == 2
+    assert W4GemvConfig().kernel_mode(1, torch.float16) == 3 and W4GemvConfig().kernel_mode(2) == 2
+
+
+@pytest.mark.parametrize("N, K, G", [(37, 96, 32), (64, 128, 128), (24, 80, 16)])
+def test_pair_kernel(N, K, G):
+    """The paired-bf16 kernel ('auto' and 'pair' at one bfloat16 row; the interpreter runs its float32 twin of the
+    PTX, so the bit plumbing of x's pairs and the nibble masks is what this checks): zero points (16 included), act
+    order, bias; N ragged or a multiple of the tile (no masks), splits ragged or not, x read 4 inputs a load or
+    (unaligned, act order) one at a time; every output written."""
+    for i, (zeros, perm, bias) in enumerate([(True, False, True), (False, True, False), (True, True, True),
+                                             (False, False, False)]):
+        x, *w = operands(1, N, K, G, zeros, perm, bias, dtype=torch.bfloat16, seed=70 + N + i)
+        xs = torch.empty(1, K + 1, dtype=torch.bfloat16, device=DEVICE)
+        xs[:, 1:] = x  # 2-byte aligned, not 8: one input a load
+        for xi in (x, xs[:, 1:]):
+            ref = w4a16_ref(xi, *w)
+            for cfg in (W4GemvConfig(block_n=16, block_k=16, split_k=1, mode="pair"),
+                        W4GemvConfig(block_n=8, block_k=16, split_k=4),
+                        W4GemvConfig(block_n=32, block_k=G if G <= 64 else 32, split_k=2, mode="pair")):
+                assert cfg.kernel_mode(1, torch.bfloat16) == 4
+                y = torch.full((1, N), float("nan"), device=DEVICE, dtype=torch.bfloat16)
+                w4a16_gemv_triton(xi, *w, out=y, config=cfg)
+                assert_close(y, ref)
+
+
+def test_pair_kernel_x_range():
+    """x enters the pair kernel scaled by 2^100 through its exponent bits: inputs from 1e-30 to 1e5 and exact zeros
+    (a zero's bits become 2^-27 before the scaling, nothing after it) give the reference's sums."""
+    x, q, s, z, b, p = operands(1, 32, 128, 64, True, False, False, dtype=torch.bfloat16, seed=5)
+    x = x.float()
+    x[0, :16] = 0.0
+    x[0, 16:32] *= 1e-30
+    x[0, 32:40] *= 1e5
+    x = x.to(torch.bfloat16)
+    ref = w4a16_ref(x, q, s, z)
+    assert_close(w4a16_gemv_triton(x, q, s, z, config=W4GemvConfig(block_n=32, block_k=64, split_k=1)), ref)
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
@@ -154,7 +189,7 @@ def test_split_k_deterministic_and_counters_reset():
     y1 = w4a16_gemv_triton(*args, config=cfg)
     y2 = w4a16_gemv_triton(*args, config=cfg)  # the counters must be back at 0, else no program writes y
     assert torch.equal(y1, y2)
-    assert int(_counters(y1.device).abs().sum()) == 0
+    assert int(counters(y1.device).abs().sum()) == 0
     assert_close(y1, w4a16_ref(*args))
 
 
