@@ -69,8 +69,8 @@ ENGINE_CHOICES = sorted({(flag, dest, value) for name, flag, dest, value in CHOI
 @pytest.mark.slow
 @pytest.mark.parametrize("flag,dest,value", ENGINE_CHOICES, ids=[f"{f}={v}" for f, _, v in ENGINE_CHOICES])
 def test_every_engine_choice_starts_an_engine_or_names_the_flag_at_load(flag, dest, value):
-    """random:tiny on the CPU with each value: an engine that generates, or (a 4-bit format named for a 16-bit
-    checkpoint) a ValueError naming the flag and what the checkpoint is."""
+    """random:tiny on the CPU with each value: an engine that generates (a 4-bit format rounds the random model to
+    it), or a ValueError naming the flag and what the checkpoint is."""
     from engine import LLMEngine, SamplingParams
 
     ns = _parse("prefill", "--model", "random:tiny", "--device", "cpu", "--kv-cache-memory", "0.02", flag, value)
@@ -150,16 +150,17 @@ def test_throughput_takes_vllms_stream_spellings():
     assert not _parse("throughput").stream
 
 
-def test_a_worker_given_a_format_its_checkpoint_is_not_exits_1_with_the_message(capsys):
-    """--quantization awq on a 16-bit model: what only loading can tell, said in one line; main returns 1 (it raised
-    out of main before, a traceback in the worker's log)."""
+def test_a_worker_given_a_format_its_checkpoint_is_not_exits_1_with_the_message(capsys, tiny_llama_dir):
+    """--quantization awq on a 16-bit checkpoint: what only loading can tell, said in one line; main returns 1 (it
+    raised out of main before, a traceback in the worker's log). (A random: model is rounded to the format instead,
+    so it would serve: the checkpoint is a directory.)"""
     from prefill_svc.server import main
 
-    rc = main(["--model", "random:tiny", "--device", "cpu", "--kv-cache-memory", "0.02", "--quantization", "awq",
+    rc = main(["--model", str(tiny_llama_dir), "--device", "cpu", "--kv-cache-memory", "0.02", "--quantization", "awq",
                "--port", "0"])
     assert rc == 1
     assert capsys.readouterr().err.strip().splitlines()[-1].startswith(
-        "tandem prefill: quantization='awq': model='random:tiny' has quantization_config.quant_method=None; "
+        f"tandem prefill: quantization='awq': model='{tiny_llama_dir}' has quantization_config.quant_method=None; "
         "--quantization awq")
 
 
