@@ -19,20 +19,28 @@ REPO = Path(__file__).resolve().parent.parent
 # What runs inside vLLM's venv: argv[1] is a JSON request file, argv[2] where the answer goes.
 _CHILD = r"""
 import json, sys, time
-req = json.load(open(sys.argv[1]))
-from vllm import LLM, SamplingParams, TokensPrompt
-llm = LLM(model=req["model"], dtype=req["dtype"], seed=0, max_model_len=req["max_model_len"],
-          enforce_eager=req["enforce_eager"])
-params = SamplingParams(temperature=0.0, max_tokens=req["max_tokens"], ignore_eos=True)
-prompts = [TokensPrompt(prompt_token_ids=p) for p in req["prompts"]]
-warm = [TokensPrompt(prompt_token_ids=p["prompt_token_ids"][::-1]) for p in prompts[:2]]  # no prefix hits later
-llm.generate(warm, SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))
-t = time.perf_counter()
-outs = llm.generate(prompts, params)
-elapsed = time.perf_counter() - t
-import vllm
-json.dump({"tokens": [list(o.outputs[0].token_ids) for o in outs], "elapsed_s": elapsed,
-           "version": vllm.__version__}, open(sys.argv[2], "w"))
+
+
+def main():
+    req = json.load(open(sys.argv[1]))
+    from vllm import LLM, SamplingParams, TokensPrompt
+    import vllm
+
+    llm = LLM(model=req["model"], dtype=req["dtype"], seed=0, max_model_len=req["max_model_len"],
+              enforce_eager=req["enforce_eager"])
+    params = SamplingParams(temperature=0.0, max_tokens=req["max_tokens"], ignore_eos=True)
+    prompts = [TokensPrompt(prompt_token_ids=p) for p in req["prompts"]]
+    warm = [TokensPrompt(prompt_token_ids=p[::-1]) for p in req["prompts"][:2]]  # no prefix hits later
+    llm.generate(warm, SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))
+    t = time.perf_counter()
+    outs = llm.generate(prompts, params)
+    elapsed = time.perf_counter() - t
+    json.dump({"tokens": [list(o.outputs[0].token_ids) for o in outs], "elapsed_s": elapsed,
+               "version": vllm.__version__}, open(sys.argv[2], "w"))
+
+
+if __name__ == "__main__":  # vLLM spawns its engine processes, which import this file again
+    main()
 """
 
 
