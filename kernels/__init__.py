@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 
 from kernels.activation import silu_and_mul_ref, silu_and_mul_triton
+from kernels.cpu_ops import cpu_fast, fused_add_rms_norm_cpu, rms_norm_cpu, silu_and_mul_cpu
 from kernels.kv_write import write_kv_ref, write_kv_triton
 from kernels.norm import fused_add_rms_norm_ref, fused_add_rms_norm_triton, rms_norm_ref, rms_norm_triton
 from kernels.paged_attention import paged_attention_ref, paged_attention_torch, paged_attention_triton
@@ -45,11 +46,16 @@ def write_kv(k, v, k_cache, v_cache, slot_mapping, k_scale=1.0, v_scale=1.0, *, 
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    return (rms_norm_triton if x.is_cuda else rms_norm_ref)(x, weight, eps)
+    if x.is_cuda:
+        return rms_norm_triton(x, weight, eps)
+    return (rms_norm_cpu if cpu_fast(x) and weight.dtype == x.dtype else rms_norm_ref)(x, weight, eps)
 
 
 def fused_add_rms_norm(x, residual, weight, eps):
-    return (fused_add_rms_norm_triton if x.is_cuda else fused_add_rms_norm_ref)(x, residual, weight, eps)
+    if x.is_cuda:
+        return fused_add_rms_norm_triton(x, residual, weight, eps)
+    fast = cpu_fast(x) and residual.dtype == weight.dtype == x.dtype
+    return (fused_add_rms_norm_cpu if fast else fused_add_rms_norm_ref)(x, residual, weight, eps)
 
 
 def rotary_embedding(positions, q, k, cos_sin_cache):
@@ -66,7 +72,9 @@ def rotary_embedding_write_kv(positions, q, k, v, cos_sin_cache, k_cache, v_cach
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
-    return (silu_and_mul_triton if x.is_cuda else silu_and_mul_ref)(x)
+    if x.is_cuda:
+        return silu_and_mul_triton(x)
+    return (silu_and_mul_cpu if cpu_fast(x) else silu_and_mul_ref)(x)
 
 
 __all__ = [
