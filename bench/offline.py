@@ -1,4 +1,4 @@
-"""Offline throughput: Tandem's `LLM.generate` against transformers' `generate` on the same random prompts.
+"""Offline throughput: Tandem's `LLM.generate` against transformers' `generate` (and vLLM's) on the same random prompts.
 
 Mirrors vLLM's benchmarks/benchmark_throughput.py (random dataset): `--num-prompts` prompts of `--input-len` random
 token ids, `--output-len` greedy tokens each with EOS ignored. Both backends load the same safetensors directory,
@@ -6,6 +6,11 @@ run in the same process on the same prompts, after an untimed warm-up on other p
 number of prompts whose greedy tokens agree between the backends) and writes JSON with the machine, commit and date.
 
     .venv/bin/python bench/offline.py --model smollm2 --num-prompts 32 --input-len 128 --output-len 64
+    .venv/bin/python bench/offline.py --backend tandem,vllm --vllm-python ../vllm-venv/bin/python ...
+
+vLLM (`vllm`, optional, never a dependency) runs its own `LLM.generate` in the Python of its own venv
+(bench/vllm_backend.py; bench/vllm_cpu_setup.sh makes one for the CPU) on the same token ids, after its own warm-up;
+its CPU time is not measured (its engine runs in other processes).
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ from engine.loader import load_tokenizer, resolve_model
 from engine.config import resolve_dtype
 
 WARMUP_PROMPTS, WARMUP_OUTPUT_LEN = 2, 4
+BACKENDS = ("tandem", "hf", "vllm")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -36,7 +42,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--input-len", type=int, default=128, help="prompt length in tokens")
     p.add_argument("--output-len", type=int, default=64, help="output tokens per prompt (EOS ignored)")
     p.add_argument("--seed", type=int, default=0, help="seed of the random prompts and of the engine")
-    p.add_argument("--backend", choices=["tandem", "hf", "both"], default="both")
+    p.add_argument("--backend", type=_backends, default="tandem,hf",
+                   help="comma-separated: tandem, hf (transformers), vllm; both = tandem,hf (default: tandem,hf)")
+    p.add_argument("--vllm-python", default=None,
+                   help="python of vLLM's venv for --backend vllm (default: $VLLM_PYTHON, else ../vllm-venv)")
     p.add_argument("--dtype", default="auto", help="auto (the engine's rule: float32 on CPU), float32, float16, bfloat16")
     p.add_argument("--hf-max-batch-size", type=int, default=None,
                    help="prompts per transformers generate() call (default: all of them)")
@@ -50,6 +59,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         if getattr(args, name) is not None and getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')}={getattr(args, name)}: must be >= 1")
     return args
+
+
+def _backends(value: str) -> list[str]:
+    names = ["tandem", "hf"] if value == "both" else [v.strip() for v in value.split(",") if v.strip()]
+    bad = [n for n in names if n not in BACKENDS]
+    if bad or not names:
+        raise argparse.ArgumentTypeError(f"{value!r}: must be a comma-separated list of {', '.join(BACKENDS)}")
+    return names
 
 
 def random_prompts(num: int, length: int, vocab_size: int, special_ids: set[int], seed: int) -> list[list[int]]:
@@ -90,6 +107,21 @@ def run_tandem(args, prompts, warmup) -> tuple[dict, list[list[int]]]:
         outs = llm.generate(prompt_token_ids=prompts, sampling_params=params)
     tokens = [list(o.outputs[0].token_ids) for o in outs]
     return result("tandem", timer, prompts, tokens), tokens
+
+
+def run_vllm(args, prompts, resolved) -> tuple[dict, list[list[int]]]:
+    from bench.vllm_backend import default_python, run_vllm_offline
+
+    python = default_python(args.vllm_python)
+    if python is None or resolved.weights_dir is None:
+        raise SystemExit("--backend vllm: needs a vLLM venv (--vllm-python, $VLLM_PYTHON or ../vllm-venv; "
+                         "bench/vllm_cpu_setup.sh) and a checkpoint directory (not random:)")
+    dtype = "float32" if args.dtype == "auto" and not torch.cuda.is_available() else args.dtype
+    tokens, elapsed, _ = run_vllm_offline(python, resolved.weights_dir, prompts, args.output_len, dtype=dtype,
+                                          max_model_len=max(2048, args.input_len + args.output_len))
+    timer = Timer()
+    timer.wall, timer.cpu = elapsed, float("nan")
+    return result("vllm", timer, prompts, tokens), tokens
 
 
 def run_hf(args, prompts, warmup, weights_dir: Path, dtype: torch.dtype, pad_id: int) -> tuple[dict, list[list[int]]]:
@@ -136,9 +168,11 @@ def main(argv: list[str] | None = None) -> dict:
     warmup = random_prompts(WARMUP_PROMPTS, args.input_len, vocab_size, special, args.seed + 1)
 
     results, tokens = {}, {}
-    if args.backend in ("tandem", "both"):
+    if "tandem" in args.backend:
         results["tandem"], tokens["tandem"] = run_tandem(args, prompts, warmup)
-    if args.backend in ("hf", "both"):
+    if "vllm" in args.backend:
+        results["vllm"], tokens["vllm"] = run_vllm(args, prompts, resolved)
+    if "hf" in args.backend:
         if resolved.weights_dir is None:
             raise SystemExit(f"--model={args.model}: --backend hf needs a checkpoint directory; random models "
                              "have none (use --backend tandem)")
@@ -155,7 +189,13 @@ def main(argv: list[str] | None = None) -> dict:
           f"load_average_1m={os.getloadavg()[0]:.1f}")
     print(format_table(["backend", "prompts", "in tok", "out tok", "elapsed s", "out tok/s", "total tok/s",
                         "cpu s", "out tok/cpu s"], rows))
-    if len(results) == 2:
+    for other in [k for k in ("vllm",) if k in results and "tandem" in results]:
+        same = sum(a == b for a, b in zip(tokens["tandem"], tokens[other]))
+        ratio = results["tandem"]["output_tokens_per_s"] / results[other]["output_tokens_per_s"]
+        summary[f"ratio_tandem_over_{other}"], summary[f"identical_greedy_prompts_{other}"] = ratio, same
+        print(f"throughput ratio tandem/{other}: {ratio:.2f}x (wall time); identical greedy tokens: "
+              f"{same}/{len(prompts)} prompts")
+    if "tandem" in results and "hf" in results:
         ratio = results["tandem"]["output_tokens_per_s"] / results["hf"]["output_tokens_per_s"]
         cpu_ratio = results["hf"]["cpu_s"] / results["tandem"]["cpu_s"]
         same = sum(a == b for a, b in zip(tokens["tandem"], tokens["hf"]))

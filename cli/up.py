@@ -41,6 +41,7 @@ from dataclasses import fields
 import torch
 
 from engine.args import EngineArgs, add_engine_args
+from engine.cpu_placement import host_cores, split_cores
 from kv_transfer.registry import CHOICES as KV_CHOICES
 from router.grpc_server import DEFAULT_MAX_MESSAGE_BYTES, MAX_MESSAGE_FLAG
 from router.admission import admission_flags
@@ -63,6 +64,7 @@ _STOP_MARGIN_S = 5.0
 _MAX_RESTARTS = 5
 _RESTART_WINDOW_S = 600.0
 ON_WORKER_EXIT = ("restart", "continue", "stop")
+CPU_PLACEMENTS = ("auto", "none")
 # --log-format of this launcher's own lines (main sets it): with json they are JSON objects like the children's
 # (which write to the same stdout and stderr, unprefixed), so that every line of the stack's output parses.
 _log_format = "text"
@@ -96,6 +98,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"first worker gRPC port, prefill workers first, then decode (default: {DEFAULT_WORKER_PORT})")
     p.add_argument("--metrics-port", type=int, default=DEFAULT_METRICS_PORT,
                    help=f"first worker Prometheus port, same order (default: {DEFAULT_METRICS_PORT})")
+    p.add_argument("--cpu-placement", choices=CPU_PLACEMENTS, default=CPU_PLACEMENTS[0],
+                   help="on the CPU: auto gives each engine its own share of this host's cores (--cpu-threads and "
+                        "--cpu-cores per worker; with --colocated, all cores but one, left to the HTTP server); "
+                        "none leaves every process torch's default of one thread per core. --cpu-threads or "
+                        "--cpu-cores given here apply to every engine instead (default: auto)")
     p.add_argument("--ready-timeout", type=float, default=900.0,
                    help="seconds to wait for the stack to be ready (default: 900)")
     p.add_argument("--shutdown-grace", type=float, default=None,
@@ -203,26 +210,48 @@ def gpu_placement(ns: argparse.Namespace, num_gpus: int) -> list[str] | None:
     return [f"cuda:{k}" for k in firsts]
 
 
-def launch_commands(ns: argparse.Namespace, address=None, num_gpus: int = 0) -> dict[str, list[str]]:
+def cpu_placement(ns: argparse.Namespace, cores: list[int]) -> list[tuple[int, str]] | None:
+    """(--cpu-threads, --cpu-cores) of each engine, in start order, when --cpu-placement auto spreads them over
+    `cores` (engine/cpu_placement.py says why): the workers get equal shares and the router none (it computes
+    nothing); a colocated router's engine gets all but one core, which its HTTP server keeps, as vLLM's CPU build
+    leaves one to its API server. None: every engine keeps what its flags say (on CUDA, with --cpu-placement none,
+    or with --cpu-threads / --cpu-cores given)."""
+    if (_on_cuda(ns) or ns.cpu_placement == "none" or ns.cpu_threads is not None or ns.cpu_cores is not None
+            or not cores):
+        return None
+    if ns.colocated:
+        return split_cores(cores, 1, reserve=1)
+    return split_cores(cores, _count(ns.prefill) + _count(ns.decode))
+
+
+def _with_cpu(flags: list[str], placement: tuple[int, str] | None) -> list[str]:
+    return flags if placement is None else [*flags, "--cpu-threads", str(placement[0]), "--cpu-cores", placement[1]]
+
+
+def launch_commands(ns: argparse.Namespace, address=None, num_gpus: int = 0,
+                    cores: list[int] | None = None) -> dict[str, list[str]]:
     """name -> the `tandem ...` command line of each process, in start order (workers, then the router).
 
     `address(name)` is the host others use to reach process `name` (compose: its service name); by default
     the bind host (127.0.0.1 when binding every interface). num_gpus: the GPUs this host has (gpu_placement).
+    cores: the CPU cores this host's engines share (cpu_placement; None: no placement, as where each process
+    has a host of its own).
     """
     address = address or (lambda name: _local(ns.host))
     engine = _engine_flags(ns)
     devices = gpu_placement(ns, num_gpus)
     every = _process_flags(ns)
+    placed = cpu_placement(ns, cores or [])
     if ns.colocated:
         return {"router": ["tandem", "router", "--colocated", "--host", ns.host, "--grpc-port", str(ns.grpc_port),
                            "--http-port", str(ns.http_port), *_router_only_flags(ns), *admission_flags(ns), *every,
-                           *engine]}
+                           *_with_cpu(engine, placed and placed[0])]}
     cmds: dict[str, list[str]] = {}
     k = 0
     for role, count in (("prefill", _count(ns.prefill)), ("decode", _count(ns.decode))):
         tp = role_tp(ns, role)
         for i in range(count):
-            flags = _with_tp(engine, tp)
+            flags = _with_cpu(_with_tp(engine, tp), placed and placed[k])
             if devices is not None:
                 at = flags.index("--device")
                 flags = [*flags[:at + 1], devices[k], *flags[at + 2:]]
@@ -345,7 +374,7 @@ def main(argv: list[str] | None = None) -> int:
         set_prefix(ns.metrics_prefix)  # (checked here, as the children would)
     except ValueError as e:
         parser.error(str(e))
-    cmds = launch_commands(ns, num_gpus=num_gpus)
+    cmds = launch_commands(ns, num_gpus=num_gpus, cores=host_cores())
     children: dict[str, subprocess.Popen] = {}
     scheme = "https" if tls else "http"
     health_url = f"{scheme}://{_local(ns.host)}:{ns.http_port}/health"

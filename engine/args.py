@@ -50,6 +50,8 @@ class EngineArgs:
     new_token_ratio: float = SchedulerConfig.new_token_ratio
     preemption_mode: str = SchedulerConfig.preemption_mode
     device: str = DeviceConfig.device
+    cpu_threads: int | None = DeviceConfig.cpu_threads
+    cpu_cores: str | None = DeviceConfig.cpu_cores
     tensor_parallel_size: int = ParallelConfig.tensor_parallel_size
     nnodes: int = ParallelConfig.nnodes
     node_rank: int = ParallelConfig.node_rank

@@ -5,6 +5,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from engine.cpu_placement import parse_cores
+
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 DTYPE_ALIASES = {"fp32": "float32", "float": "float32", "half": "float16", "fp16": "float16", "bf16": "bfloat16"}
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "int8")
@@ -130,12 +132,20 @@ class SchedulerConfig:
 class DeviceConfig:
     device: str = "auto"
     """Device: auto (cuda when available, else cpu), cpu, cuda, cuda:N."""
+    cpu_threads: int | None = None
+    """torch's compute threads in this process (torch.set_num_threads). Default: one per core of --cpu-cores, else torch's own (one per core). `tandem up` on the CPU gives each engine its share of the host's cores."""
+    cpu_cores: str | None = None
+    """Cores the thread that steps the engine (and the OpenMP threads it starts) is pinned to, e.g. 1 or 0-3,8 (vLLM's VLLM_CPU_OMP_THREADS_BIND); the process's other threads keep every core. Default: no pinning. `tandem up` on the CPU gives each engine cores of its own."""
 
     def __post_init__(self) -> None:
         if self.device == "auto":
             self.device = "cuda" if torch.cuda.is_available() else "cpu"
         if not (self.device == "cpu" or self.device.startswith("cuda")):
             raise ValueError(f"device={self.device!r}: must be auto, cpu, cuda or cuda:N")
+        if self.cpu_threads is not None and self.cpu_threads < 1:
+            raise ValueError(f"cpu_threads={self.cpu_threads}: must be >= 1")
+        if self.cpu_cores is not None:
+            parse_cores(self.cpu_cores)
 
     @property
     def torch_device(self) -> torch.device:

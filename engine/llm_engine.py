@@ -28,6 +28,7 @@ import torch
 from engine.args import EngineArgs
 from engine.collectives import WorkerError
 from engine.config import EngineConfig
+from engine.cpu_placement import apply_threads, pin_this_thread, usable_cores
 from engine.host_kv import HostKVTier
 from engine.kv_cache_manager import KVCacheManager
 from engine.loader import load_tokenizer, resolve_model
@@ -153,6 +154,8 @@ class LLMEngine:
         """decode_graphs=False: a prefill worker, whose requests end at their first token, captures no decode
         CUDA graphs (they would never replay)."""
         self.config = config
+        apply_threads(config.device.cpu_threads, config.device.cpu_cores)
+        self._pin_cores = usable_cores(config.device.cpu_cores)  # pinned by the first step, in its thread
         resolved = resolve_model(config.model.model)
         if resolved.random_seed is not None:
             resolved.random_seed = config.model.seed
@@ -458,6 +461,9 @@ class LLMEngine:
     def step(self) -> list[StepOutput]:
         """Returns the outputs of a step whose device work is complete (its KV blocks may be read), plus aborts.
         With async scheduling the next step is already running on the device when this returns."""
+        if self._pin_cores is not None:
+            pin_this_thread(self._pin_cores)
+            self._pin_cores = None
         outputs, self._pending = self._pending, []
         t0 = time.perf_counter()
         if self._grammar_waiting:

@@ -239,5 +239,6 @@ class LlamaForCausalLM(nn.Module):
         return self.model(input_ids, positions, self.cos_sin_cache, kv_layers, meta)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [n, vocab]
-        weight = self.model.embed_tokens.weight if self.tie_word_embeddings else self.lm_head.weight
-        return small_batch_linear(hidden, weight)
+        if self.lm_head is not None:  # untied, or a packed copy of the tied embedding (engine/cpu_linear.py)
+            return self.lm_head(hidden)
+        return small_batch_linear(hidden, self.model.embed_tokens.weight)

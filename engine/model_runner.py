@@ -17,6 +17,7 @@ import torch.distributed as dist
 
 from engine.collectives import RankError, gather_heads, min_over_ranks, scatter_heads, share_tokens
 from engine.config import EngineConfig, resolve_dtype
+from engine.cpu_linear import pack_linears, packing_ok
 from engine.host_kv import apply_copies, host_tensors_for
 from engine.loader import ResolvedModel, build_model
 from engine.model import AttentionMetadata, LayerKV
@@ -146,6 +147,8 @@ class ModelRunner:
         model = build_model(resolved, self.dtype, self.device, config.model.quantization, config.model.seed,
                             self.rank, self.tp_size)
         model.eval()
+        if packing_ok(self.device, self.dtype):
+            pack_linears(model)
         self.model = model
         self.hf_config = hf_config
         self.num_layers = hf_config.num_hidden_layers

@@ -13,9 +13,11 @@ from __future__ import annotations
 import torch
 
 from kernels.activation import silu_and_mul_ref, silu_and_mul_triton
+from kernels.cpu_ops import cpu_fast, fused_add_rms_norm_cpu, rms_norm_cpu, silu_and_mul_cpu
 from kernels.kv_write import write_kv_ref, write_kv_triton
 from kernels.norm import fused_add_rms_norm_ref, fused_add_rms_norm_triton, rms_norm_ref, rms_norm_triton
 from kernels.paged_attention import paged_attention_ref, paged_attention_torch, paged_attention_triton
+from kernels.paged_attention_cpu import decode_attention_cpu_ok, paged_decode_attention_cpu
 from kernels.rotary import (rotary_embedding_ref, rotary_embedding_triton, rotary_embedding_write_kv_ref,
                             rotary_embedding_write_kv_triton)
 from kernels.token_bitmask import apply_token_bitmask_ref, apply_token_bitmask_triton
@@ -30,6 +32,8 @@ def paged_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc
         return paged_attention_triton(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, max_query_len,
                                       max_seq_len, scale, k_scale, v_scale, k=k, v=v, k_scale_cache=k_scale_cache,
                                       v_scale_cache=v_scale_cache)
+    if decode_attention_cpu_ok(q, k_cache, max_query_len, seq_lens.shape[0], k_scale, v_scale, k_scale_cache):
+        return paged_decode_attention_cpu(q, k_cache, v_cache, block_tables, seq_lens, max_seq_len, scale)
     return paged_attention_torch(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, max_query_len,
                                  max_seq_len, scale, k_scale, v_scale, k_scale_cache=k_scale_cache,
                                  v_scale_cache=v_scale_cache)
@@ -43,11 +47,16 @@ def write_kv(k, v, k_cache, v_cache, slot_mapping, k_scale=1.0, v_scale=1.0, *, 
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    return (rms_norm_triton if x.is_cuda else rms_norm_ref)(x, weight, eps)
+    if x.is_cuda:
+        return rms_norm_triton(x, weight, eps)
+    return (rms_norm_cpu if cpu_fast(x) and weight.dtype == x.dtype else rms_norm_ref)(x, weight, eps)
 
 
 def fused_add_rms_norm(x, residual, weight, eps):
-    return (fused_add_rms_norm_triton if x.is_cuda else fused_add_rms_norm_ref)(x, residual, weight, eps)
+    if x.is_cuda:
+        return fused_add_rms_norm_triton(x, residual, weight, eps)
+    fast = cpu_fast(x) and residual.dtype == weight.dtype == x.dtype
+    return (fused_add_rms_norm_cpu if fast else fused_add_rms_norm_ref)(x, residual, weight, eps)
 
 
 def rotary_embedding(positions, q, k, cos_sin_cache):
@@ -64,7 +73,9 @@ def rotary_embedding_write_kv(positions, q, k, v, cos_sin_cache, k_cache, v_cach
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
-    return (silu_and_mul_triton if x.is_cuda else silu_and_mul_ref)(x)
+    if x.is_cuda:
+        return silu_and_mul_triton(x)
+    return (silu_and_mul_cpu if cpu_fast(x) else silu_and_mul_ref)(x)
 
 
 def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: torch.Tensor) -> None:

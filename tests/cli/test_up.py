@@ -234,3 +234,23 @@ def test_each_engine_gets_gpus_of_its_own_when_the_host_has_enough():
     # An explicit GPU, the CPU and --colocated: no placement.
     for argv in (["--device", "cuda:1"], ["--device", "cpu"], ["--colocated", "--device", "cuda"]):
         assert gpu_placement(build_parser().parse_args(argv), 8) is None
+
+
+def test_cpu_placement_splits_the_cores_between_engines():
+    def flags(*argv, cores=(0, 1)):
+        cmds = launch_commands(build_parser().parse_args(list(argv)), cores=list(cores))
+        return {name: cmd[cmd.index("--cpu-threads"):] if "--cpu-threads" in cmd else [] for name, cmd in cmds.items()}
+
+    assert flags() == {"prefill-0": ["--cpu-threads", "1", "--cpu-cores", "0"],
+                       "decode-0": ["--cpu-threads", "1", "--cpu-cores", "1"], "router": []}
+    # colocated: one core is left to the router's HTTP server
+    assert flags("--colocated") == {"router": ["--cpu-threads", "1", "--cpu-cores", "1"]}
+    assert flags("--colocated", cores=range(8)) == {"router": ["--cpu-threads", "7", "--cpu-cores", "1-7"]}
+    assert flags("--prefill", "2", "--decode", "2", cores=range(8))["decode-1"] == ["--cpu-threads", "2",
+                                                                                   "--cpu-cores", "6-7"]
+    # more engines than cores: one thread each, the cores in turn
+    assert [f[-1] for f in flags("--prefill", "2").values() if f] == ["0", "1", "0"]
+    # none, or flags given for every engine: no split
+    assert flags("--cpu-placement", "none") == {"prefill-0": [], "decode-0": [], "router": []}
+    assert flags("--cpu-threads", "2")["decode-0"] == ["--cpu-threads", "2"]
+    assert launch_commands(build_parser().parse_args([]))["decode-0"][-2:] == ["--device", "cpu"]  # no cores: none
