@@ -49,12 +49,15 @@ def paged_decode_attention_cpu(
     assert k_cache.dtype == v_cache.dtype == q.dtype, (k_cache.dtype, v_cache.dtype, q.dtype)
     num_blocks = -(-max_seq_len // block_size)
     ids = block_tables[:, :num_blocks].reshape(-1)
-    k = gather_blocks(k_cache, ids, num_seqs)  # [S, L, Hkv, D], L = num_blocks * block_size
+    k = gather_blocks(k_cache, ids, num_seqs)  # [S, Lb, Hkv, D], Lb = num_blocks * block_size
     v = gather_blocks(v_cache, ids, num_seqs)
-    stale = torch.arange(k.shape[1])[None, :] >= seq_lens[:, None]  # [S, L]
+    stale = torch.arange(k.shape[1])[None, :] >= seq_lens[:, None]  # [S, Lb]
     rows = stale.view(-1).nonzero().view(-1)
     k.view(-1, k.shape[2] * k.shape[3]).index_fill_(0, rows, 0.0)
     v.view(-1, v.shape[2] * v.shape[3]).index_fill_(0, rows, 0.0)
+    # SDPA sees what paged_attention_torch hands it (max_seq_len keys, the same mask), so a sequence's decode gives
+    # the same bits whether its step is decode-only (here) or mixed with prompt chunks (there).
+    k, v, stale = k[:, :max_seq_len], v[:, :max_seq_len], stale[:, :max_seq_len]
     out = F.scaled_dot_product_attention(q[:, :, None, :], k.transpose(1, 2), v.transpose(1, 2),
                                          attn_mask=~stale[:, None, None, :], scale=scale, enable_gqa=True)
     return out[:, :, 0, :]  # [S, H, D]
