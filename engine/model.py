@@ -73,9 +73,15 @@ def build_cos_sin_cache(config, head_dim: int, max_position: int) -> torch.Tenso
 
 class Linear(nn.Linear):
     """nn.Linear whose products of a few rows (decode at batch 1-16, on CUDA) take kernels/gemv.py's GEMV where the
-    H200 measured it faster than cuBLAS for this weight's shape and row count; F.linear everywhere else."""
+    H200 measured it faster than cuBLAS for this weight's shape and row count; F.linear everywhere else. On the CPU,
+    engine/cpu_linear.py may give it a oneDNN-packed copy of its weight for products of up to packed_max_rows rows."""
+
+    packed: torch.Tensor | None = None  # (a plain attribute, not a buffer: the weight's second layout)
+    packed_max_rows: int = 0
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.packed is not None and x.shape[0] <= self.packed_max_rows:
+            return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
         return small_batch_linear(x, self.weight, self.bias)
 
 

@@ -6,8 +6,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from engine.cpu_linear import PACK_MAX_ROWS, PackedLinear, pack_linears, packing_ok
+from engine.cpu_linear import PACK_MAX_ROWS, pack, pack_linears, packing_ok
 from engine.loader import build_model, resolve_model
+from engine.model import Linear
 
 pytestmark = pytest.mark.skipif(not packing_ok(torch.device("cpu"), torch.float32), reason="no oneDNN in this torch")
 
@@ -18,8 +19,13 @@ def test_packed_matches_linear(rows, bias):
     g = torch.Generator().manual_seed(rows)
     w, x = torch.randn(96, 40, generator=g), torch.randn(rows, 40, generator=g)
     b = torch.randn(96, generator=g) if bias else None
-    torch.testing.assert_close(PackedLinear(w, b)(x), F.linear(x, w, b), atol=1e-4, rtol=1e-5)
-    torch.testing.assert_close(PackedLinear(w, b, keep_weight=False)(x), F.linear(x, w, b), atol=1e-4, rtol=1e-5)
+    lin = Linear(40, 96, bias=bias)
+    with torch.no_grad():
+        lin.weight.copy_(w)
+        if bias:
+            lin.bias.copy_(b)
+    pack(lin)
+    torch.testing.assert_close(lin(x), F.linear(x, w, b), atol=1e-4, rtol=1e-5)
 
 
 @pytest.mark.parametrize("tied", [False, True])
@@ -29,7 +35,9 @@ def test_pack_linears(tied):
     model = build_model(resolved, torch.float32, "cpu", None, seed=0)
     hidden = torch.randn(3, model.config.hidden_size)
     before = model.compute_logits(hidden)
+    params = {id(p) for p in model.parameters()}
     assert pack_linears(model) == 4 * len(model.model.layers) + 1  # qkv, o, gate_up, down; the lm_head
-    assert all(isinstance(layer.mlp.down_proj, PackedLinear) for layer in model.model.layers)
-    assert isinstance(model.lm_head, PackedLinear) and model.lm_head.weight is None
+    assert all(layer.mlp.down_proj.packed is not None for layer in model.model.layers)
+    assert model.lm_head.packed is not None
+    assert {id(p) for p in model.parameters()} == params  # (a tied lm_head's weight is the embedding's)
     torch.testing.assert_close(model.compute_logits(hidden), before, atol=1e-4, rtol=1e-5)
