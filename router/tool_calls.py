@@ -190,10 +190,7 @@ class _CallArray(ToolParser):
         out: list[Event] = []
         while not self.broken:
             if self.reader is not None:
-                piece, read, ended = self.reader.feed(self.buf)
-                if piece:
-                    out.append(Arguments(piece))
-                self.buf = self.buf[read:]
+                self.buf, ended = self.reader.emit(self.buf, out)
                 if not ended:
                     break
                 self.reader = None

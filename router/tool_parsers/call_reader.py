@@ -15,6 +15,8 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 
+from router.tool_parsers.base import Arguments, Event
+
 WAIT = "wait"
 """call_head's answer while the text so far could still become a streaming call's head."""
 
@@ -150,3 +152,11 @@ class ArgumentsReader:
         if not started_in_arguments:
             return "", i, ended
         return text[:i if arguments_end is None else arguments_end], i, ended
+
+    def emit(self, text: str, out: list[Event]) -> tuple[str, bool]:
+        """feed, for a parser: the arguments text goes onto out as one Arguments event (none when there is none);
+        returns (the unread rest of text, ended)."""
+        piece, read, ended = self.feed(text)
+        if piece:
+            out.append(Arguments(piece))
+        return text[read:], ended

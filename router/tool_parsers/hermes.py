@@ -12,7 +12,7 @@ parser accepts it too: the model may stop on its end-of-turn token right after t
 """
 from __future__ import annotations
 
-from router.tool_parsers.base import Arguments, Event, ToolCall, ToolParser, call_from_object, decode_object, held_back
+from router.tool_parsers.base import Event, ToolCall, ToolParser, call_from_object, decode_object, held_back
 from router.tool_parsers.call_reader import WAIT, ArgumentsReader, Head, call_head
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
@@ -64,10 +64,7 @@ class HermesParser(ToolParser):
                     out.append(OPEN + self.buf[:end + len(CLOSE)])
                     self.buf, self.state = self.buf[end + len(CLOSE):], "text"
             elif self.state == "arguments":
-                piece, read, ended = self.reader.feed(self.buf)
-                if piece:
-                    out.append(Arguments(piece))
-                self.buf = self.buf[read:]
+                self.buf, ended = self.reader.emit(self.buf, out)
                 if not ended:
                     return out
                 self.state = "after"

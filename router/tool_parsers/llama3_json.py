@@ -10,7 +10,7 @@ at the end) ends the calls, and it and the rest are content.
 """
 from __future__ import annotations
 
-from router.tool_parsers.base import Arguments, Event, ToolCall, ToolParser, call_from_object, decode_object
+from router.tool_parsers.base import Event, ToolCall, ToolParser, call_from_object, decode_object
 from router.tool_parsers.call_reader import WAIT, ArgumentsReader, Head, call_head
 
 PYTHON_TAG = "<|python_tag|>"
@@ -44,10 +44,7 @@ class Llama3JsonParser(ToolParser):
             return out
         while True:
             if self.mode == "arguments":
-                piece, read, ended = self.reader.feed(self.buf)
-                if piece:
-                    out.append(Arguments(piece))
-                self.buf = self.buf[read:]
+                self.buf, ended = self.reader.emit(self.buf, out)
                 if not ended:
                     return out
                 self.mode = "calls"
