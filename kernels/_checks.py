@@ -66,3 +66,9 @@ def check_out(name: str, out: torch.Tensor, like_shape: tuple[int, ...], dtype: 
     check_tensor(name, out, dtypes=(dtype,), shape=tuple(like_shape))
     if out.device != device:
         raise ValueError(f"{name}: on {out.device}, expected {device}")
+
+
+def check_block_k(block_k: int, group_size: int) -> None:
+    """A W4A16 config's K step stays inside one quantization group (one scale and zero point per step)."""
+    if group_size % block_k:
+        raise ValueError(f"config: block_k={block_k} does not divide the group size {group_size}")

@@ -37,7 +37,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels._checks import FLOAT_DTYPES, check_out, check_same_device, check_tensor, interpreting, sm_count
+from kernels._checks import (FLOAT_DTYPES, check_block_k, check_out, check_same_device, check_tensor, interpreting,
+                             sm_count)
 from kernels.gemv import INTERPRETER_SMS
 from kernels.split_k import COUNTERS_PER_DEVICE, plan_split_k, split_k_reduce
 from kernels.w4a16_gemv import launch_pair, launch_stream
@@ -438,8 +439,7 @@ def _check_operands(x, qweight, scales, qzeros, bias, perm) -> tuple[int, int, i
 def _launch(x, qweight, scales, qzeros, bias, perm, out, M, N, K, group_size, *, block_m, block_n, block_k,
             split_k, group_m, mode, unpack_reshape, num_warps, num_stages) -> None:
     """One launch of _w4a16_kernel: output tiles on grid axis 0, K splits on axis 1."""
-    if group_size % block_k:
-        raise ValueError(f"config: block_k={block_k} does not divide the group size {group_size}")
+    check_block_k(block_k, group_size)
     tiles = triton.cdiv(M, block_m) * triton.cdiv(N, block_n)
     plan = plan_split_k(K, block_k, split_k, tiles, out, f"qweight: N={N} (M={M})")
     _w4a16_kernel[(tiles, plan.num_splits)](

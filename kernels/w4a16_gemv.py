@@ -21,7 +21,7 @@ import triton.language as tl
 
 from kernels import pdl
 from kernels.pdl import PDL_SUPPORTED, launch_kwargs
-from kernels._checks import interpreting
+from kernels._checks import check_block_k, interpreting
 from kernels.split_k import plan_split_k, split_k_reduce
 
 _INTERPRET = interpreting()  # read once: triton.jit read it when the kernels below were decorated
@@ -432,8 +432,7 @@ def launch_stream(x, qweight, scales, qzeros, bias, perm, out, M: int, N: int, K
                   block_n: int, block_k: int, split_k: int, num_warps: int, num_stages: int, x_pairs: bool,
                   pdl: bool) -> None:
     """One launch of _w4a16_stream_kernel: N tiles on grid axis 0, K splits on axis 1."""
-    if group_size % block_k:
-        raise ValueError(f"config: block_k={block_k} does not divide the group size {group_size}")
+    check_block_k(block_k, group_size)
     tiles = triton.cdiv(N, block_n)
     plan = plan_split_k(K, block_k, split_k, tiles, out, f"qweight: N={N}")
     pdl = pdl and PDL_SUPPORTED
