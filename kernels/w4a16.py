@@ -404,7 +404,7 @@ def _w4a16_kernel(
 # Launchers
 
 
-def _check_operands(x, qweight, scales, qzeros, bias, perm) -> tuple[int, int, int, int]:
+def check_w4_operands(x, qweight, scales, qzeros, bias, perm) -> tuple[int, int, int, int]:
     """Shapes, dtypes, strides and devices of the operands; returns (M, N, K, group_size)."""
     check_tensor("x", x, ndim=2, dtypes=FLOAT_DTYPES)
     M, K = x.shape
@@ -467,7 +467,7 @@ def w4a16_gemv_triton(
 ) -> torch.Tensor:
     """w4a16_ref for at most GEMV_MAX_M rows. No host sync, no data-dependent allocation: capturable in a CUDA graph
     (after one split launch outside the capture has made the ticket counters)."""
-    M, N, K, group_size = _check_operands(x, qweight, scales, qzeros, bias, perm)
+    M, N, K, group_size = check_w4_operands(x, qweight, scales, qzeros, bias, perm)
     if M > GEMV_MAX_M:
         raise ValueError(f"x: {M} rows, the GEMV takes at most GEMV_MAX_M={GEMV_MAX_M} (use w4a16_gemm_triton)")
     if out is None:
@@ -507,7 +507,7 @@ def w4a16_gemm_triton(
 ) -> torch.Tensor:
     """w4a16_ref for any number of rows, on the tensor cores. No host sync: capturable in a CUDA graph (after one
     split launch outside the capture, as for the GEMV)."""
-    M, N, K, group_size = _check_operands(x, qweight, scales, qzeros, bias, perm)
+    M, N, K, group_size = check_w4_operands(x, qweight, scales, qzeros, bias, perm)
     if out is None:
         out = torch.empty((M, N), dtype=x.dtype, device=x.device)
     else:
@@ -523,7 +523,9 @@ def w4a16_gemm_triton(
 
 def w4a16_triton(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, qzeros: torch.Tensor | None = None,
                  bias: torch.Tensor | None = None, perm: torch.Tensor | None = None) -> torch.Tensor:
-    """The GEMV for at most GEMV_MAX_M rows, the GEMM above that (default configs)."""
+    """The GEMV for at most GEMV_MAX_M rows; above that kernels/w4a16_tc.py's batch path (its accumulating GEMM
+    or dequantize + cuBLAS, whichever the H200 sweep found faster for the shape)."""
     if x.shape[0] <= GEMV_MAX_M:
         return w4a16_gemv_triton(x, qweight, scales, qzeros, bias, perm)
-    return w4a16_gemm_triton(x, qweight, scales, qzeros, bias, perm)
+    from kernels.w4a16_tc import w4a16_batch_triton
+    return w4a16_batch_triton(x, qweight, scales, qzeros, bias, perm)

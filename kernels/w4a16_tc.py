@@ -1,0 +1,321 @@
+"""The W4A16 GEMM for batches (decode steps of 17+ rows, prefill chunks): y[M, N] = x[M, K] @ W[K, N] (+ bias), the
+4-bit weights (kernels/w4a16.py's layout) dequantized inside the K loop into the accumulating tensor-core dot.
+
+kernels/w4a16.py's _w4a16_kernel multiplies x by the integers q - z and scales each K step's partial sum by the
+group's scale (acc += dot(x, q - z) * s): exact products, but every step's dot result is consumed at once, so the
+tensor cores never accumulate across steps and wait on the scaling. Here the scale goes into the weights,
+w = (q - z) * s rounded once to x's dtype (what Marlin, Machete and vLLM's Triton AWQ kernel compute), and each step
+is acc = dot(., ., acc): one rounding per weight, float32 sums.
+
+SWAP computes the transposed tile, y^T[BLOCK_N, BLOCK_M] = W^T[BLOCK_N, BLOCK_K] @ x^T[BLOCK_K, BLOCK_M]. The
+dequantized weights, made in registers, are then the dot's first operand, which Hopper's wgmma reads from registers
+(its second operand must sit in shared memory, where the pipelined loads of x put it); unswapped, the weights are the
+second operand and take a trip through shared memory each step. Swapped, the wgmma tile is 64 weights x BLOCK_M
+tokens: small batches waste no rows of the instruction (the trick CUTLASS's mixed-input GEMMs call "swap AB").
+
+Unpack 'reshape' reads each int32 word once ([BLOCK_K / 8, BLOCK_N] words, shifted into [BLOCK_K / 8, 8, BLOCK_N]
+and reshaped); 'gather' loads each word once per nibble (8 loads of one word, from L1) and keeps the tile 2-D, which
+lets the compiler move the weights' register layout up to the load.
+
+`w4_dequantize_triton` writes W in bfloat16/float16 for the large-M path (dequantize, then cuBLAS), where the GEMM's
+work dwarfs one pass over the weights. The contract for both is kernels.w4a16.w4a16_ref, to bf16 rounding.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+from kernels._checks import check_out, interpreting
+from kernels.split_k import COUNTERS_PER_DEVICE, plan_split_k, split_k_reduce
+
+_INTERPRET = interpreting()
+_MAGIC = tl.constexpr(8388608.0)  # 2^23: float32 bits 0x4B000000 | q are exactly 2^23 + q
+
+
+@dataclass(frozen=True)
+class W4TcConfig:
+    """One launch shape of _w4a16_tc_kernel."""
+
+    block_m: int = 64
+    """Rows of x per program; a power of two >= 16."""
+    block_n: int = 128
+    """Outputs per program; a power of two >= 16 (SWAP: the wgmma's rows, 64 per warpgroup)."""
+    block_k: int = 64
+    """Inputs per step; a power of two >= 16 that divides the group size."""
+    num_warps: int = 4
+    num_stages: int = 3
+    swap: bool = True
+    unpack: str = "reshape"
+    split_k: int = 1
+    group_m: int = 8
+
+    def __post_init__(self) -> None:
+        for name in ("block_m", "block_n", "block_k", "num_warps"):
+            v = getattr(self, name)
+            if v < 1 or v & (v - 1):
+                raise ValueError(f"{name}={v}: must be a power of two")
+            if name != "num_warps" and v < 16:
+                raise ValueError(f"{name}={v}: must be >= 16 (tensor-core tile)")
+        if self.unpack not in ("reshape", "gather"):
+            raise ValueError(f"unpack={self.unpack!r}: must be 'reshape' or 'gather'")
+        if self.split_k < 1 or self.group_m < 1:
+            raise ValueError(f"split_k={self.split_k}, group_m={self.group_m}: must be >= 1")
+
+    def short(self) -> str:
+        return (f"tc/{'swap' if self.swap else 'noswap'}/m{self.block_m}/n{self.block_n}/k{self.block_k}/"
+                f"w{self.num_warps}/st{self.num_stages}/{self.unpack}/s{self.split_k}")
+
+
+@triton.jit
+def _w4a16_tc_kernel(
+    x_ptr,  # [M, K] (rows strided, K contiguous)
+    qw_ptr,  # [K // 8, N] int32, contiguous
+    s_ptr,  # [K // G, N] contiguous
+    z_ptr,  # [K // G, N] uint8, contiguous (only when HAS_ZEROS)
+    perm_ptr,  # [K] int32 (only when HAS_PERM)
+    bias_ptr,  # [N] (only when HAS_BIAS)
+    y_ptr,  # [M, N]
+    part_ptr,  # [num_splits, M, N] float32 (only when SPLIT)
+    count_ptr,  # int32 tickets (only when SPLIT)
+    M, N, K, group_size,
+    stride_xm, stride_ym,
+    k_per_split,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr,
+    SWAP: tl.constexpr,
+    GATHER: tl.constexpr,
+    SPLIT: tl.constexpr,
+    HAS_ZEROS: tl.constexpr,
+    HAS_PERM: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    DOT_FP32: tl.constexpr,  # float32 x, and the interpreter: float32 weights, exact products
+):
+    pid = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    num_pid_m = tl.cdiv(M, BLOCK_M)
+    num_pid_n = tl.cdiv(N, BLOCK_N)
+    width = GROUP_M * num_pid_n
+    first_m = (pid // width) * GROUP_M
+    group_rows = tl.minimum(num_pid_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % width) % group_rows
+    pid_n = (pid % width) // group_rows
+
+    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rm_c = tl.minimum(rm, M - 1)  # rows and outputs past the ends repeat the last; the store drops them
+    rn_c = tl.minimum(rn, N - 1)
+    rk = tl.arange(0, BLOCK_K)
+    ri = tl.arange(0, BLOCK_K // 8)
+    shifts = tl.arange(0, 8) * 4
+    k_lo = pid_k * k_per_split
+    k_hi = tl.minimum(k_lo + k_per_split, K)
+    x_rows = x_ptr + rm_c.to(tl.int64) * stride_xm  # [BLOCK_M]
+    if SWAP:
+        acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    else:
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(k_lo, k_hi, BLOCK_K):
+        g_off = (k0 // group_size).to(tl.int64) * N + rn_c  # [BLOCK_N]
+        s = tl.load(s_ptr + g_off).to(tl.float32)
+        if HAS_ZEROS:
+            zf = tl.load(z_ptr + g_off).to(tl.float32) + _MAGIC
+        else:
+            zf = tl.zeros((BLOCK_N,), dtype=tl.float32) + (_MAGIC + 8.0)
+        kk = k0 + rk
+        if HAS_PERM:
+            cols = tl.load(perm_ptr + kk)
+        else:
+            cols = kk
+        if SWAP:
+            # W^T tile [BLOCK_N, BLOCK_K]: element (n, k) is nibble k % 8 of word (k // 8, n)
+            if GATHER:
+                words = tl.load(qw_ptr + (kk // 8).to(tl.int64)[None, :] * N + rn_c[:, None])  # [BN, BK]
+                q = (words >> ((rk % 8) * 4)[None, :]) & 0xF
+            else:
+                rows = (k0 // 8 + ri).to(tl.int64)
+                words = tl.load(qw_ptr + rows[None, :] * N + rn_c[:, None])  # [BN, BK/8]
+                q = tl.reshape((words[:, :, None] >> shifts[None, None, :]) & 0xF, (BLOCK_N, BLOCK_K))
+            w = ((q | 0x4B000000).to(tl.float32, bitcast=True) - zf[:, None]) * s[:, None]
+            xt = tl.load(x_rows[None, :] + cols[:, None])  # [BK, BM]
+            if DOT_FP32:
+                acc = tl.dot(w, xt.to(tl.float32), acc, input_precision="ieee")
+            else:
+                acc = tl.dot(w.to(xt.dtype), xt, acc)
+        else:
+            if GATHER:
+                words = tl.load(qw_ptr + (kk // 8).to(tl.int64)[:, None] * N + rn_c[None, :])  # [BK, BN]
+                q = (words >> ((rk % 8) * 4)[:, None]) & 0xF
+            else:
+                rows = (k0 // 8 + ri).to(tl.int64)
+                words = tl.load(qw_ptr + rows[:, None] * N + rn_c[None, :])  # [BK/8, BN]
+                q = tl.reshape((words[:, None, :] >> shifts[None, :, None]) & 0xF, (BLOCK_K, BLOCK_N))
+            w = ((q | 0x4B000000).to(tl.float32, bitcast=True) - zf[None, :]) * s[None, :]
+            x = tl.load(x_rows[:, None] + cols[None, :])  # [BM, BK]
+            if DOT_FP32:
+                acc = tl.dot(x.to(tl.float32), w, acc, input_precision="ieee")
+            else:
+                acc = tl.dot(x, w.to(x.dtype), acc)
+
+    if SWAP:
+        out = tl.trans(acc)  # [BLOCK_M, BLOCK_N]
+    else:
+        out = acc
+    out_mask = (rm < M)[:, None] & (rn < N)[None, :]
+    y_ptrs = y_ptr + rm.to(tl.int64)[:, None] * stride_ym + rn[None, :]
+    if SPLIT:
+        tile = rm.to(tl.int64)[:, None] * N + rn[None, :]
+        split_stride = (tl.zeros((), dtype=tl.int64) + M) * N
+        total, last = split_k_reduce(out, part_ptr, count_ptr, pid, tile, out_mask, split_stride)
+        if last:
+            if HAS_BIAS:
+                total += tl.load(bias_ptr + rn_c).to(tl.float32)[None, :]
+            tl.store(y_ptrs, total.to(y_ptr.dtype.element_ty), mask=out_mask)
+    else:
+        if HAS_BIAS:
+            out += tl.load(bias_ptr + rn_c).to(tl.float32)[None, :]
+        tl.store(y_ptrs, out.to(y_ptr.dtype.element_ty), mask=out_mask)
+
+
+def default_tc_config(M: int, N: int, K: int, group_size: int, num_sms: int) -> W4TcConfig:
+    """Swapped tiles of 128 weights (two warpgroups) by up to 128 rows, split-K until the grid covers the SMs."""
+    block_k = min(group_size & -group_size, 64)
+    block_m = 16 if M <= 16 else 32 if M <= 32 else 64 if M <= 64 else 128
+    block_n = 128
+    tiles = triton.cdiv(M, block_m) * triton.cdiv(N, block_n)
+    split_k = 1
+    if tiles < num_sms:
+        split_k = max(1, min(triton.cdiv(num_sms, tiles), K // (2 * block_k)))
+        if tiles > COUNTERS_PER_DEVICE:
+            split_k = 1
+    return W4TcConfig(block_m=block_m, block_n=block_n, block_k=block_k, num_warps=8, num_stages=3, swap=True,
+                      split_k=split_k)
+
+
+def w4a16_tc_triton(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, qzeros: torch.Tensor | None = None,
+                    bias: torch.Tensor | None = None, perm: torch.Tensor | None = None, *,
+                    out: torch.Tensor | None = None, config: W4TcConfig | None = None) -> torch.Tensor:
+    """kernels.w4a16.w4a16_ref on the tensor cores with the weights rounded once to x's dtype. No host sync:
+    capturable in a CUDA graph (after one split launch outside the capture has made the ticket counters)."""
+    from kernels._checks import sm_count
+    from kernels.gemv import INTERPRETER_SMS
+    from kernels.w4a16 import check_w4_operands
+
+    M, N, K, group_size = check_w4_operands(x, qweight, scales, qzeros, bias, perm)
+    if out is None:
+        out = torch.empty((M, N), dtype=x.dtype, device=x.device)
+    else:
+        check_out("out", out, (M, N), x.dtype, x.device)
+    if M == 0 or N == 0:
+        return out
+    cfg = config or default_tc_config(M, N, K, group_size, sm_count(x.device, INTERPRETER_SMS))
+    if group_size % cfg.block_k:
+        raise ValueError(f"config: block_k={cfg.block_k} does not divide the group size {group_size}")
+    tiles = triton.cdiv(M, cfg.block_m) * triton.cdiv(N, cfg.block_n)
+    plan = plan_split_k(K, cfg.block_k, cfg.split_k, tiles, out, f"qweight: N={N} (M={M})")
+    _w4a16_tc_kernel[(tiles, plan.num_splits)](
+        x, qweight, scales, qzeros if qzeros is not None else qweight, perm if perm is not None else qweight,
+        bias if bias is not None else out, out, plan.part, plan.counters,
+        M, N, K, group_size, x.stride(0), out.stride(0), plan.k_per_split,
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m, SWAP=cfg.swap,
+        GATHER=cfg.unpack == "gather", SPLIT=plan.split,
+        HAS_ZEROS=qzeros is not None, HAS_PERM=perm is not None, HAS_BIAS=bias is not None,
+        DOT_FP32=x.dtype == torch.float32 or _INTERPRET,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+    return out
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Dequantize, then cuBLAS (large M)
+
+
+@triton.jit
+def _w4_dequant_kernel(qw_ptr, s_ptr, z_ptr, w_ptr, N, K, group_size,
+                       BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, HAS_ZEROS: tl.constexpr):
+    """W^T[N, K] (nn.Linear's layout) in w_ptr's dtype: BLOCK_N outputs by BLOCK_R packed rows (8 * BLOCK_R inputs,
+    one contiguous run of each output's row)."""
+    pid_r = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    ri = pid_r * BLOCK_R + tl.arange(0, BLOCK_R)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    nmask = rn < N
+    words = tl.load(qw_ptr + ri.to(tl.int64)[None, :] * N + rn[:, None], mask=nmask[:, None], other=0)  # [BN, BR]
+    q = (words[:, :, None] >> (tl.arange(0, 8) * 4)[None, None, :]) & 0xF  # [BN, BR, 8]: input 8r + j
+    g = (ri * 8 // group_size).to(tl.int64)  # one group per packed row (8 divides the group size)
+    s = tl.load(s_ptr + g[None, :] * N + rn[:, None], mask=nmask[:, None], other=0).to(tl.float32)
+    if HAS_ZEROS:
+        zf = tl.load(z_ptr + g[None, :] * N + rn[:, None], mask=nmask[:, None], other=0).to(tl.float32) + _MAGIC
+    else:
+        zf = tl.zeros((BLOCK_N, BLOCK_R), dtype=tl.float32) + (_MAGIC + 8.0)
+    w = ((q | 0x4B000000).to(tl.float32, bitcast=True) - zf[:, :, None]) * s[:, :, None]
+    w = tl.reshape(w, (BLOCK_N, BLOCK_R * 8))
+    cols = pid_r * (BLOCK_R * 8) + tl.arange(0, BLOCK_R * 8)
+    tl.store(w_ptr + rn.to(tl.int64)[:, None] * K + cols[None, :], w.to(w_ptr.dtype.element_ty),
+             mask=nmask[:, None])
+
+
+def w4_dequantize_triton(qweight: torch.Tensor, scales: torch.Tensor, qzeros: torch.Tensor | None,
+                         dtype: torch.dtype = torch.bfloat16, out: torch.Tensor | None = None) -> torch.Tensor:
+    """W^T [N, K] = ((q - z) * s)^T rounded once to dtype: kernels.w4a16.dequantize_w4_ref, transposed into
+    nn.Linear's layout (the one cuBLAS is tuned for: F.linear(x, W^T) runs as the bf16 model's GEMM does)."""
+    K8, N = qweight.shape
+    K = K8 * 8
+    group_size = K // scales.shape[0]
+    if out is None:
+        out = torch.empty((N, K), dtype=dtype, device=qweight.device)
+    else:
+        check_out("out", out, (N, K), dtype, qweight.device)
+    block_r = 16 if K8 % 16 == 0 else 8 if K8 % 8 == 0 else 1
+    block_n = 32
+    _w4_dequant_kernel[(K8 // block_r, triton.cdiv(N, block_n))](
+        qweight, scales, qzeros if qzeros is not None else qweight, out, N, K, group_size,
+        BLOCK_R=block_r, BLOCK_N=block_n, HAS_ZEROS=qzeros is not None, num_warps=4)
+    return out
+
+
+def w4a16_dequant_mm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, qzeros: torch.Tensor | None = None,
+                     bias: torch.Tensor | None = None, perm: torch.Tensor | None = None, *,
+                     scratch: torch.Tensor | None = None) -> torch.Tensor:
+    """y = x @ W (+ bias) through a dequantized copy of W (scratch [N, K] in x's dtype, reused when given): one pass
+    over the weights, then cuBLAS. For batches where the GEMM's work dwarfs that pass (and, while the fused GEMM
+    runs below cuBLAS, for most batches past the GEMV's)."""
+    w = w4_dequantize_triton(qweight, scales, qzeros, x.dtype, out=scratch)
+    if perm is not None:
+        x = x.index_select(1, perm.long())
+    return F.linear(x, w, None if bias is None else bias.to(x.dtype))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The batch path: which of the two for M rows
+
+
+TC_MAX_M = 64
+"""Up to this many rows a wide weight (N >= TC_MIN_N) takes the fused GEMM: there the pass over a dequantized copy
+costs more than the fused GEMM's arithmetic (H200 sweep, bench/w4_tc_sweep.py; bench/RESULTS.md)."""
+TC_MIN_N = 16384
+TC_SMALL = W4TcConfig(block_m=64, block_n=128, block_k=64, num_warps=4, num_stages=4, swap=False)
+
+
+def batch_path(M: int, N: int, K: int, group_size: int) -> str:
+    """'tc' (the fused GEMM) or 'dequant' (dequantize, then cuBLAS) for M rows of x."""
+    if M <= TC_MAX_M and N >= TC_MIN_N and group_size % TC_SMALL.block_k == 0:
+        return "tc"
+    return "dequant"
+
+
+def w4a16_batch_triton(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
+                       qzeros: torch.Tensor | None = None, bias: torch.Tensor | None = None,
+                       perm: torch.Tensor | None = None) -> torch.Tensor:
+    """w4a16_ref for a batch (more rows than the GEMV takes), by batch_path."""
+    M, K = x.shape
+    N = qweight.shape[1]
+    group_size = K // scales.shape[0]
+    if batch_path(M, N, K, group_size) == "tc":
+        return w4a16_tc_triton(x, qweight, scales, qzeros, bias, perm, config=TC_SMALL)
+    return w4a16_dequant_mm(x, qweight, scales, qzeros, bias, perm)
