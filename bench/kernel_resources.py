@@ -1,9 +1,10 @@
 """Compiles the paged-attention launch configurations for sm_90 (H100/H200) on a machine without a GPU and prints
 what each costs: registers, spilled bytes, shared memory, and whether the PTX holds wgmma, cp.async and TMA copies.
 
-  python bench/kernel_resources.py            # every prefill candidate (bf16 and fp8 cache) and the decode default
+  python bench/kernel_resources.py     # every prefill candidate (bf16 and fp8 cache), the decode defaults, int8 decodes
 
-Triton compiles ahead of time for a named target (ptxas ships with it); cuobjdump reads the registers and spills.
+Triton compiles ahead of time for a named target (ptxas ships with it); cuobjdump reads the registers and spills,
+and the SASS (instructions, and how many global loads are 16 bytes wide).
 The register count decides how many programs share an SM (65536 registers: 8 warps at <= 128 each run two per SM),
 which the H200 sweep found to matter most for prefill (docs/kernels.md). No device time needed.
 """
@@ -29,16 +30,22 @@ QPK, HEAD_DIM, BLOCK_SIZE = 7, 128, 16  # Qwen2.5-7B: 28 query heads over 4 KV h
 
 
 def compile_sm90(cfg: dict, kv: str = "bf16", q: str = "bf16"):
-    """The kernel as paged_attention_triton would launch it with cfg (16-byte aligned pointers and strides)."""
+    """The kernel as paged_attention_triton would launch it with cfg (16-byte aligned pointers and strides; kv
+    "int8": the engine's int8 rows of head_dim + 4 bytes, so the slot and head strides are not multiples of 16)."""
     new_kv = cfg.get("new_kv", 0) if kv == q else 0
+    words = cfg.get("fp8x4", 0) if kv in ("fp8e4nv", "int8") else 0  # 8-bit caches read as int32 words (PTX: 2)
     const = dict(QUERIES_PER_KV=QPK, HEAD_DIM=HEAD_DIM, HEAD_DIM_PAD=HEAD_DIM, BLOCK_SIZE=BLOCK_SIZE,
                  BLOCK_M=cfg["block_m"], BLOCK_Q=cfg["block_m"] // QPK, TILE_N=cfg["tile_n"],
                  NUM_SEGMENTS=cfg.get("num_segments", 1), DOT_FP32=q == "fp32",
-                 FP8_VIA_FP16=kv == "fp8e4nv" and q == "bf16", PRECISION="ieee" if q == "fp32" else "tf32",
-                 NEW_KV=new_kv, OPAQUE_ZERO=True)
+                 FP8_VIA_FP16=kv in ("fp8e4nv", "int8") and q == "bf16", PRECISION="ieee" if q == "fp32" else "tf32",
+                 NEW_KV=new_kv, OPAQUE_ZERO=True, FP8X4=words, INT8=kv == "int8",
+                 ALIGN16=kv == "int8" and words > 0 and bool(cfg.get("int8_align", 0)))
+    cache = "i32" if words else {"int8": "i8"}.get(kv, kv)
     ptr = dict(out_ptr=q, seg_out_ptr="fp32", seg_max_ptr="fp32", seg_sum_ptr="fp32", q_ptr=q, k_new_ptr=q,
-               v_new_ptr=q, k_cache_ptr=kv, v_cache_ptr=kv, block_tables_ptr="i32", seq_lens_ptr="i32",
-               qsl_ptr="i32")
+               v_new_ptr=q, k_cache_ptr=cache, v_cache_ptr=cache, k_scale_cache_ptr="fp32",
+               v_scale_cache_ptr="fp32", block_tables_ptr="i32", seq_lens_ptr="i32", qsl_ptr="i32")
+    # int8 rows: 132 bytes at head_dim 128, 4 KV heads: slot stride 528 bytes (132 words), head stride 132 (33)
+    unaligned = {f"stride_{t}_{d}" for t in ("kc", "vc", "ks", "vs") for d in ("s", "h")} if kv == "int8" else set()
     sig, attrs = {}, {}
     for i, name in enumerate(_paged_attention_kernel.arg_names):
         if name in const:
@@ -55,7 +62,7 @@ def compile_sm90(cfg: dict, kv: str = "bf16", q: str = "bf16"):
             sig[name] = "fp32"
         else:
             sig[name] = "i32"
-            if name.startswith("stride") and name != "stride_bt":
+            if name.startswith("stride") and name != "stride_bt" and name not in unaligned:
                 attrs[(i,)] = [["tt.divisibility", 16]]
     opts = dict(num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     if cfg.get("maxnreg"):
@@ -70,12 +77,20 @@ def report(label: str, cfg: dict, kv: str = "bf16") -> None:
         f.write(c.asm["cubin"])
         f.flush()
         usage = subprocess.run([CUOBJDUMP, "--dump-resource-usage", f.name], capture_output=True, text=True).stdout
+        sass = subprocess.run([CUOBJDUMP, "-sass", f.name], capture_output=True, text=True).stdout
     fields = dict(x.split(":", 1) for x in usage.split() if x.startswith(("REG:", "STACK:")))
     ptx = c.asm["ptx"]
     feats = [n for n, k in (("wgmma", "wgmma"), ("cp.async", "cp.async.cg"), ("tma", "cp.async.bulk.tensor"))
              if k in ptx]
+    # SASS: instructions in all, and the global loads by width (LDG, or LDGSTS = cp.async; .128 = 16 bytes)
+    ins = [ln.split("*/", 1)[1].split(";")[0].split() for ln in sass.splitlines() if ln.lstrip().startswith("/*")
+           and "*/" in ln and ln.split("*/", 1)[1].strip()]
+    ops = [w[1] if w[0].startswith("@") and len(w) > 1 else w[0] for w in ins if w]
+    loads = [o for o in ops if o.startswith(("LDG.", "LDGSTS."))]
+    wide = sum(o.endswith(".128") for o in loads)
     print(f"{label:10s} kv={kv:7s} {str(cfg):100s} regs {fields.get('REG', '?'):>3s}  spilled "
-          f"{fields.get('STACK', '?'):>4s} B  smem {c.metadata.shared:6d} B  {','.join(feats)}", flush=True)
+          f"{fields.get('STACK', '?'):>4s} B  smem {c.metadata.shared:6d} B  sass {len(ops):5d} (global loads "
+          f"{wide} x 16 B, {len(loads) - wide} narrower)  {','.join(feats)}", flush=True)
 
 
 def main() -> None:
@@ -84,6 +99,11 @@ def main() -> None:
             report("prefill", cfg, kv)
     report("decode", default_config(64, 64, 4, QPK, HEAD_DIM, 1, 4096, 132))
     report("decode", default_config(64, 64, 4, QPK, HEAD_DIM, 1, 4096, 132, kv_fp8=True), "fp8e4nv")
+    big = default_config(256, 256, 4, QPK, HEAD_DIM, 1, 784, 132, kv_fp8=True)  # batch 256: the word walk
+    report("decode", big, "fp8e4nv")
+    for cfg in (dict(), dict(num_warps=8), dict(int8_align=1), dict(tile_n=64, int8_align=1),
+                dict(tile_n=64, num_stages=3, int8_align=1), dict(num_warps=8, int8_align=1)):
+        report("decode", {**default_config(256, 256, 4, QPK, HEAD_DIM, 1, 784, 132, kv_int8=True), **cfg}, "int8")
 
 
 if __name__ == "__main__":

@@ -16,7 +16,9 @@ fp8 caches are converted to the query dtype on load; k_scale is folded into the 
 output. An int8 cache (k_scale_cache / v_scale_cache: a float32 scale per slot and KV head, kernels/quant_int8.py)
 is converted exactly to the query dtype on load; each key's scale multiplies its column of raw scores, each
 value's scale its column of probabilities before P @ V, so dequantization costs one multiply per score.
-Decodes read an 8-bit cache (fp8 at large batches, int8 always) as int32 words of four values (FP8X4).
+Decodes read an 8-bit cache (fp8 at large batches, int8 always) as int32 words of four values (FP8X4); an int8
+cache's rows (head_dim + 4 bytes) may instead be read from the 16-byte boundary below them with 16-byte loads
+(config int8_align, ALIGN16: _attend_tiles_words).
 """
 from __future__ import annotations
 
@@ -337,12 +339,14 @@ def _int8x4_unpack(w, dtype: tl.constexpr, ASM: tl.constexpr):
 
 @triton.jit
 def _attend_tiles_words(
-    acc0, acc1, acc2, acc3,  # [BLOCK_M, HEAD_DIM // 4] each: output columns 4i + j in acc_j
+    acc0, acc1, acc2, acc3,  # [BLOCK_M, HEAD_DIM // 4] each: output columns 4i + j in acc_j (ALIGN: shifted)
+    acc_t,  # ALIGN: [BLOCK_M, 32] the output columns of the rows' last 8 words (else unused)
     l_i, m_i,
     v_unit,  # INT8: acc holds the output over this (the last tile's largest value scale); else 1
-    q0, q1, q2, q3,  # [BLOCK_M, HEAD_DIM // 4] each: query columns 4i + j in q_j
+    q0, q1, q2, q3,  # [BLOCK_M, HEAD_DIM // 4] each: query columns 4i + j in q_j (ALIGN: shifted)
+    q_t,  # ALIGN: [BLOCK_M, 16] the query columns of the rows' tail words, 0 where the tail holds no value
     q_pos, bt_row_ptr,
-    kc_ptr, vc_ptr,  # int32 views of the 8-bit cache, offset to this KV head
+    kc_ptr, vc_ptr,  # int32 views of the 8-bit cache, offset to this KV head (ALIGN: to the 16 bytes below it)
     stride_kc_b, stride_kc_s, stride_vc_b, stride_vc_s,  # in int32 words
     ks_ptr, vs_ptr,  # INT8: the slots' k/v scales, offset to this KV head
     stride_ks_b, stride_ks_s, stride_vs_b, stride_vs_s,
@@ -350,6 +354,7 @@ def _attend_tiles_words(
     HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr, MASK: tl.constexpr,
     PRECISION: tl.constexpr, ASM: tl.constexpr,
     INT8: tl.constexpr,  # int8 values with a scale per slot (else fp8 e4m3 with the launch's k/v scales)
+    ALIGN: tl.constexpr,  # INT8: rows read from the 16-byte boundary below them, 16-byte loads (see below)
 ):
     """_attend_tiles over an 8-bit cache (fp8 or int8) read four values per load: one 32-bit address per four keys'
     (or values') bytes instead of one per byte, which is what bounded the byte-wise fp8 walk (docs/kernels.md); an
@@ -359,9 +364,20 @@ def _attend_tiles_words(
 
     INT8: the raw scores times each key's scale; P times each value's scale over the tile's largest, so the P @ V
     operands stay in [0, 1] (fp16 dots neither overflow nor lose small products to subnormals), and the ratio of
-    the previous tile's largest to this one's joins the factor that rescales acc."""
+    the previous tile's largest to this one's joins the factor that rescales acc.
+
+    ALIGN (int8): every row of this KV head starts the same SHIFT words (0-3) past a 16-byte boundary (the launcher
+    checks the strides), so each row is read as head_dim / 4 words from that boundary (16-byte loads: row words
+    -SHIFT .. head_dim / 4 - 1 - SHIFT, the first SHIFT of them the row before's) and a 16-byte tail after them
+    (bytes: the row's last 4 SHIFT values, its scale, the next row's first bytes). q0..q3 and q_t are loaded
+    shifted to match, zero where the words hold no value of this row (int8 bytes of any kind convert to finite
+    values, so q = 0 cancels them); the tail's scores are one more dot (K = 16). The values' tail dot reads 32 bytes,
+    the 16 before the tail too (a dot of N = 16 made Triton lay every dot's warps along the 16 rows, 4x the
+    work), and its first 16 output columns are dropped on the store."""
     d4 = tl.arange(0, HEAD_DIM // 4)
     n = tl.arange(0, TILE_N)
+    b16 = tl.arange(0, 16)
+    b32 = tl.arange(0, 32)
     for t in range(tile_lo, tile_hi):
         keys = t * TILE_N + n  # [TILE_N]
         key_ok = keys < kv_end
@@ -370,14 +386,28 @@ def _attend_tiles_words(
         else:
             blk = tl.load(bt_row_ptr + keys // BLOCK_SIZE).to(tl.int64)
         off = keys % BLOCK_SIZE
-        k_ptrs = kc_ptr + blk[None, :] * stride_kc_b + off[None, :] * stride_kc_s + d4[:, None]  # [D / 4, N]
-        v_ptrs = vc_ptr + blk[:, None] * stride_vc_b + off[:, None] * stride_vc_s + d4[None, :]  # [N, D / 4]
+        k_rows = blk * stride_kc_b + off * stride_kc_s  # [TILE_N] in words (ALIGN: multiples of 4)
+        v_rows = blk * stride_vc_b + off * stride_vc_s
+        if ALIGN:  # (a hint on the strides alone does not reach the loads' alignment analysis)
+            k_rows = tl.multiple_of(k_rows, 4)
+            v_rows = tl.multiple_of(v_rows, 4)
+        k_ptrs = kc_ptr + k_rows[None, :] + d4[:, None]  # [D / 4, N]
+        v_ptrs = vc_ptr + v_rows[:, None] + d4[None, :]  # [N, D / 4]
         if MASK != 0:  # words past kv_end read as 0 (four zeros): a stale cache tail may hold NaN bytes
             kw = tl.load(k_ptrs, mask=key_ok[None, :], other=0)
             vw = tl.load(v_ptrs, mask=key_ok[:, None], other=0)
         else:
             kw = tl.load(k_ptrs)
             vw = tl.load(v_ptrs)
+        if ALIGN:  # keys: the 16 bytes after the head_dim / 4 words [16, N]; values: the 32 ending there [N, 32]
+            kt_ptrs = kc_ptr.to(tl.pointer_type(tl.int8)) + (k_rows * 4 + HEAD_DIM)[None, :] + b16[:, None]
+            vt_ptrs = vc_ptr.to(tl.pointer_type(tl.int8)) + (v_rows * 4 + HEAD_DIM - 16)[:, None] + b32[None, :]
+            if MASK != 0:
+                kt = tl.load(kt_ptrs, mask=key_ok[None, :], other=0)
+                vt = tl.load(vt_ptrs, mask=key_ok[:, None], other=0)
+            else:
+                kt = tl.load(kt_ptrs)
+                vt = tl.load(vt_ptrs)
         if INT8:  # masked keys' scales read as 0: a stale slot's scale may be NaN
             ks_ptrs = ks_ptr + blk * stride_ks_b + off * stride_ks_s  # [TILE_N]
             vs_ptrs = vs_ptr + blk * stride_vs_b + off * stride_vs_s
@@ -394,6 +424,8 @@ def _attend_tiles_words(
         s = tl.dot(q1, k1, s, input_precision=PRECISION)
         s = tl.dot(q2, k2, s, input_precision=PRECISION)
         s = tl.dot(q3, k3, s, input_precision=PRECISION)
+        if ALIGN:
+            s = tl.dot(q_t, kt.to(q0.dtype), s, input_precision=PRECISION)
         if INT8:
             s = s * k_row_scale[None, :]
         p, alpha, l_i, m_i = _online_softmax(s, l_i, m_i, q_pos, keys, key_ok, qk_scale, MASK)
@@ -411,15 +443,17 @@ def _attend_tiles_words(
         acc1 = tl.dot(p, v1, acc1 * alpha[:, None], input_precision=PRECISION)
         acc2 = tl.dot(p, v2, acc2 * alpha[:, None], input_precision=PRECISION)
         acc3 = tl.dot(p, v3, acc3 * alpha[:, None], input_precision=PRECISION)
-    return acc0, acc1, acc2, acc3, l_i, m_i, v_unit
+        if ALIGN:
+            acc_t = tl.dot(p, vt.to(q0.dtype), acc_t * alpha[:, None], input_precision=PRECISION)
+    return acc0, acc1, acc2, acc3, acc_t, l_i, m_i, v_unit
 
 
 @triton.jit
 def _load_q(q_base, q_rows, row_ok, cols, HEAD_DIM: tl.constexpr, DOT_FP32: tl.constexpr,
             FP8_VIA_FP16: tl.constexpr):
-    """The row tile's queries at columns cols, in the dots' operand dtype."""
-    q = tl.load(q_base + q_rows[:, None] + cols[None, :], mask=row_ok[:, None] & (cols[None, :] < HEAD_DIM),
-                other=0.0)
+    """The row tile's queries at columns cols (0 outside [0, HEAD_DIM)), in the dots' operand dtype."""
+    col_ok = (cols >= 0) & (cols < HEAD_DIM)
+    q = tl.load(q_base + q_rows[:, None] + cols[None, :], mask=row_ok[:, None] & col_ok[None, :], other=0.0)
     if DOT_FP32:
         q = q.to(tl.float32)
     elif FP8_VIA_FP16:
@@ -430,14 +464,27 @@ def _load_q(q_base, q_rows, row_ok, cols, HEAD_DIM: tl.constexpr, DOT_FP32: tl.c
 
 
 @triton.jit
-def _store_fp8x4_parts(ptrs, factor, a0, a1, a2, a3, row_ok, HEAD_DIM: tl.constexpr):
-    """Stores the four column sets (4i + j in a_j) of a row tile, times factor, at ptrs [BLOCK_M, 1] + column."""
+def _store_fp8x4_parts(ptrs, factor, a0, a1, a2, a3, a_t, shift, row_ok, HEAD_DIM: tl.constexpr,
+                       ALIGN: tl.constexpr):
+    """Stores the four column sets (4i + j in a_j) of a row tile, times factor, at ptrs [BLOCK_M, 1] + column.
+    ALIGN: the column sets are shifted by shift words (4 (i - shift) + j in a_j; the first shift words hold no
+    column) and a_t [BLOCK_M, 32] holds columns HEAD_DIM - 16 - 4 shift + b, of which b >= 16 and < HEAD_DIM are
+    stored, as _attend_tiles_words' ALIGN leaves them."""
     cols = tl.arange(0, HEAD_DIM // 4) * 4
     ty = ptrs.dtype.element_ty
-    tl.store(ptrs + cols[None, :], (a0 * factor).to(ty), mask=row_ok[:, None])
-    tl.store(ptrs + (cols + 1)[None, :], (a1 * factor).to(ty), mask=row_ok[:, None])
-    tl.store(ptrs + (cols + 2)[None, :], (a2 * factor).to(ty), mask=row_ok[:, None])
-    tl.store(ptrs + (cols + 3)[None, :], (a3 * factor).to(ty), mask=row_ok[:, None])
+    if ALIGN:
+        cols = cols - 4 * shift
+        ok = row_ok[:, None] & (cols >= 0)[None, :]
+        b = tl.arange(0, 32)
+        cols_t = b + (HEAD_DIM - 16 - 4 * shift)
+        tl.store(ptrs + cols_t[None, :], (a_t * factor).to(ty),
+                 mask=row_ok[:, None] & ((b >= 16) & (cols_t < HEAD_DIM))[None, :])
+    else:
+        ok = row_ok[:, None]
+    tl.store(ptrs + cols[None, :], (a0 * factor).to(ty), mask=ok)
+    tl.store(ptrs + (cols + 1)[None, :], (a1 * factor).to(ty), mask=ok)
+    tl.store(ptrs + (cols + 2)[None, :], (a2 * factor).to(ty), mask=ok)
+    tl.store(ptrs + (cols + 3)[None, :], (a3 * factor).to(ty), mask=ok)
 
 
 @triton.jit
@@ -498,6 +545,7 @@ def _paged_attention_kernel(
     FP8X4: tl.constexpr,  # an 8-bit cache (fp8, int8) read as int32 words of four values (k/v_cache_ptr, strides in
     #                       words): 0 no, 1 unpacked by shifts and casts, 2 by PTX (fp16 dots on a GPU)
     INT8: tl.constexpr,  # an int8 cache with a scale per slot and KV head
+    ALIGN16: tl.constexpr,  # FP8X4 and INT8: rows read from the 16-byte boundary below them (_attend_tiles_words)
 ):
     # Last query blocks first: under the causal mask they see the most keys, so the cheap ones fill the tail.
     q_block = tl.num_programs(0) - 1 - tl.program_id(0)
@@ -545,25 +593,35 @@ def _paged_attention_kernel(
             tile_hi = num_tiles
     if FP8X4:
         d4 = tl.arange(0, HEAD_DIM // 4) * 4
-        q0 = _load_q(q_base, q_rows, row_ok, d4, HEAD_DIM, DOT_FP32, FP8_VIA_FP16)
-        q1 = _load_q(q_base, q_rows, row_ok, d4 + 1, HEAD_DIM, DOT_FP32, FP8_VIA_FP16)
-        q2 = _load_q(q_base, q_rows, row_ok, d4 + 2, HEAD_DIM, DOT_FP32, FP8_VIA_FP16)
-        q3 = _load_q(q_base, q_rows, row_ok, d4 + 3, HEAD_DIM, DOT_FP32, FP8_VIA_FP16)
+        k_shift = 0
+        v_shift = 0
+        if ALIGN16:  # rows from the 16-byte boundary below this KV head's (the launcher checked the strides)
+            k_shift = (kv_head * stride_kc_h) % 4
+            v_shift = (kv_head * stride_vc_h) % 4
+            kc_ptr = k_cache_ptr + tl.multiple_of(kv_head * stride_kc_h - k_shift, 4)
+            vc_ptr = v_cache_ptr + tl.multiple_of(kv_head * stride_vc_h - v_shift, 4)
+        q0 = _load_q(q_base, q_rows, row_ok, d4 - 4 * k_shift, HEAD_DIM, DOT_FP32, FP8_VIA_FP16)
+        q1 = _load_q(q_base, q_rows, row_ok, d4 - 4 * k_shift + 1, HEAD_DIM, DOT_FP32, FP8_VIA_FP16)
+        q2 = _load_q(q_base, q_rows, row_ok, d4 - 4 * k_shift + 2, HEAD_DIM, DOT_FP32, FP8_VIA_FP16)
+        q3 = _load_q(q_base, q_rows, row_ok, d4 - 4 * k_shift + 3, HEAD_DIM, DOT_FP32, FP8_VIA_FP16)
+        q_t = _load_q(q_base, q_rows, row_ok, tl.arange(0, 16) + (HEAD_DIM - 4 * k_shift), HEAD_DIM, DOT_FP32,
+                      FP8_VIA_FP16)
         acc0 = tl.zeros([BLOCK_M, HEAD_DIM // 4], dtype=tl.float32)
         acc1 = tl.zeros([BLOCK_M, HEAD_DIM // 4], dtype=tl.float32)
         acc2 = tl.zeros([BLOCK_M, HEAD_DIM // 4], dtype=tl.float32)
         acc3 = tl.zeros([BLOCK_M, HEAD_DIM // 4], dtype=tl.float32)
+        acc_t = tl.zeros([BLOCK_M, 32], dtype=tl.float32)
         v_unit = tl.full([], 1.0, tl.float32)
-        acc0, acc1, acc2, acc3, l_i, m_i, v_unit = _attend_tiles_words(
-            acc0, acc1, acc2, acc3, l_i, m_i, v_unit, q0, q1, q2, q3, q_pos, bt_row_ptr, kc_ptr, vc_ptr,
+        acc0, acc1, acc2, acc3, acc_t, l_i, m_i, v_unit = _attend_tiles_words(
+            acc0, acc1, acc2, acc3, acc_t, l_i, m_i, v_unit, q0, q1, q2, q3, q_t, q_pos, bt_row_ptr, kc_ptr, vc_ptr,
             stride_kc_b, stride_kc_s, stride_vc_b, stride_vc_s, ks_ptr, vs_ptr, stride_ks_b, stride_ks_s, stride_vs_b,
             stride_vs_s, qk_scale, kv_end, tile_lo, tl.minimum(tile_hi, full_tiles), HEAD_DIM, BLOCK_SIZE, TILE_N, 0,
-            PRECISION, FP8X4 == 2, INT8)
-        acc0, acc1, acc2, acc3, l_i, m_i, v_unit = _attend_tiles_words(
-            acc0, acc1, acc2, acc3, l_i, m_i, v_unit, q0, q1, q2, q3, q_pos, bt_row_ptr, kc_ptr, vc_ptr,
+            PRECISION, FP8X4 == 2, INT8, ALIGN16)
+        acc0, acc1, acc2, acc3, acc_t, l_i, m_i, v_unit = _attend_tiles_words(
+            acc0, acc1, acc2, acc3, acc_t, l_i, m_i, v_unit, q0, q1, q2, q3, q_t, q_pos, bt_row_ptr, kc_ptr, vc_ptr,
             stride_kc_b, stride_kc_s, stride_vc_b, stride_vc_s, ks_ptr, vs_ptr, stride_ks_b, stride_ks_s, stride_vs_b,
             stride_vs_s, qk_scale, kv_end, tl.maximum(tile_lo, full_tiles), tile_hi, HEAD_DIM, BLOCK_SIZE, TILE_N, 1,
-            PRECISION, FP8X4 == 2, INT8)
+            PRECISION, FP8X4 == 2, INT8, ALIGN16)
     elif NEW_KV == 0:
         q = _load_q(q_base, q_rows, row_ok, d, HEAD_DIM, DOT_FP32, FP8_VIA_FP16)
         acc, l_i, m_i = _attend_tiles(
@@ -629,7 +687,8 @@ def _paged_attention_kernel(
         o_base = out_ptr + (q_start + q_first).to(tl.int64) * stride_o_t + kv_head * QUERIES_PER_KV * stride_o_h
         o_rows = (rows // QUERIES_PER_KV) * stride_o_t + (rows % QUERIES_PER_KV) * stride_o_h  # [BLOCK_M]
         if FP8X4:
-            _store_fp8x4_parts(o_base + o_rows[:, None], factor * v_unit, acc0, acc1, acc2, acc3, row_ok, HEAD_DIM)
+            _store_fp8x4_parts(o_base + o_rows[:, None], factor * v_unit, acc0, acc1, acc2, acc3, acc_t, v_shift,
+                               row_ok, HEAD_DIM, ALIGN16)
         else:
             tl.store(o_base + o_rows[:, None] + d[None, :], (acc * factor).to(out_ptr.dtype.element_ty),
                      mask=row_ok[:, None] & d_ok)
@@ -639,7 +698,7 @@ def _paged_attention_kernel(
         part = (tok * num_heads + heads) * NUM_SEGMENTS + segment  # [BLOCK_M]
         if FP8X4:
             _store_fp8x4_parts(seg_out_ptr + part[:, None] * HEAD_DIM_PAD, v_scale * v_unit, acc0, acc1, acc2, acc3,
-                               row_ok, HEAD_DIM)
+                               acc_t, v_shift, row_ok, HEAD_DIM, ALIGN16)
         else:
             tl.store(seg_out_ptr + part[:, None] * HEAD_DIM_PAD + d[None, :], acc * v_scale, mask=row_ok[:, None])
         tl.store(seg_max_ptr + part, m_i, mask=row_ok)
@@ -690,6 +749,18 @@ def _cache_words(cache: torch.Tensor) -> torch.Tensor | None:
     return cache.view(torch.int32)
 
 
+def _align16_ok(cache: torch.Tensor) -> bool:
+    """Whether the word walk may read an int8 cache [num_blocks, block_size, num_kv_heads, head_dim] (whose words
+    _cache_words gave) from the 16-byte boundary below each row, with a 16-byte tail after its head_dim values
+    (_attend_tiles_words' ALIGN): a 16-byte aligned start, block and slot strides of whole 16 bytes (so every row of
+    a KV head sits the same distance past a boundary), and the last row's tail inside the tensor's storage."""
+    if cache.data_ptr() % 16 or any(st <= 0 or st % 16 for st in cache.stride()[:2]) or cache.stride(2) <= 0:
+        return False
+    last = sum((n - 1) * st for n, st in zip(cache.shape[:3], cache.stride()[:3]))  # bytes to the highest row
+    tail_end = last - last % 16 + cache.shape[3] + 16
+    return tail_end <= cache.untyped_storage().nbytes() - cache.storage_offset() * cache.element_size()
+
+
 LAST_LAUNCH: dict = {}  # the last compiled attention kernel (bench/kernels.py reads its registers and spills)
 
 
@@ -700,6 +771,14 @@ PREFILL_MAX_BLOCK_M = 128
 # TMA is a little faster in the kernel but costs the host more per launch (descriptors), and a short prefill's step is
 # bound by the host, not the GPU: off by default (measured: bench/ttft_profile.py, bench/RESULTS.md).
 PREFILL_NEW_KV = 0
+
+
+# Decodes over an int8 cache, their own settings over the shared ones above (bench/int8_attn_sweep.py times the
+# alternatives on the H200): two stages (bench/RESULTS.md, "INT8 KV cache"); int8_align 1 reads the rows from the
+# 16-byte boundary below them, 16-byte loads (_attend_tiles_words' ALIGN; where the cache's strides allow), not yet
+# measured on a GPU. INT8_DECODE_SPLIT: launches that split the context (small batches).
+INT8_DECODE: dict[str, int] = dict(num_warps=4, num_stages=2, int8_align=0)
+INT8_DECODE_SPLIT: dict[str, int] = dict(num_warps=4, num_stages=2, int8_align=0)
 
 
 def default_config(
@@ -727,8 +806,11 @@ def default_config(
         # An int8 cache always: its rows (head_dim + 4 bytes) are only word-aligned, so its byte loads could not be
         # vectorized and the byte walk spilled (bench/RESULTS.md, "INT8 KV cache").
         fp8x4 = 2 if kv_int8 or (kv_fp8 and num_seqs * num_kv_heads * num_segments >= 4 * num_sms) else 0
-        return dict(block_m=min_m, tile_n=tile_n, num_segments=num_segments, num_warps=4,
-                    num_stages=2 if kv_fp8 or kv_int8 else 3, fp8_via_fp16=1, new_kv=0, maxnreg=0, fp8x4=fp8x4)
+        cfg = dict(block_m=min_m, tile_n=tile_n, num_segments=num_segments, num_warps=4,
+                   num_stages=2 if kv_fp8 else 3, fp8_via_fp16=1, new_kv=0, maxnreg=0, fp8x4=fp8x4, int8_align=0)
+        if kv_int8:
+            cfg.update(INT8_DECODE_SPLIT if num_segments > 1 else INT8_DECODE)
+        return cfg
     # Prefill chunks, maybe with decodes: each sequence costs ~(its queries * queries_per_kv + BLOCK_M of padding
     # in its last tile) rows; large tiles run the tensor cores better (relative rates measured on the H200).
     efficiency = {16: 0.35, 32: 0.6, 64: 0.92, 128: 1.0, 256: 1.22}
@@ -753,7 +835,7 @@ def _prefill_config(block_m: int, head_dim: int, q_bytes: int = 2, kv_fp8: bool 
     capped = block_m == 128 and q_bytes == 2 and not kv_fp8 and head_dim <= 128
     return dict(block_m=block_m, tile_n=64 if head_dim <= 128 else 32, num_segments=1,
                 num_warps={256: 16, 128: 8}.get(block_m, 4), num_stages=2 if block_m >= 64 else 3, fp8_via_fp16=1,
-                new_kv=PREFILL_NEW_KV, maxnreg=128 if capped else 0, fp8x4=0)
+                new_kv=PREFILL_NEW_KV, maxnreg=128 if capped else 0, fp8x4=0, int8_align=0)
 
 
 # The prefill launch configurations the H200 sweep compares at Qwen2.5-7B shapes (bench/kernels.py --sweep times
@@ -795,7 +877,8 @@ def paged_attention_triton(
     v_scale: float = 1.0,
     *,
     out: torch.Tensor | None = None,  # [num_tokens, num_heads, head_dim] to write into (else allocated)
-    config: dict[str, int] | None = None,  # overrides default_config's entries (tests and bench/kernels.py)
+    config: dict[str, int] | None = None,  # overrides default_config's entries (tests, bench/kernels.py and
+    #                                         bench/int8_attn_sweep.py)
     k: torch.Tensor | None = None,  # [num_tokens, num_kv_heads, head_dim] this step's keys, as written to the cache
     v: torch.Tensor | None = None,  # [num_tokens, num_kv_heads, head_dim] this step's values
     k_scale_cache: torch.Tensor | None = None,  # [num_blocks, block_size, num_kv_heads] float32 (int8 cache)
@@ -883,7 +966,7 @@ def paged_attention_triton(
         k = v = q  # unused
     via_fp16 = bool(cfg["fp8_via_fp16"]) and q.dtype == torch.bfloat16
     fp8_via_fp16 = via_fp16 and k_cache.dtype == FP8_DTYPE
-    kc, vc, fp8x4 = k_cache, v_cache, 0
+    kc, vc, fp8x4, align16 = k_cache, v_cache, 0, False
     if cfg["fp8x4"] and head_dim == head_dim_pad and head_dim % 64 == 0:  # an 8-bit cache only (_cache_words)
         k_words, v_words = _cache_words(k_cache), _cache_words(v_cache)
         if k_words is not None and v_words is not None:
@@ -892,6 +975,7 @@ def paged_attention_triton(
             fp8x4 = 2 if cfg["fp8x4"] == 2 and not dot_fp32 and (via_fp16 or q.dtype == torch.float16) else 1
             if int8:  # bf16 queries as fp16 for the PTX conversion's fp16 dots (the word walk keeps P in [0, 1])
                 fp8_via_fp16 = fp8x4 == 2 and q.dtype == torch.bfloat16
+                align16 = bool(cfg["int8_align"]) and _align16_ok(k_cache) and _align16_ok(v_cache)
     ks, vs = (k_scale_cache, v_scale_cache) if int8 else (kc[:, :, :, 0], vc[:, :, :, 0])  # unused without int8
     grid = (num_tokens // block_q + num_seqs, num_kv_heads, num_segments)
     maxnreg = {} if interpreting() or not cfg["maxnreg"] else {"maxnreg": cfg["maxnreg"]}
@@ -911,7 +995,8 @@ def paged_attention_triton(
         BLOCK_M=block_m, BLOCK_Q=block_q, TILE_N=tile_n, NUM_SEGMENTS=num_segments,
         DOT_FP32=dot_fp32, PRECISION="ieee" if dot_fp32 else "tf32",
         FP8_VIA_FP16=fp8_via_fp16,
-        NEW_KV=new_kv, OPAQUE_ZERO=not interpreting(), FP8X4=fp8x4, INT8=int8, num_warps=cfg["num_warps"],
+        NEW_KV=new_kv, OPAQUE_ZERO=not interpreting(), FP8X4=fp8x4, INT8=int8, ALIGN16=align16,
+        num_warps=cfg["num_warps"],
         num_stages=cfg["num_stages"], **maxnreg,
     )
     if num_segments > 1:

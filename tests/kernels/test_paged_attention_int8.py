@@ -138,3 +138,45 @@ def test_decodes_read_an_int8_cache_in_words():
     for batch, seq_len in ((1, 640), (256, 640), (64, 4096)):
         cfg = default_config(batch, batch, 4, 7, 128, 1, seq_len, 132, kv_int8=True)
         assert cfg["fp8x4"] == 2 and cfg["num_stages"] == 2, cfg
+        assert cfg["int8_align"] in (0, 1) and cfg["num_warps"] in (4, 8), cfg
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])  # on CUDA: the PTX conversion, the shifts
+@pytest.mark.parametrize("num_segments,tile_n", [(1, 16), (1, 64), (4, 16)])
+def test_int8_cache_read_from_16_byte_boundaries(dtype, num_segments, tile_n):
+    # int8_align: the word walk reads each row from the 16-byte boundary below it plus a 16-byte tail. Four KV heads
+    # of the engine layout (132-byte rows at head_dim 128, 68 at 64) start 0, 1, 2 and 3 words past a boundary, so
+    # every shift of the queries, the tails and the output columns is met; value scales spread as above.
+    from kernels.paged_attention import _align16_ok
+    specs = [(1, 1), (1, 17), (1, 150), (1, 63), (1, 64)]
+    if num_segments == 1:
+        specs += [(9, 9), (20, 20 + 33), (5, 5 + 2 * tile_n)]
+    for head_dim in (64, 128):
+        args = int8_batch(specs, 16, 4, head_dim, 16, dtype, seed=head_dim + num_segments + tile_n)
+        assert _align16_ok(args["k_cache"]) and _align16_ok(args["v_cache"])
+        gen = torch.Generator().manual_seed(head_dim)
+        spread = 10.0 ** torch.empty(args["v_scale_cache"].shape).uniform_(-6, 3, generator=gen)
+        args["v_scale_cache"].mul_(spread.to(DEVICE))
+        check(args, config=dict(fp8x4=2, num_segments=num_segments, tile_n=tile_n, block_m=16, int8_align=1))
+
+
+def test_int8_align_falls_back_where_the_layout_does_not_allow_it():
+    # Two KV heads: 264-byte slots, so a head's rows sit at different distances past a boundary; the launch takes
+    # the plain word walk instead (same result).
+    from kernels.paged_attention import _align16_ok
+    args = int8_batch([(1, 40), (3, 3 + 20)], 8, 2, 128, 16, torch.float32, seed=5)
+    assert not _align16_ok(args["k_cache"])
+    check(args, config=dict(fp8x4=1, tile_n=16, block_m=16, int8_align=1))
+
+
+def test_align16_ok_keeps_the_last_tail_inside_the_storage():
+    # [2 blocks, 16 slots, 2 heads, 128 values] in 132-byte rows, a 528-byte slot pitch: the last row (head 1)
+    # starts 4 bytes past a boundary, so its tail ends 8 bytes past its scale; a storage that ends at the scale is
+    # refused.
+    shape, stride = (2, 16, 2, 128), (16 * 528, 528, 132, 1)
+    last_end = 8448 + 15 * 528 + 132 + 132
+    tight = torch.empty(last_end, dtype=torch.int8).as_strided(shape, stride)
+    roomy = torch.empty(last_end + 8, dtype=torch.int8).as_strided(shape, stride)
+    from kernels.paged_attention import _align16_ok
+    assert not _align16_ok(tight) and _align16_ok(roomy)
+    assert not _align16_ok(roomy.as_strided(shape, (16 * 528, 520, 132, 1)))  # slot pitch not whole 16 bytes
