@@ -47,6 +47,15 @@ TILES = [
 ]
 
 
+# the paired 16-bit dequantization (W4TcConfig.pairs): (block_m, block_n, block_k, warps, stages, swap)
+PAIR_TILES = [
+    (128, 128, 64, 8, 3, False), (128, 64, 64, 4, 4, False), (64, 128, 64, 4, 4, False), (128, 256, 64, 8, 3, False),
+    (128, 128, 128, 8, 3, False), (256, 128, 64, 8, 3, False), (64, 64, 64, 4, 4, False),
+    (128, 128, 64, 8, 3, True), (64, 128, 64, 4, 4, True), (256, 128, 64, 8, 3, True), (128, 64, 64, 4, 4, True),
+    (32, 128, 128, 4, 4, True),
+]
+
+
 def split_for(m: int, n: int, k: int, bm: int, bn: int, bk: int, num_sms: int) -> int:
     tiles = -(-m // bm) * -(-n // bn)
     if tiles >= num_sms:
@@ -54,12 +63,15 @@ def split_for(m: int, n: int, k: int, bm: int, bn: int, bk: int, num_sms: int) -
     return max(1, min(-(-num_sms // tiles), k // (2 * bk)))
 
 
-def candidates(m: int, n: int, k: int, group: int, num_sms: int) -> list[W4TcConfig]:
+def candidates(m: int, n: int, k: int, group: int, num_sms: int, which: str = "all") -> list[W4TcConfig]:
+    tiles = [] if which == "pairs" else [t + (False,) for t in TILES]
+    tiles += [t + ("reshape", True) for t in PAIR_TILES]
     out = []
-    for bm, bn, bk, w, st, swap, unpack in TILES:
+    for bm, bn, bk, w, st, swap, unpack, pairs in tiles:
         if group % bk or (bm > 2 * max(m, 16) and bm > 64):
             continue
-        out.append(W4TcConfig(bm, bn, bk, w, st, swap, unpack, split_for(m, n, k, bm, bn, bk, num_sms)))
+        out.append(W4TcConfig(bm, bn, bk, w, st, swap, unpack, split_for(m, n, k, bm, bn, bk, num_sms),
+                              pairs=pairs))
     return out
 
 
@@ -121,6 +133,7 @@ def main(argv=None) -> int:
     p.add_argument("--table-out")
     p.add_argument("--json")
     p.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU (TRITON_INTERPRET=1)")
+    p.add_argument("--tiles", choices=["all", "pairs"], default="all", help="pairs: only the paired-dequant tiles")
     p.add_argument("--no-sweep", action="store_true", help="time bf16, the old GEMM, dequantize + cuBLAS and the "
                    "engine's batch path (w4a16_batch_triton) only")
     args = p.parse_args(argv)
@@ -131,7 +144,7 @@ def main(argv=None) -> int:
     num_sms = torch.cuda.get_device_properties(0).multi_processor_count if device == "cuda" else 4
     if device == "cuda" and not args.smoke and not args.no_sweep:
         precompile([(s, m, args.group_size, c) for s in args.shapes for m in args.m
-                    for c in candidates(m, *SHAPES[s][:2], args.group_size, num_sms)], args.workers)
+                    for c in candidates(m, *SHAPES[s][:2], args.group_size, num_sms, args.tiles)], args.workers)
     rows, table = [], {}
     for name in args.shapes:
         n, k, b = SHAPES[name]
@@ -162,8 +175,9 @@ def main(argv=None) -> int:
             if ok(w4a16_batch_triton(x, *w.args()), "batch"):
                 timed["batch"] = bench_us(lambda: w4a16_batch_triton(x, *w.args())) if device == "cuda" else 0.0
             tc = []
-            cands = candidates(m, n, k, args.group_size, num_sms) if not args.smoke else \
-                [W4TcConfig(16, 16, 32, 4, 1, s, u) for s in (True, False) for u in ("reshape", "gather")]
+            cands = candidates(m, n, k, args.group_size, num_sms, args.tiles) if not args.smoke else \
+                [W4TcConfig(16, 16, 32, 4, 1, s, u, pairs=pr) for s in (True, False) for u in ("reshape", "gather")
+                 for pr in (False, True)]
             if args.no_sweep:
                 cands = []
             for cfg in cands:

@@ -52,6 +52,10 @@ class W4TcConfig:
     unpack: str = "reshape"
     split_k: int = 1
     group_m: int = 8
+    pairs: bool = False
+    """Dequantize with paired 16-bit arithmetic (_dequant_word: per 8 weights 4 LOP3, 3 shifts and 8 FMA2s, against
+    ~6 float32 operations a weight); 16-bit x on the GPU only (float32 x and the interpreter keep the float32 path,
+    the interpreter emulating the pairs' layout)."""
 
     def __post_init__(self) -> None:
         for name in ("block_m", "block_n", "block_k", "num_warps"):
@@ -67,7 +71,79 @@ class W4TcConfig:
 
     def short(self) -> str:
         return (f"tc/{'swap' if self.swap else 'noswap'}/m{self.block_m}/n{self.block_n}/k{self.block_k}/"
-                f"w{self.num_warps}/st{self.num_stages}/{self.unpack}/s{self.split_k}")
+                f"w{self.num_warps}/st{self.num_stages}/{self.unpack}/s{self.split_k}" + ("/pairs" if self.pairs else ""))
+
+
+@triton.jit
+def _dequant_word(words, zz, ss, F16: tl.constexpr, ASM: tl.constexpr):
+    """The 8 weights of each int32 word ((q_j - z) * s, j = 0..7, nibble j), each a tensor of words' shape in bf16
+    (F16: fp16). zz: int32 of -(M + z) twice in 16-bit halves, ss: s twice (M the magic: 128 for bf16, 1024 for
+    fp16, whose bits OR'ed with q are the 16-bit number M + q). ASM: per nibble pair (q_j, q_j+4), one LOP3 makes
+    (M + q_j, M + q_j+4), one FMA2 adds -(M + z) (exact: small integers), one FMA2 times s (the one rounding)."""
+    if ASM:
+        if F16:
+            magic = "0x64006400"
+            fma = "fma.rn.f16x2"
+            one = "0x3C003C00"
+        else:
+            magic = "0x43004300"
+            fma = "fma.rn.bf16x2"
+            one = "0x3F803F80"
+        steps = ""
+        for j in tl.static_range(4):
+            src = "$8" if j == 0 else "u"
+            if j > 0:
+                steps += f"shr.u32 u, $8, {4 * j};"
+            steps += (f"lop3.b32 t, {src}, 0x000F000F, {magic}, 0xEA; {fma} t, t, one, $9; {fma} t, t, $10, nz; "
+                      f"mov.b32 {{${j}, ${j + 4}}}, t;")
+        out_t = tl.float16 if F16 else tl.bfloat16
+        return tl.inline_asm_elementwise(
+            "{ .reg .b32 t, u, one, nz; mov.b32 one, " + one + "; mov.b32 nz, 0x80008000; " + steps + " }",
+            "=h,=h,=h,=h,=h,=h,=h,=h,r,r,r", [words, zz, ss], dtype=(out_t,) * 8, is_pure=True, pack=1)
+    else:  # the interpreter: the same values in float32 (zz's low half decoded back to -(M + z))
+        if F16:
+            mz = -((zz & 0x3FF).to(tl.float32) + 1024.0)
+        else:
+            mz = -((zz & 0x7F).to(tl.float32) + 128.0)
+        sf = (ss << 16).to(tl.float32, bitcast=True) if not F16 else \
+            (ss & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+        base = 1024.0 if F16 else 128.0
+        w0 = ((words & 0xF).to(tl.float32) + base + mz) * sf
+        w1 = (((words >> 4) & 0xF).to(tl.float32) + base + mz) * sf
+        w2 = (((words >> 8) & 0xF).to(tl.float32) + base + mz) * sf
+        w3 = (((words >> 12) & 0xF).to(tl.float32) + base + mz) * sf
+        w4 = (((words >> 16) & 0xF).to(tl.float32) + base + mz) * sf
+        w5 = (((words >> 20) & 0xF).to(tl.float32) + base + mz) * sf
+        w6 = (((words >> 24) & 0xF).to(tl.float32) + base + mz) * sf
+        w7 = (((words >> 28) & 0xF).to(tl.float32) + base + mz) * sf
+        return w0, w1, w2, w3, w4, w5, w6, w7
+
+
+@triton.jit
+def _stack_nibbles(w0, w1, w2, w3, w4, w5, w6, w7, WORDS_AXIS: tl.constexpr):
+    """Eight [A, B] tensors (w_j: nibble j of each word) -> the weights in input order along WORDS_AXIS (0: [8A, B],
+    row 8a + j; 1: [A, 8B], column 8b + j). The joins put j = b + 2a + 4c in three new trailing axes (b, a, c)."""
+    r = tl.join(tl.join(tl.join(w0, w1), tl.join(w2, w3)), tl.join(tl.join(w4, w5), tl.join(w6, w7)))
+    if WORDS_AXIS == 0:
+        return tl.reshape(tl.permute(r, (0, 4, 3, 2, 1)), (r.shape[0] * 8, r.shape[1]))
+    else:
+        return tl.reshape(tl.permute(r, (0, 1, 4, 3, 2)), (r.shape[0], r.shape[1] * 8))
+
+
+@triton.jit
+def _pair_operands(z_ptr, g_off, s, HAS_ZEROS: tl.constexpr, F16: tl.constexpr):
+    """zz and ss of _dequant_word for one group row: [BLOCK_N] int32 each."""
+    if HAS_ZEROS:
+        z = tl.load(z_ptr + g_off).to(tl.int32)
+    else:
+        z = tl.zeros(s.shape, dtype=tl.int32) + 8
+    if F16:
+        mz = 0xE400 | z  # -(1024 + z) in fp16 (z <= 16)
+        sb = s.to(tl.float16).to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
+    else:
+        mz = 0xC300 | z  # -(128 + z) in bf16
+        sb = s.to(tl.bfloat16).to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
+    return mz | (mz << 16), sb | (sb << 16)
 
 
 @triton.jit
@@ -95,6 +171,9 @@ def _w4a16_tc_kernel(
     HAS_PERM: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     DOT_FP32: tl.constexpr,  # float32 x, and the interpreter: float32 weights, exact products
+    PAIRS: tl.constexpr,  # _dequant_word's paired 16-bit dequantization (16-bit x)
+    F16: tl.constexpr,  # x is float16 (else bfloat16; PAIRS only)
+    ASM: tl.constexpr,  # PAIRS in PTX (else its float32 emulation: the interpreter)
 ):
     pid = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -123,44 +202,71 @@ def _w4a16_tc_kernel(
     for k0 in range(k_lo, k_hi, BLOCK_K):
         g_off = (k0 // group_size).to(tl.int64) * N + rn_c  # [BLOCK_N]
         s = tl.load(s_ptr + g_off).to(tl.float32)
-        if HAS_ZEROS:
-            zf = tl.load(z_ptr + g_off).to(tl.float32) + _MAGIC
-        else:
-            zf = tl.zeros((BLOCK_N,), dtype=tl.float32) + (_MAGIC + 8.0)
-        kk = k0 + rk
-        if HAS_PERM:
-            cols = tl.load(perm_ptr + kk)
-        else:
-            cols = kk
-        if SWAP:
-            # W^T tile [BLOCK_N, BLOCK_K]: element (n, k) is nibble k % 8 of word (k // 8, n)
-            if GATHER:
-                words = tl.load(qw_ptr + (kk // 8).to(tl.int64)[None, :] * N + rn_c[:, None])  # [BN, BK]
-                q = (words >> ((rk % 8) * 4)[None, :]) & 0xF
+        if PAIRS:
+            zz, ss = _pair_operands(z_ptr, g_off, s, HAS_ZEROS, F16)
+            kk = k0 + rk
+            if HAS_PERM:
+                cols = tl.load(perm_ptr + kk)
             else:
-                rows = (k0 // 8 + ri).to(tl.int64)
+                cols = kk
+            rows = (k0 // 8 + ri).to(tl.int64)
+            if SWAP:
                 words = tl.load(qw_ptr + rows[None, :] * N + rn_c[:, None])  # [BN, BK/8]
-                q = tl.reshape((words[:, :, None] >> shifts[None, None, :]) & 0xF, (BLOCK_N, BLOCK_K))
-            w = ((q | 0x4B000000).to(tl.float32, bitcast=True) - zf[:, None]) * s[:, None]
-            xt = tl.load(x_rows[None, :] + cols[:, None])  # [BK, BM]
-            if DOT_FP32:
-                acc = tl.dot(w, xt.to(tl.float32), acc, input_precision="ieee")
+                w0, w1, w2, w3, w4, w5, w6, w7 = _dequant_word(words, zz[:, None], ss[:, None], F16, ASM)
+                w = _stack_nibbles(w0, w1, w2, w3, w4, w5, w6, w7, 1)  # [BN, BK]
+                xt = tl.load(x_rows[None, :] + cols[:, None])  # [BK, BM]
+                if ASM:
+                    acc = tl.dot(w.to(xt.dtype), xt, acc)
+                else:  # (the interpreter's 16-bit dot is wrong: the rounded weights, multiplied in float32)
+                    acc = tl.dot(w.to(xt.dtype).to(tl.float32), xt.to(tl.float32), acc, input_precision="ieee")
             else:
-                acc = tl.dot(w.to(xt.dtype), xt, acc)
-        else:
-            if GATHER:
-                words = tl.load(qw_ptr + (kk // 8).to(tl.int64)[:, None] * N + rn_c[None, :])  # [BK, BN]
-                q = (words >> ((rk % 8) * 4)[:, None]) & 0xF
-            else:
-                rows = (k0 // 8 + ri).to(tl.int64)
                 words = tl.load(qw_ptr + rows[:, None] * N + rn_c[None, :])  # [BK/8, BN]
-                q = tl.reshape((words[:, None, :] >> shifts[None, :, None]) & 0xF, (BLOCK_K, BLOCK_N))
-            w = ((q | 0x4B000000).to(tl.float32, bitcast=True) - zf[None, :]) * s[None, :]
-            x = tl.load(x_rows[:, None] + cols[None, :])  # [BM, BK]
-            if DOT_FP32:
-                acc = tl.dot(x.to(tl.float32), w, acc, input_precision="ieee")
+                w0, w1, w2, w3, w4, w5, w6, w7 = _dequant_word(words, zz[None, :], ss[None, :], F16, ASM)
+                w = _stack_nibbles(w0, w1, w2, w3, w4, w5, w6, w7, 0)  # [BK, BN]
+                x = tl.load(x_rows[:, None] + cols[None, :])  # [BM, BK]
+                if ASM:
+                    acc = tl.dot(x, w.to(x.dtype), acc)
+                else:
+                    acc = tl.dot(x.to(tl.float32), w.to(x.dtype).to(tl.float32), acc, input_precision="ieee")
+        else:
+            if HAS_ZEROS:
+                zf = tl.load(z_ptr + g_off).to(tl.float32) + _MAGIC
             else:
-                acc = tl.dot(x, w.to(x.dtype), acc)
+                zf = tl.zeros((BLOCK_N,), dtype=tl.float32) + (_MAGIC + 8.0)
+            kk = k0 + rk
+            if HAS_PERM:
+                cols = tl.load(perm_ptr + kk)
+            else:
+                cols = kk
+            if SWAP:
+                # W^T tile [BLOCK_N, BLOCK_K]: element (n, k) is nibble k % 8 of word (k // 8, n)
+                if GATHER:
+                    words = tl.load(qw_ptr + (kk // 8).to(tl.int64)[None, :] * N + rn_c[:, None])  # [BN, BK]
+                    q = (words >> ((rk % 8) * 4)[None, :]) & 0xF
+                else:
+                    rows = (k0 // 8 + ri).to(tl.int64)
+                    words = tl.load(qw_ptr + rows[None, :] * N + rn_c[:, None])  # [BN, BK/8]
+                    q = tl.reshape((words[:, :, None] >> shifts[None, None, :]) & 0xF, (BLOCK_N, BLOCK_K))
+                w = ((q | 0x4B000000).to(tl.float32, bitcast=True) - zf[:, None]) * s[:, None]
+                xt = tl.load(x_rows[None, :] + cols[:, None])  # [BK, BM]
+                if DOT_FP32:
+                    acc = tl.dot(w, xt.to(tl.float32), acc, input_precision="ieee")
+                else:
+                    acc = tl.dot(w.to(xt.dtype), xt, acc)
+            else:
+                if GATHER:
+                    words = tl.load(qw_ptr + (kk // 8).to(tl.int64)[:, None] * N + rn_c[None, :])  # [BK, BN]
+                    q = (words >> ((rk % 8) * 4)[:, None]) & 0xF
+                else:
+                    rows = (k0 // 8 + ri).to(tl.int64)
+                    words = tl.load(qw_ptr + rows[:, None] * N + rn_c[None, :])  # [BK/8, BN]
+                    q = tl.reshape((words[:, None, :] >> shifts[None, :, None]) & 0xF, (BLOCK_K, BLOCK_N))
+                w = ((q | 0x4B000000).to(tl.float32, bitcast=True) - zf[None, :]) * s[None, :]
+                x = tl.load(x_rows[:, None] + cols[None, :])  # [BM, BK]
+                if DOT_FP32:
+                    acc = tl.dot(x.to(tl.float32), w, acc, input_precision="ieee")
+                else:
+                    acc = tl.dot(x, w.to(x.dtype), acc)
 
     if SWAP:
         out = tl.trans(acc)  # [BLOCK_M, BLOCK_N]
@@ -218,6 +324,7 @@ def w4a16_tc_triton(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor
         raise ValueError(f"config: block_k={cfg.block_k} does not divide the group size {group_size}")
     tiles = triton.cdiv(M, cfg.block_m) * triton.cdiv(N, cfg.block_n)
     plan = plan_split_k(K, cfg.block_k, cfg.split_k, tiles, out, f"qweight: N={N} (M={M})")
+    pairs = cfg.pairs and x.dtype in (torch.bfloat16, torch.float16)
     _w4a16_tc_kernel[(tiles, plan.num_splits)](
         x, qweight, scales, qzeros if qzeros is not None else qweight, perm if perm is not None else qweight,
         bias if bias is not None else out, out, plan.part, plan.counters,
@@ -225,7 +332,8 @@ def w4a16_tc_triton(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m, SWAP=cfg.swap,
         GATHER=cfg.unpack == "gather", SPLIT=plan.split,
         HAS_ZEROS=qzeros is not None, HAS_PERM=perm is not None, HAS_BIAS=bias is not None,
-        DOT_FP32=x.dtype == torch.float32 or _INTERPRET,
+        DOT_FP32=(x.dtype == torch.float32 or _INTERPRET) and not pairs, PAIRS=pairs,
+        F16=x.dtype == torch.float16, ASM=not _INTERPRET,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return out
@@ -302,11 +410,35 @@ TC_MIN_N = 16384
 TC_SMALL = W4TcConfig(block_m=64, block_n=128, block_k=64, num_warps=4, num_stages=4, swap=False)
 
 
+TC_PLAN: dict[tuple[int, int], list[tuple[int, W4TcConfig | None]]] = {}
+"""Per weight shape (N, K): [(max_m, config or None)] by max_m; the first entry with M <= max_m decides (a config:
+the fused GEMM with it; None: dequantize + cuBLAS); past the last, the rule of batch_path. Filled from a sweep's
+--table-out (load_tc_plan); empty: the rule alone."""
+
+
+def load_tc_plan(table: dict) -> None:
+    """TC_PLAN from bench/w4_tc_sweep.py's --table-out JSON ({"NxK": [[m, {"kind", "config"}], ...]})."""
+    TC_PLAN.clear()
+    for shape, entries in table.items():
+        n, k = (int(v) for v in shape.split("x"))
+        TC_PLAN[(n, k)] = sorted((m, W4TcConfig(**e["config"]) if e["kind"] == "tc" and "config" in e else None)
+                                 for m, e in entries)
+
+
+def _plan(M: int, N: int, K: int, group_size: int) -> tuple[str, W4TcConfig | None]:
+    for max_m, cfg in TC_PLAN.get((N, K), ()):
+        if M <= max_m:
+            if cfg is not None and group_size % cfg.block_k == 0:
+                return "tc", cfg
+            return "dequant", None
+    if M <= TC_MAX_M and N >= TC_MIN_N and group_size % TC_SMALL.block_k == 0:
+        return "tc", TC_SMALL
+    return "dequant", None
+
+
 def batch_path(M: int, N: int, K: int, group_size: int) -> str:
     """'tc' (the fused GEMM) or 'dequant' (dequantize, then cuBLAS) for M rows of x."""
-    if M <= TC_MAX_M and N >= TC_MIN_N and group_size % TC_SMALL.block_k == 0:
-        return "tc"
-    return "dequant"
+    return _plan(M, N, K, group_size)[0]
 
 
 def w4a16_batch_triton(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
@@ -315,7 +447,7 @@ def w4a16_batch_triton(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Ten
     """w4a16_ref for a batch (more rows than the GEMV takes), by batch_path."""
     M, K = x.shape
     N = qweight.shape[1]
-    group_size = K // scales.shape[0]
-    if batch_path(M, N, K, group_size) == "tc":
-        return w4a16_tc_triton(x, qweight, scales, qzeros, bias, perm, config=TC_SMALL)
+    path, cfg = _plan(M, N, K, K // scales.shape[0])
+    if path == "tc":
+        return w4a16_tc_triton(x, qweight, scales, qzeros, bias, perm, config=cfg)
     return w4a16_dequant_mm(x, qweight, scales, qzeros, bias, perm)

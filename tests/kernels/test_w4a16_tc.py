@@ -69,3 +69,28 @@ def test_batch_path_matches_reference(M, N):
     assert batch_path(M, N, K, 64) == ("tc" if N >= 16384 else "dequant")
     x, qw, s, z, b, p = operands(M, N, K, 64, zeros=True, perm=False, bias=True)
     assert_close(w4a16_triton(x, qw, s, z, b, p), w4a16_ref(x, qw, s, z, b, p))
+
+
+@pytest.mark.parametrize("swap", [True, False])
+@pytest.mark.parametrize("dtype,zeros", [(torch.bfloat16, True), (torch.float16, False)])
+def test_tc_pairs_matches_reference(swap, dtype, zeros):
+    """The paired 16-bit dequantization (PTX on the GPU; under the interpreter its float32 emulation, which checks
+    the nibble order of _stack_nibbles and the packed zero points and scales)."""
+    x, qw, s, z, b, p = operands(19, 40, 128, 64, zeros=zeros, perm=True, bias=True, dtype=dtype)
+    cfg = W4TcConfig(block_m=16, block_n=16, block_k=32, num_warps=4, num_stages=1, swap=swap, pairs=True)
+    assert_close(w4a16_tc_triton(x, qw, s, z, b, p, config=cfg), w4a16_ref(x, qw, s, z, b, p))
+
+
+def test_a_loaded_plan_decides_by_rows():
+    from kernels import w4a16_tc as tc
+    cfg = dict(block_m=16, block_n=16, block_k=32, num_warps=4, num_stages=1, swap=False, unpack="reshape",
+               split_k=1, group_m=8, pairs=True)
+    try:
+        tc.load_tc_plan({"24x64": [[32, {"kind": "dequant"}], [64, {"kind": "tc", "config": cfg}]]})
+        assert [tc.batch_path(m, 24, 64, 32) for m in (17, 32, 33, 64, 65)] == \
+            ["dequant", "dequant", "tc", "tc", "dequant"]
+        assert tc.batch_path(40, 24, 128, 32) == "dequant"  # another shape: the rule
+        x, qw, s, z, b, p = operands(40, 24, 64, 32, zeros=True, perm=False, bias=False)
+        assert_close(tc.w4a16_batch_triton(x, qw, s, z, b, p), w4a16_ref(x, qw, s, z, b, p))
+    finally:
+        tc.TC_PLAN.clear()
