@@ -29,7 +29,8 @@ The grammars compile before the timing (reported apart). "mask share" is (json -
 constraint adds to a step (the bitmask fill on the CPU, its copy and the Triton kernel, the matchers taking the
 tokens, and the sync a constrained step needs before the next launches). A second, instrumented json pass breaks
 it down per step: "fill ms" (xgrammar's fill, host), "apply ms" (copy + kernel, device time between CUDA events;
-host time on the CPU), "accept ms" (the matchers taking the step's tokens, host).
+host time on the CPU), "accept ms" (the matchers taking the step's tokens, host), "waiting for the device" (host
+time blocked reading a step's tokens: the device work the host did not hide).
 """
 from __future__ import annotations
 
@@ -72,12 +73,15 @@ class Timer:
 
 
 def instrument(cuda: bool) -> tuple[dict[str, Timer], callable]:
-    """Wraps the mask's pieces with timers; returns them and an undo."""
+    """Wraps the mask's pieces with timers, and the engine's wait for a step's tokens ("wait": host seconds blocked
+    on the device); returns them and an undo."""
     import kernels
     from engine import structured_output as so
+    from engine.model_runner import StepHandle
 
-    timers = {name: Timer() for name in ("fill", "apply", "accept")}
+    timers = {name: Timer() for name in ("fill", "apply", "accept", "wait")}
     orig_fill, orig_apply, orig_advance = so.fill_bitmask, kernels.apply_token_bitmask, so.RequestGrammar.advance
+    orig_result = StepHandle.result
     pending: list = []  # the event recorded after the fill, waiting for its apply
 
     def fill(*a, **kw):
@@ -105,10 +109,18 @@ def instrument(cuda: bool) -> tuple[dict[str, Timer], callable]:
         timers["accept"].host += time.perf_counter() - t0
         return out
 
+    def result(self):
+        t0 = time.perf_counter()
+        out = orig_result(self)
+        timers["wait"].host += time.perf_counter() - t0
+        return out
+
     so.fill_bitmask, kernels.apply_token_bitmask, so.RequestGrammar.advance = fill, apply, advance
+    StepHandle.result = result
 
     def undo():
         so.fill_bitmask, kernels.apply_token_bitmask, so.RequestGrammar.advance = orig_fill, orig_apply, orig_advance
+        StepHandle.result = orig_result
 
     return timers, undo
 
@@ -117,7 +129,8 @@ def host_breakdown(timers: dict[str, Timer]) -> str:
     """The mask's host seconds so far, per constrained step (one fill each; prefill steps included)."""
     n = max(1, timers["fill"].calls)
     return (f"{timers['fill'].calls} constrained steps, per step: fill {timers['fill'].host / n * 1e3:.2f} ms, "
-            f"apply {timers['apply'].host / n * 1e3:.2f} ms, accept {timers['accept'].host / n * 1e3:.2f} ms (host)")
+            f"apply {timers['apply'].host / n * 1e3:.2f} ms, accept {timers['accept'].host / n * 1e3:.2f} ms (host), "
+            f"waiting for the device {timers['wait'].host / n * 1e3:.2f} ms")
 
 
 def prefill_slack(args) -> int:
@@ -267,20 +280,23 @@ def main(argv=None) -> int:
     fill_ms = timers["fill"].host / steps * 1e3
     apply_ms = (timers["apply"].device() if cuda else timers["apply"].host) / steps * 1e3
     accept_ms = timers["accept"].host / steps * 1e3
+    wait_ms = timers["wait"].host / steps * 1e3
     print(f"model {args.model} tokenizer {tok_name} device {engine.runner.device} dtype {engine.runner.dtype} "
           f"batch {args.batch_size} schemas {args.num_schemas}")
     print(format_table(["mode", "step ms", "tok/s"], [
         ["none", t_none * 1e3, args.batch_size / t_none], ["json", t_json * 1e3, args.batch_size / t_json]]))
     print(f"mask share {share:.1%} (target <= 10%); per step: fill {fill_ms:.2f} ms (host), apply {apply_ms:.3f} ms "
-          f"({'device' if cuda else 'host'}), accept {accept_ms:.2f} ms (host); the first pass decoded "
-          f"{warm['to_first_decode_s']:.1f} s after its requests came (the schemas' compiles)")
+          f"({'device' if cuda else 'host'}), accept {accept_ms:.2f} ms (host), waiting for the device "
+          f"{wait_ms:.2f} ms; the first pass decoded {warm['to_first_decode_s']:.1f} s after its requests came (the "
+          "schemas' compiles)")
     if args.json:
         write_json(args.json, dict(
             model=args.model, tokenizer=args.tokenizer, batch_size=args.batch_size, input_len=args.input_len,
             output_len=args.output_len, num_schemas=args.num_schemas, min_items=args.min_items,
             step_ms_none=t_none * 1e3, step_ms_json=t_json * 1e3, mask_share=share, fill_ms_per_step=fill_ms,
-            apply_ms_per_step=apply_ms, accept_ms_per_step=accept_ms, step_s_none=none["step_s"],
-            step_s_json=json_["step_s"], compile_to_first_decode_s=warm["to_first_decode_s"],
+            apply_ms_per_step=apply_ms, accept_ms_per_step=accept_ms, wait_ms_per_step=wait_ms,
+            step_s_none=none["step_s"], step_s_json=json_["step_s"],
+            compile_to_first_decode_s=warm["to_first_decode_s"],
             machine=machine_info(), commit=git_commit()["sha"], date=time.strftime("%Y-%m-%d")))
     return 0
 
