@@ -36,6 +36,7 @@ class EngineArgs:
     seed: int = ModelConfig.seed
     enforce_eager: bool = ModelConfig.enforce_eager
     max_prefill_cudagraph_tokens: int = ModelConfig.max_prefill_cudagraph_tokens
+    tokenizer: str | None = ModelConfig.tokenizer
     quantization: str | None = ModelConfig.quantization
     block_size: int = CacheConfig.block_size
     kv_cache_memory: float | None = CacheConfig.kv_cache_memory

@@ -54,6 +54,8 @@ class ModelConfig:
     """Never replay steps as CUDA graphs (vLLM's flag)."""
     max_prefill_cudagraph_tokens: int = 1024
     """Steps with prompt tokens, up to this many tokens in all, replay as CUDA graphs padded to a captured size (0: eagerly). A short prompt's prefill is bound by the host's kernel launches, not the GPU."""
+    tokenizer: str | None = None
+    """Tokenizer directory (tokenizer.json + tokenizer_config.json) used instead of the model's own (vLLM's flag); its vocabulary must fit the model's vocab_size. A random: model then decodes real BPE tokens rather than the synthetic tokenizer's. Default: the model's."""
     quantization: str | None = None
     """Quantize the layers' linear weights at load (vLLM's flag): fp8 (e4m3, a scale per output channel; activations quantized per token; fp8 GEMMs need sm >= 89); awq, gptq, compressed-tensors name a checkpoint's own format (4-bit weights load as they are). Default: none; a quantized checkpoint (config.json's quantization_config) is detected and needs no flag."""
 

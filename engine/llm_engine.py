@@ -161,7 +161,7 @@ class LLMEngine:
             resolved.random_seed = config.model.seed
         self.resolved = resolved
         self.model_name = config.model.served_model_name or resolved.name
-        self.tokenizer = load_tokenizer(resolved)
+        self.tokenizer = load_tokenizer(resolved, config.model.tokenizer)
         self._decode = fast_decoder(self.tokenizer)
         hf = resolved.config
         limit = hf.max_position_embeddings

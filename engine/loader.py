@@ -255,7 +255,11 @@ def _convert_steps(gguf: Path, out: Path, progress: Progress) -> None:
 # Tokenizer
 
 
-def load_tokenizer(resolved: ResolvedModel) -> PreTrainedTokenizerBase:
+def load_tokenizer(resolved: ResolvedModel, tokenizer: str | None = None) -> PreTrainedTokenizerBase:
+    """The model's tokenizer, or the one in directory `tokenizer` (--tokenizer) when given: its vocabulary must fit
+    the model's vocab_size (the logits' width; rows past the tokenizer's are padding)."""
+    if tokenizer is not None:
+        return _tokenizer_override(resolved, tokenizer)
     if resolved.weights_dir is None:
         return synthetic_tokenizer(resolved.config.vocab_size)
     if resolved.tokenizer_dir is None:
@@ -268,6 +272,24 @@ def load_tokenizer(resolved: ResolvedModel) -> PreTrainedTokenizerBase:
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(resolved.tokenizer_dir, local_files_only=True)
+
+
+def _tokenizer_override(resolved: ResolvedModel, tokenizer: str) -> PreTrainedTokenizerBase:
+    path = Path(tokenizer).expanduser()
+    if not (path / "tokenizer.json").is_file() or not (path / "tokenizer_config.json").is_file():
+        raise ValueError(f"tokenizer={tokenizer!r}: not a directory holding tokenizer.json and tokenizer_config.json; "
+                         "pass a directory a tokenizer was saved into (tokenizer.save_pretrained(dir))")
+    if is_synthetic(path):
+        tok = load_synthetic(path)
+    else:
+        from transformers import AutoTokenizer
+
+        tok = AutoTokenizer.from_pretrained(path, local_files_only=True)
+    vocab = resolved.config.vocab_size
+    if len(tok) > vocab:
+        raise ValueError(f"tokenizer={tokenizer!r}: {len(tok)} tokens, more than the vocab_size {vocab} of "
+                         f"model={resolved.spec!r}; use a model whose vocab_size is >= {len(tok)}")
+    return tok
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -15,6 +15,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 from engine import loader
 from engine.loader import ResolvedModel, load_tokenizer, load_weights, resolve_model
+from engine.tokenizer import synthetic_tokenizer
 
 PROMPT_IDS = torch.tensor([[1, 7, 300, 42, 256, 99, 511, 3, 8, 200, 17, 64]])
 
@@ -274,6 +275,29 @@ def test_load_tokenizer_missing_files_raises(tmp_path, tiny_llama_dir):
     assert r.tokenizer_dir is None
     with pytest.raises(ValueError, match="no tokenizer files"):
         load_tokenizer(r)
+
+
+def test_load_tokenizer_override_is_loaded_in_place_of_the_models(tmp_path):
+    synthetic_tokenizer(300).save_pretrained(tmp_path)
+    tok = load_tokenizer(resolve_model("random:tiny"), str(tmp_path))
+    assert len(tok) == 300 and tok.decode(tok.encode("héllo")) == "héllo"
+
+
+def test_load_tokenizer_override_real_bpe_for_a_random_model(smollm2_dir):
+    tok = load_tokenizer(resolve_model("random:qwen2.5-7b"), str(smollm2_dir))  # 49152 tokens, logits 152064 wide
+    assert len(tok) == 49152 and (tok.eos_token, tok.eos_token_id) == ("<|im_end|>", 2)
+    assert tok.decode(tok.encode("The capital of France is Paris.")) == "The capital of France is Paris."
+
+
+def test_load_tokenizer_override_larger_than_the_vocab_raises(tmp_path):
+    synthetic_tokenizer(600).save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match=r"600 tokens, more than the vocab_size 512 of model='random:tiny'"):
+        load_tokenizer(resolve_model("random:tiny"), str(tmp_path))
+
+
+def test_load_tokenizer_override_without_files_raises(tmp_path):
+    with pytest.raises(ValueError, match=r"tokenizer=.*tokenizer\.json and tokenizer_config\.json"):
+        load_tokenizer(resolve_model("random:tiny"), str(tmp_path))
 
 
 # --- GGUF conversion cache ----------------------------------------------------------------------------------------

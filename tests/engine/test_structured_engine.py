@@ -123,3 +123,21 @@ def test_one_compile_per_constraint_across_requests(engines):
     params = SamplingParams(n=3, temperature=1.0, seed=5, max_tokens=12, structured_outputs=S(regex=r"x[0-9]{2}z"))
     run(sync, [("a", prompt(7), params), ("b", prompt(8), params)])
     assert sync.grammars.num_compiles == before + 1
+
+
+def test_a_tokenizer_smaller_than_the_logits_keeps_json_valid(tmp_path):
+    """--tokenizer: 300 tokens against random:tiny's 512 logits; the grammar never allows the padding rows."""
+    from engine.tokenizer import synthetic_tokenizer
+
+    synthetic_tokenizer(300).save_pretrained(tmp_path)
+    engine = make_engine(tokenizer=str(tmp_path))
+    try:
+        assert len(engine.tokenizer) == 300
+        params = SamplingParams(temperature=1.0, seed=3, max_tokens=200, n=4,
+                                structured_outputs=S(json=SCHEMA, disable_any_whitespace=True))
+        outs = run(engine, [("r", prompt(0), params)])
+    finally:
+        engine.close()
+    for ids, text, finish in outs.values():
+        assert finish == "stop" and max(ids) < 300
+        jsonschema.validate(json.loads(text), SCHEMA)
