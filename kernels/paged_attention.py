@@ -773,12 +773,13 @@ PREFILL_MAX_BLOCK_M = 128
 PREFILL_NEW_KV = 0
 
 
-# Decodes over an int8 cache, their own settings over the shared ones above (bench/int8_attn_sweep.py times the
-# alternatives on the H200): two stages (bench/RESULTS.md, "INT8 KV cache"); int8_align 1 reads the rows from the
-# 16-byte boundary below them, 16-byte loads (_attend_tiles_words' ALIGN; where the cache's strides allow), not yet
-# measured on a GPU. INT8_DECODE_SPLIT: launches that split the context (small batches).
-INT8_DECODE: dict[str, int] = dict(num_warps=4, num_stages=2, int8_align=0)
-INT8_DECODE_SPLIT: dict[str, int] = dict(num_warps=4, num_stages=2, int8_align=0)
+# Decodes over an int8 cache, their own settings over the shared ones above, the fastest of bench/int8_attn_sweep.py
+# on the H200 (bench/RESULTS.md, "INT8 KV cache"): unsplit (large batches) int8_align 1 reads the rows from the
+# 16-byte boundary below them with 16-byte loads (_attend_tiles_words' ALIGN; where the cache's strides allow, else
+# the word walk), 64-key tiles, registers capped at 168 (no spills); INT8_DECODE_SPLIT, launches that split the
+# context (small batches): the byte walk with three stages edged out the word walk there.
+INT8_DECODE: dict[str, int] = dict(num_warps=4, num_stages=2, int8_align=1, tile_n=64, maxnreg=168)
+INT8_DECODE_SPLIT: dict[str, int] = dict(num_warps=4, num_stages=3, int8_align=0, fp8x4=0)
 
 
 def default_config(

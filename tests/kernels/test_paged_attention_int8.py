@@ -133,12 +133,16 @@ def test_int8_cache_read_in_words(dtype, num_segments, tile_n, fp8x4):
         check(args, config=dict(fp8x4=fp8x4, num_segments=num_segments, tile_n=tile_n, block_m=16))
 
 
-def test_decodes_read_an_int8_cache_in_words():
+def test_int8_decode_configs_are_the_sweeps():
+    """Unsplit decodes (large batches) read an int8 cache in 16-byte aligned words; split ones (small batches) byte
+    by byte with three stages: INT8_DECODE and INT8_DECODE_SPLIT, the H200 sweep's winners."""
     from kernels.paged_attention import default_config
-    for batch, seq_len in ((1, 640), (256, 640), (64, 4096)):
+    for batch, seq_len in ((256, 640), (64, 4096)):
         cfg = default_config(batch, batch, 4, 7, 128, 1, seq_len, 132, kv_int8=True)
-        assert cfg["fp8x4"] == 2 and cfg["num_stages"] == 2, cfg
-        assert cfg["int8_align"] in (0, 1) and cfg["num_warps"] in (4, 8), cfg
+        assert cfg["num_segments"] == 1 and cfg["fp8x4"] == 2 and cfg["int8_align"] == 1, cfg
+        assert cfg["num_stages"] == 2 and cfg["tile_n"] == 64 and cfg["maxnreg"] == 168, cfg
+    cfg = default_config(1, 1, 4, 7, 128, 1, 640, 132, kv_int8=True)
+    assert cfg["num_segments"] > 1 and cfg["fp8x4"] == 0 and cfg["num_stages"] == 3, cfg
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])  # on CUDA: the PTX conversion, the shifts
