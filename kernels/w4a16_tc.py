@@ -74,6 +74,27 @@ class W4TcConfig:
                 f"w{self.num_warps}/st{self.num_stages}/{self.unpack}/s{self.split_k}" + ("/pairs" if self.pairs else ""))
 
 
+def _pairs_asm(f16: bool) -> str:
+    """_dequant_word's PTX: outputs $0..$7 (nibbles 0..7, 16-bit), inputs $8 the word, $9 zz, $10 ss."""
+    magic, fma, one = ("0x64006400", "fma.rn.f16x2", "0x3C003C00") if f16 else \
+        ("0x43004300", "fma.rn.bf16x2", "0x3F803F80")
+    steps = []
+    for j in range(4):  # nibbles j and j + 4 of the word: one pair
+        src = "$8"
+        if j:
+            steps.append(f"shr.u32 u, $8, {4 * j};")
+            src = "u"
+        steps.append(f"lop3.b32 t, {src}, 0x000F000F, {magic}, 0xEA;")  # (src & 0x000F000F) | magic: M + q
+        steps.append(f"{fma} t, t, one, $9;")  # + -(M + z), exact
+        steps.append(f"{fma} t, t, $10, nz;")  # * s (+ -0: keeps -0), the one rounding
+        steps.append(f"mov.b32 {{${j}, ${j + 4}}}, t;")
+    return ("{ .reg .b32 t, u, one, nz; " f"mov.b32 one, {one}; mov.b32 nz, 0x80008000; " + " ".join(steps) + " }")
+
+
+_PAIRS_ASM_BF16 = tl.constexpr(_pairs_asm(False))
+_PAIRS_ASM_F16 = tl.constexpr(_pairs_asm(True))
+
+
 @triton.jit
 def _dequant_word(words, zz, ss, F16: tl.constexpr, ASM: tl.constexpr):
     """The 8 weights of each int32 word ((q_j - z) * s, j = 0..7, nibble j), each a tensor of words' shape in bf16
@@ -82,24 +103,11 @@ def _dequant_word(words, zz, ss, F16: tl.constexpr, ASM: tl.constexpr):
     (M + q_j, M + q_j+4), one FMA2 adds -(M + z) (exact: small integers), one FMA2 times s (the one rounding)."""
     if ASM:
         if F16:
-            magic = "0x64006400"
-            fma = "fma.rn.f16x2"
-            one = "0x3C003C00"
+            return tl.inline_asm_elementwise(_PAIRS_ASM_F16, "=h,=h,=h,=h,=h,=h,=h,=h,r,r,r", [words, zz, ss],
+                                             dtype=(tl.float16,) * 8, is_pure=True, pack=1)
         else:
-            magic = "0x43004300"
-            fma = "fma.rn.bf16x2"
-            one = "0x3F803F80"
-        steps = ""
-        for j in tl.static_range(4):
-            src = "$8" if j == 0 else "u"
-            if j > 0:
-                steps += f"shr.u32 u, $8, {4 * j};"
-            steps += (f"lop3.b32 t, {src}, 0x000F000F, {magic}, 0xEA; {fma} t, t, one, $9; {fma} t, t, $10, nz; "
-                      f"mov.b32 {{${j}, ${j + 4}}}, t;")
-        out_t = tl.float16 if F16 else tl.bfloat16
-        return tl.inline_asm_elementwise(
-            "{ .reg .b32 t, u, one, nz; mov.b32 one, " + one + "; mov.b32 nz, 0x80008000; " + steps + " }",
-            "=h,=h,=h,=h,=h,=h,=h,=h,r,r,r", [words, zz, ss], dtype=(out_t,) * 8, is_pure=True, pack=1)
+            return tl.inline_asm_elementwise(_PAIRS_ASM_BF16, "=h,=h,=h,=h,=h,=h,=h,=h,r,r,r", [words, zz, ss],
+                                             dtype=(tl.bfloat16,) * 8, is_pure=True, pack=1)
     else:  # the interpreter: the same values in float32 (zz's low half decoded back to -(M + z))
         if F16:
             mz = -((zz & 0x3FF).to(tl.float32) + 1024.0)
@@ -199,36 +207,49 @@ def _w4a16_tc_kernel(
         acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     else:
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(k_lo, k_hi, BLOCK_K):
-        g_off = (k0 // group_size).to(tl.int64) * N + rn_c  # [BLOCK_N]
-        s = tl.load(s_ptr + g_off).to(tl.float32)
-        if PAIRS:
-            zz, ss = _pair_operands(z_ptr, g_off, s, HAS_ZEROS, F16)
-            kk = k0 + rk
+    if PAIRS:
+        # pointers advanced each step (no per-step 64-bit address arithmetic); act order gathers x per step
+        if SWAP:
+            w_ptrs = qw_ptr + (k_lo // 8 + ri).to(tl.int64)[None, :] * N + rn_c[:, None]  # [BN, BK/8]
+            x_ptrs = x_rows[None, :] + (k_lo + rk)[:, None]  # [BK, BM]
+        else:
+            w_ptrs = qw_ptr + (k_lo // 8 + ri).to(tl.int64)[:, None] * N + rn_c[None, :]  # [BK/8, BN]
+            x_ptrs = x_rows[:, None] + (k_lo + rk)[None, :]  # [BM, BK]
+        w_step = (BLOCK_K // 8) * N.to(tl.int64)
+        for k0 in range(k_lo, k_hi, BLOCK_K):
+            g_off = (k0 // group_size).to(tl.int64) * N + rn_c  # [BLOCK_N]
+            zz, ss = _pair_operands(z_ptr, g_off, tl.load(s_ptr + g_off).to(tl.float32), HAS_ZEROS, F16)
+            words = tl.load(w_ptrs)
             if HAS_PERM:
-                cols = tl.load(perm_ptr + kk)
-            else:
-                cols = kk
-            rows = (k0 // 8 + ri).to(tl.int64)
+                cols = tl.load(perm_ptr + k0 + rk)
             if SWAP:
-                words = tl.load(qw_ptr + rows[None, :] * N + rn_c[:, None])  # [BN, BK/8]
                 w0, w1, w2, w3, w4, w5, w6, w7 = _dequant_word(words, zz[:, None], ss[:, None], F16, ASM)
                 w = _stack_nibbles(w0, w1, w2, w3, w4, w5, w6, w7, 1)  # [BN, BK]
-                xt = tl.load(x_rows[None, :] + cols[:, None])  # [BK, BM]
+                if HAS_PERM:
+                    xt = tl.load(x_rows[None, :] + cols[:, None])
+                else:
+                    xt = tl.load(x_ptrs)
                 if ASM:
                     acc = tl.dot(w.to(xt.dtype), xt, acc)
                 else:  # (the interpreter's 16-bit dot is wrong: the rounded weights, multiplied in float32)
                     acc = tl.dot(w.to(xt.dtype).to(tl.float32), xt.to(tl.float32), acc, input_precision="ieee")
             else:
-                words = tl.load(qw_ptr + rows[:, None] * N + rn_c[None, :])  # [BK/8, BN]
                 w0, w1, w2, w3, w4, w5, w6, w7 = _dequant_word(words, zz[None, :], ss[None, :], F16, ASM)
                 w = _stack_nibbles(w0, w1, w2, w3, w4, w5, w6, w7, 0)  # [BK, BN]
-                x = tl.load(x_rows[:, None] + cols[None, :])  # [BM, BK]
+                if HAS_PERM:
+                    x = tl.load(x_rows[:, None] + cols[None, :])
+                else:
+                    x = tl.load(x_ptrs)
                 if ASM:
                     acc = tl.dot(x, w.to(x.dtype), acc)
                 else:
                     acc = tl.dot(x.to(tl.float32), w.to(x.dtype).to(tl.float32), acc, input_precision="ieee")
-        else:
+            w_ptrs += w_step
+            x_ptrs += BLOCK_K
+    else:
+        for k0 in range(k_lo, k_hi, BLOCK_K):
+            g_off = (k0 // group_size).to(tl.int64) * N + rn_c  # [BLOCK_N]
+            s = tl.load(s_ptr + g_off).to(tl.float32)
             if HAS_ZEROS:
                 zf = tl.load(z_ptr + g_off).to(tl.float32) + _MAGIC
             else:
