@@ -14,7 +14,10 @@ two cores), fills it with --batch requests of --input-len random tokens sampled 
 - with --profile, torch.profiler's top-level CPU ops of --steps decode steps, ms per step (the profiler's own
   cost per op inflates composite ops such as F.rms_norm several times: --time-ops is the closer look).
 To compare two commits on a noisy machine, run the two trees' copies of this script alternately (A/B/A/B) and
-compare medians of medians.
+compare medians of medians; or, closer, --ab-baseline DIR: in this one engine, step by step, A runs the sampler of
+DIR/engine/sampler.py and the float32 CPU norms of DIR/kernels/cpu_ops.py with rotary + KV write through
+kernels.rotary's reference (what a tree before this branch's CPU rotary path ran), B this tree's; --steps steps
+each, alternating, reporting each one's step median and the three pieces' ms per step.
 """
 from __future__ import annotations
 
@@ -112,6 +115,70 @@ def time_ops(eng, steps: int) -> dict:
     return {k: (v * 1e3 / steps, calls[k] / steps) for k, v in sorted(total.items(), key=lambda kv: -kv[1])}
 
 
+def _load(path: Path, name: str):
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # (its dataclasses look their module up there)
+    spec.loader.exec_module(module)
+    return module
+
+
+def ab_steps(eng, baseline: Path, steps: int) -> dict:
+    """--ab-baseline: A (baseline tree's sampler and CPU ops) and B (this tree's) alternating step by step."""
+    import kernels
+    from kernels.rotary import rotary_embedding_write_kv_ref
+
+    base_ops = _load(baseline / "kernels" / "cpu_ops.py", "baseline_cpu_ops")
+    base_sampler = _load(baseline / "engine" / "sampler.py", "baseline_sampler")
+    runner = eng.runner
+    ours = dict(sampler=runner.sampler, rms_norm=kernels.rms_norm, fused_add_rms_norm=kernels.fused_add_rms_norm,
+                rotary_embedding_write_kv=kernels.rotary_embedding_write_kv)
+    theirs = dict(sampler=base_sampler.Sampler(runner.sampler.vocab_size, runner.sampler.eos_token_ids),
+                  rms_norm=base_ops.rms_norm_cpu, fused_add_rms_norm=base_ops.fused_add_rms_norm_cpu,
+                  rotary_embedding_write_kv=lambda *a, **kw: rotary_embedding_write_kv_ref(*a, **kw))
+    pieces = ("norms", "rotary_embedding_write_kv", "sampler")
+    out = {name: dict(step_ms=[], **{p: [] for p in pieces}) for name in "AB"}
+    spent: dict[str, float] = defaultdict(float)
+
+    def timed(fn, piece):
+        def wrapper(*a, **kw):
+            t0 = time.perf_counter()
+            try:
+                return fn(*a, **kw)
+            finally:
+                spent[piece] += time.perf_counter() - t0
+        return wrapper
+
+    def use(impl: dict) -> None:
+        sampler = impl["sampler"]
+        sampler.sample = timed(type(sampler).sample.__get__(sampler), "sampler")
+        runner.sampler = sampler
+        kernels.rms_norm = timed(impl["rms_norm"], "norms")
+        kernels.fused_add_rms_norm = timed(impl["fused_add_rms_norm"], "norms")
+        kernels.rotary_embedding_write_kv = timed(impl["rotary_embedding_write_kv"], "rotary_embedding_write_kv")
+
+    try:
+        for i in range(2 * steps):
+            name = "AB"[i % 2]
+            use(theirs if name == "A" else ours)
+            spent.clear()
+            t0 = time.perf_counter()
+            eng.step()
+            out[name]["step_ms"].append((time.perf_counter() - t0) * 1e3)
+            for p in pieces:
+                out[name][p].append(spent[p] * 1e3)
+    finally:
+        for k, fn in ours.items():
+            if k == "sampler":
+                del fn.sample  # the instance attribute; the class's method again
+                runner.sampler = fn
+            else:
+                setattr(kernels, k, fn)
+    return {name: {k: statistics.median(v) for k, v in r.items()} for name, r in out.items()}
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="smollm2")
@@ -124,6 +191,7 @@ def main(argv=None) -> int:
     p.add_argument("--sampler-only", action="store_true", help="time the sampler alone (vocab --vocab), no engine")
     p.add_argument("--vocab", type=int, default=49152)
     p.add_argument("--time-ops", action="store_true")
+    p.add_argument("--ab-baseline", default=None, metavar="DIR", help="a baseline tree: A/B step by step")
     p.add_argument("--profile", action="store_true")
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
@@ -143,7 +211,7 @@ def main(argv=None) -> int:
                                        date=time.strftime("%Y-%m-%d %H:%M")))
         return 0
 
-    max_tokens = 3 * args.steps + 32
+    max_tokens = 6 * args.steps + 32
     llm = LLM(args.model, dtype="float32", device="cpu", cpu_threads=args.cpu_threads,
               max_model_len=args.input_len + max_tokens + 16, max_num_seqs=args.batch, enable_prefix_caching=False)
     eng = llm.engine
@@ -181,6 +249,7 @@ def main(argv=None) -> int:
     type(runner).forward = orig_forward
 
     op_ms = time_ops(eng, args.steps) if args.time_ops else None
+    ab = ab_steps(eng, Path(args.ab_baseline), args.steps) if args.ab_baseline else None
     profile = None
     if args.profile:
         from torch.profiler import ProfilerActivity
@@ -211,6 +280,10 @@ def main(argv=None) -> int:
         print("forward pieces, ms per step (calls per step):")
         for name, (ms, n) in op_ms.items():
             print(f"  {ms:7.2f}  ({n:5.0f})  {name}")
+    if ab:
+        print("A/B step by step (medians, ms): A = " + args.ab_baseline + ", B = this tree")
+        for name, r in ab.items():
+            print(f"  {name}: " + ", ".join(f"{k} {v:.2f}" for k, v in r.items()))
     if profile:
         print("top-level CPU ops, ms per step (calls per step):")
         for name, (ms, n) in profile.items():
@@ -218,7 +291,7 @@ def main(argv=None) -> int:
     if args.json:
         write_json(args.json, dict(model=args.model, batch=args.batch, input_len=args.input_len,
                                    temperature=args.temperature, threads=torch.get_num_threads(), step_ms=step,
-                                   forward_ms=fwd, sampler_ms=sampler, op_ms=op_ms, profile=profile,
+                                   forward_ms=fwd, sampler_ms=sampler, op_ms=op_ms, ab=ab, profile=profile,
                                    machine=machine_info(),
                                    commit=git_commit()["sha"], date=time.strftime("%Y-%m-%d %H:%M")))
     return 0
