@@ -16,8 +16,11 @@ for the device), and the only device-to-host transfer is one non-blocking copy o
 `DeviceSample.result()` (the engine reads a step's tokens after it has launched the next step).
 
 A draw is an exponential race: argmax(probs / q), q ~ Exp(1). Rows without a seed share one draw from the global
-generator. A row with a seed draws its q from a CPU generator seeded with `draw_seed(seed, position)`, position being
-the number of tokens in the sequence before the one drawn (prompt + outputs): the draw for a token depends on the
+generator; on the CPU they take an inverse-CDF draw instead, one uniform per row against the running sum of probs
+(the same distribution: torch's CPU exponential_ costs ~30 ns an element, most of a decode step's sampling at
+16 x 49,152; bench/RESULTS.md, "CPU: sampler and small ops").
+A row with a seed draws its q from a CPU generator seeded with `draw_seed(seed, position)`, position being the number
+of tokens in the sequence before the one drawn (prompt + outputs): the draw for a token depends on the
 request's seed and the token's place only, not on how many draws came before it. So a request re-issued as prompt +
 the outputs it already had (a migrated stream), or whose first token another engine drew (the prefill -> decode
 hand-off), draws what an undisturbed run would have; and the same seed gives the same q on the CPU and on a GPU.
@@ -122,14 +125,16 @@ class Sampler:
             raw_logprobs = torch.log_softmax(logits, dim=-1)  # [B, V]
 
         min_tokens_masks = self._min_tokens_masks(states, grammar_rows) if any_min_tokens else []
-        if not sample_rows and not penalty_rows and not min_tokens_masks:
-            token_ids = logits.argmax(dim=-1)  # fast path: plain greedy
-        else:
-            logits = logits.clone()
+        if min_tokens_masks or penalty_rows:
+            if not grammar_rows:
+                logits = logits.clone()  # (the masks and penalties go in place; the caller's logits stay)
             for row, ids in min_tokens_masks:
                 logits[row, ids] = float("-inf")
             if penalty_rows:
                 self._apply_penalties(logits, states, penalty_rows)
+        if sample_rows and len(sample_rows) == len(states):
+            token_ids = self._sample(logits, states)  # every row draws: no argmax, no row gather
+        else:
             token_ids = logits.argmax(dim=-1)  # [B], right for greedy rows
             if sample_rows:
                 sub = [states[i] for i in sample_rows]
@@ -168,15 +173,18 @@ class Sampler:
             [p.frequency_penalty for p in sub], [p.presence_penalty for p in sub])
 
     def _sample(self, logits: torch.Tensor, states: Sequence[SamplingState]) -> torch.Tensor:
-        """Draw one token per row of logits [R, V] (all rows non-greedy); returns [R] int64."""
+        """Draw one token per row of logits [R, V] (all rows non-greedy; read, not written); returns [R] int64."""
         device = logits.device
         params = [s.sampling_params for s in states]
-        temperature = _tensor([p.temperature for p in params], torch.float32, device)
-        logits = logits / temperature.unsqueeze(1)
+        temperatures = [p.temperature for p in params]
+        if any(t != 1.0 for t in temperatures):  # (x / 1.0 is x: vllm bench serve's default skips a pass)
+            logits = logits / _tensor(temperatures, torch.float32, device).unsqueeze(1)
 
         logits = apply_top_k_top_p(logits, [p.top_k for p in params], [p.top_p for p in params])
         logits = apply_min_p(logits, [p.min_p for p in params])
         probs = torch.softmax(logits, dim=-1)  # [R, V]
+        if device.type == "cpu":
+            return self._sample_cpu(probs, states)
         q = torch.empty_like(probs)
         q.exponential_()  # one shared draw for the rows without a seed
         seeded = [i for i, s in enumerate(states) if s.seed is not None]
@@ -192,6 +200,28 @@ class Sampler:
         # Exp(1) can round to 0 on some backends; 0 / 0 would be NaN and win the argmax.
         q.clamp_(min=torch.finfo(torch.float32).tiny)
         return (probs / q).argmax(dim=-1)
+
+    def _sample_cpu(self, probs: torch.Tensor, states: Sequence[SamplingState]) -> torch.Tensor:
+        """_sample's draw on the CPU, from probs [R, V]: the seeded rows' exponential race exactly as on a GPU (the
+        same q, so the same token), an inverse-CDF draw for the others."""
+        seeded = [i for i, s in enumerate(states) if s.seed is not None]
+        if not seeded:
+            return inverse_cdf_draw(probs)
+        token_ids = torch.empty(len(states), dtype=torch.int64)
+        unseeded = [i for i, s in enumerate(states) if s.seed is None]
+        if unseeded:
+            rows = torch.tensor(unseeded)
+            token_ids[rows] = inverse_cdf_draw(probs[rows])
+        draws = torch.empty(len(seeded), probs.shape[1])  # [S, V]
+        gen = self._generator
+        for j, i in enumerate(seeded):
+            s = states[i]
+            gen.manual_seed(draw_seed(s.seed, s.num_computed_tokens))
+            draws[j].exponential_(generator=gen)
+        draws.clamp_(min=torch.finfo(torch.float32).tiny)  # (as in _sample)
+        rows = torch.tensor(seeded)
+        token_ids[rows] = (probs[rows] / draws).argmax(dim=-1)
+        return token_ids
 
 
 class DeviceSample:
@@ -307,6 +337,20 @@ def apply_top_k_top_p(logits: torch.Tensor, top_k: list[int], top_p: list[float]
     mass_before = torch.cumsum(sorted_probs, dim=-1) - sorted_probs  # probability of the tokens ranked above
     sorted_logits = sorted_logits.masked_fill(mass_before >= p.unsqueeze(1), float("-inf"))
     return torch.empty_like(logits).scatter_(1, sorted_idx, sorted_logits)
+
+
+def inverse_cdf_draw(probs: torch.Tensor) -> torch.Tensor:
+    """One token per row of probs [R, V] (non-negative, not necessarily normalized), drawn with probability
+    proportional to probs from one uniform per row of the global generator; returns [R] int64.
+
+    The running sum is float64, so each token's share of it is its float32 probability to ~1e-16. A token of
+    probability 0 adds nothing to the sum and is never drawn: searchsorted(right=True) returns the first index whose
+    sum exceeds u, and u stays below the row's total."""
+    cdf = probs.cumsum(dim=-1, dtype=torch.float64)  # [R, V], non-decreasing
+    total = cdf[:, -1:]  # [R, 1]
+    u = torch.rand(total.shape, dtype=torch.float64, device=probs.device).mul_(total)  # [R, 1] in [0, total]
+    u = torch.minimum(u, torch.nextafter(total, torch.zeros_like(total)))  # rand * total can round up to total
+    return torch.searchsorted(cdf, u, right=True).squeeze(1)
 
 
 def apply_min_p(logits: torch.Tensor, min_p: list[float]) -> torch.Tensor:

@@ -13,7 +13,8 @@ from __future__ import annotations
 import torch
 
 from kernels.activation import silu_and_mul_ref, silu_and_mul_triton
-from kernels.cpu_ops import cpu_fast, fused_add_rms_norm_cpu, rms_norm_cpu, silu_and_mul_cpu
+from kernels.cpu_ops import (cpu_fast, fused_add_rms_norm_cpu, rms_norm_cpu, rotary_embedding_write_kv_cpu,
+                             rotary_write_kv_cpu_ok, silu_and_mul_cpu)
 from kernels.kv_write import write_kv_ref, write_kv_triton
 from kernels.norm import fused_add_rms_norm_ref, fused_add_rms_norm_triton, rms_norm_ref, rms_norm_triton
 from kernels.paged_attention import paged_attention_ref, paged_attention_torch, paged_attention_triton
@@ -67,6 +68,8 @@ def rotary_embedding_write_kv(positions, q, k, v, cos_sin_cache, k_cache, v_cach
                               v_scale=1.0, *, k_scale_cache=None, v_scale_cache=None):
     """rotary_embedding, then write_kv of the rotated k and v (one launch on CUDA, but for an int8 cache); returns
     the rotated (q, k)."""
+    if not q.is_cuda and rotary_write_kv_cpu_ok(q, k_cache, k_scale, v_scale, k_scale_cache):
+        return rotary_embedding_write_kv_cpu(positions, q, k, v, cos_sin_cache, k_cache, v_cache, slot_mapping)
     fn = rotary_embedding_write_kv_triton if q.is_cuda else rotary_embedding_write_kv_ref
     return fn(positions, q, k, v, cos_sin_cache, k_cache, v_cache, slot_mapping, k_scale, v_scale,
               k_scale_cache=k_scale_cache, v_scale_cache=v_scale_cache)

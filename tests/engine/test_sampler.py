@@ -4,7 +4,7 @@ from dataclasses import dataclass, field
 import pytest
 import torch
 
-from engine.sampler import Sampler, apply_min_p, apply_penalties, apply_top_k_top_p, draw_seed
+from engine.sampler import Sampler, apply_min_p, apply_penalties, apply_top_k_top_p, draw_seed, inverse_cdf_draw
 from engine.sampling_params import SamplingParams
 
 EOS = 0
@@ -290,3 +290,14 @@ def test_top_p_sampling_matches_the_renormalized_distribution():
     tol = 5 * torch.sqrt(expected * (1 - expected) / n) + 1e-12
     assert torch.all((freq - expected).abs() < tol), (freq, expected)
     assert math.isclose(freq.sum().item(), 1.0)
+
+
+def test_inverse_cdf_draw_never_draws_a_zero_probability_token():
+    # Zeros first, last and between; unnormalized rows; a row whose whole mass is one token.
+    probs = torch.tensor([[0.0, 2.0, 0.0, 1.0, 0.0], [0.0, 0.0, 0.0, 0.0, 3.0], [1.0, 0.0, 0.0, 0.0, 0.0]])
+    torch.manual_seed(0)
+    n = 20000
+    tokens = inverse_cdf_draw(probs.repeat(n, 1)).view(n, 3)
+    assert set(tokens[:, 0].tolist()) == {1, 3} and set(tokens[:, 1].tolist()) == {4}
+    assert set(tokens[:, 2].tolist()) == {0}
+    assert abs((tokens[:, 0] == 1).double().mean().item() - 2 / 3) < 5 * (2 / 9 / n) ** 0.5
