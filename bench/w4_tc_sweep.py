@@ -70,8 +70,8 @@ def candidates(m: int, n: int, k: int, group: int, num_sms: int, which: str = "a
     for bm, bn, bk, w, st, swap, unpack, pairs in tiles:
         if group % bk or (bm > 2 * max(m, 16) and bm > 64):
             continue
-        out.append(W4TcConfig(bm, bn, bk, w, st, swap, unpack, split_for(m, n, k, bm, bn, bk, num_sms),
-                              pairs=pairs))
+        out.append(W4TcConfig(block_m=bm, block_n=bn, block_k=bk, num_warps=w, num_stages=st, swap=swap,
+                              unpack=unpack, split_k=split_for(m, n, k, bm, bn, bk, num_sms), pairs=pairs))
     return out
 
 
@@ -176,7 +176,8 @@ def main(argv=None) -> int:
                 timed["batch"] = bench_us(lambda: w4a16_batch_triton(x, *w.args())) if device == "cuda" else 0.0
             tc = []
             cands = candidates(m, n, k, args.group_size, num_sms, args.tiles) if not args.smoke else \
-                [W4TcConfig(16, 16, 32, 4, 1, s, u, pairs=pr) for s in (True, False) for u in ("reshape", "gather")
+                [W4TcConfig(block_m=16, block_n=16, block_k=32, num_warps=4, num_stages=1, swap=s, unpack=u, pairs=pr)
+                 for s in (True, False) for u in ("reshape", "gather")
                  for pr in (False, True)]
             if args.no_sweep:
                 cands = []

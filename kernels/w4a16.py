@@ -283,6 +283,39 @@ _MAGIC = tl.constexpr(8388608.0)  # 2^23: float32 bits 0x4B000000 | q (q < 2^23)
 
 
 @triton.jit
+def swizzled_tile(pid, M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
+    """(row tile, column tile) of output tile `pid`, in groups of GROUP_M row tiles: consecutive programs share the
+    weight's column tiles in the L2."""
+    num_pid_m = tl.cdiv(M, BLOCK_M)
+    num_pid_n = tl.cdiv(N, BLOCK_N)
+    width = GROUP_M * num_pid_n
+    first_m = (pid // width) * GROUP_M
+    group_rows = tl.minimum(num_pid_m - first_m, GROUP_M)
+    return first_m + (pid % width) % group_rows, (pid % width) // group_rows
+
+
+@triton.jit
+def store_tile(acc, y_ptr, bias_ptr, part_ptr, count_ptr, pid, rm, rn, rn_c, M, N, stride_ym,
+               SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr):
+    """y[rm, rn] = acc (float32 [BLOCK_M, BLOCK_N]) + bias, in y's dtype; with SPLIT, acc is one K split's partial
+    and the last program of the tile sums them in order (kernels/split_k.py) and stores."""
+    out_mask = (rm < M)[:, None] & (rn < N)[None, :]
+    y_ptrs = y_ptr + rm.to(tl.int64)[:, None] * stride_ym + rn[None, :]
+    if SPLIT:
+        tile = rm.to(tl.int64)[:, None] * N + rn[None, :]  # offsets inside one [M, N] partial
+        split_stride = (tl.zeros((), dtype=tl.int64) + M) * N
+        total, last = split_k_reduce(acc, part_ptr, count_ptr, pid, tile, out_mask, split_stride)
+        if last:
+            if HAS_BIAS:
+                total += tl.load(bias_ptr + rn_c).to(tl.float32)[None, :]
+            tl.store(y_ptrs, total.to(y_ptr.dtype.element_ty), mask=out_mask)
+    else:
+        if HAS_BIAS:
+            acc += tl.load(bias_ptr + rn_c).to(tl.float32)[None, :]
+        tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=out_mask)
+
+
+@triton.jit
 def _w4a16_kernel(
     x_ptr,  # [M, K] (rows strided, K contiguous)
     qw_ptr,  # [K // 8, N] int32, contiguous
@@ -311,13 +344,7 @@ def _w4a16_kernel(
     # Output tiles on axis 0 (2^31 of them; axis 1 stops at 65535), swizzled in groups of GROUP_M row tiles.
     pid = tl.program_id(0)
     pid_k = tl.program_id(1)
-    num_pid_m = tl.cdiv(M, BLOCK_M)
-    num_pid_n = tl.cdiv(N, BLOCK_N)
-    width = GROUP_M * num_pid_n
-    first_m = (pid // width) * GROUP_M
-    group_rows = tl.minimum(num_pid_m - first_m, GROUP_M)
-    pid_m = first_m + (pid % width) % group_rows
-    pid_n = (pid % width) // group_rows
+    pid_m, pid_n = swizzled_tile(pid, M, N, BLOCK_M, BLOCK_N, GROUP_M)
 
     rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -384,20 +411,7 @@ def _w4a16_kernel(
     if MODE == 1:
         acc += tl.sum(acc2, axis=0)[None, :]
 
-    out_mask = (rm < M)[:, None] & (rn < N)[None, :]  # [BLOCK_M, BLOCK_N]
-    y_ptrs = y_ptr + rm.to(tl.int64)[:, None] * stride_ym + rn[None, :]
-    if SPLIT:
-        tile = rm.to(tl.int64)[:, None] * N + rn[None, :]  # offsets inside one [M, N] partial
-        split_stride = (tl.zeros((), dtype=tl.int64) + M) * N
-        total, last = split_k_reduce(acc, part_ptr, count_ptr, pid, tile, out_mask, split_stride)
-        if last:
-            if HAS_BIAS:
-                total += tl.load(bias_ptr + rn_c).to(tl.float32)[None, :]
-            tl.store(y_ptrs, total.to(y_ptr.dtype.element_ty), mask=out_mask)
-    else:
-        if HAS_BIAS:
-            acc += tl.load(bias_ptr + rn_c).to(tl.float32)[None, :]
-        tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=out_mask)
+    store_tile(acc, y_ptr, bias_ptr, part_ptr, count_ptr, pid, rm, rn, rn_c, M, N, stride_ym, SPLIT, HAS_BIAS)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -436,6 +450,14 @@ def check_w4_operands(x, qweight, scales, qzeros, bias, perm) -> tuple[int, int,
     return M, N, K, group_size
 
 
+def output_for(x: torch.Tensor, N: int, out: torch.Tensor | None) -> torch.Tensor:
+    """The launchers' output: out checked as [M, N] in x's dtype on x's device, or a new one."""
+    if out is None:
+        return torch.empty((x.shape[0], N), dtype=x.dtype, device=x.device)
+    check_out("out", out, (x.shape[0], N), x.dtype, x.device)
+    return out
+
+
 def _launch(x, qweight, scales, qzeros, bias, perm, out, M, N, K, group_size, *, block_m, block_n, block_k,
             split_k, group_m, mode, unpack_reshape, num_warps, num_stages) -> None:
     """One launch of _w4a16_kernel: output tiles on grid axis 0, K splits on axis 1."""
@@ -470,10 +492,7 @@ def w4a16_gemv_triton(
     M, N, K, group_size = check_w4_operands(x, qweight, scales, qzeros, bias, perm)
     if M > GEMV_MAX_M:
         raise ValueError(f"x: {M} rows, the GEMV takes at most GEMV_MAX_M={GEMV_MAX_M} (use w4a16_gemm_triton)")
-    if out is None:
-        out = torch.empty((M, N), dtype=x.dtype, device=x.device)
-    else:
-        check_out("out", out, (M, N), x.dtype, x.device)
+    out = output_for(x, N, out)
     if M == 0 or N == 0:
         return out
     cfg = config or default_gemv_config(M, N, K, group_size, sm_count(x.device, INTERPRETER_SMS), x.dtype)
@@ -508,10 +527,7 @@ def w4a16_gemm_triton(
     """w4a16_ref for any number of rows, on the tensor cores. No host sync: capturable in a CUDA graph (after one
     split launch outside the capture, as for the GEMV)."""
     M, N, K, group_size = check_w4_operands(x, qweight, scales, qzeros, bias, perm)
-    if out is None:
-        out = torch.empty((M, N), dtype=x.dtype, device=x.device)
-    else:
-        check_out("out", out, (M, N), x.dtype, x.device)
+    out = output_for(x, N, out)
     if M == 0 or N == 0:
         return out
     cfg = config or default_gemm_config(M, N, K, group_size, sm_count(x.device, INTERPRETER_SMS))

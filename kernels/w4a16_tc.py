@@ -29,45 +29,25 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from kernels._checks import check_out, interpreting
-from kernels.split_k import COUNTERS_PER_DEVICE, plan_split_k, split_k_reduce
+from kernels._checks import check_block_k, check_out, interpreting
+from kernels.split_k import COUNTERS_PER_DEVICE, plan_split_k
+from kernels.w4a16 import W4GemmConfig, check_w4_operands, output_for, store_tile, swizzled_tile
 
 _INTERPRET = interpreting()
 _MAGIC = tl.constexpr(8388608.0)  # 2^23: float32 bits 0x4B000000 | q are exactly 2^23 + q
 
 
 @dataclass(frozen=True)
-class W4TcConfig:
-    """One launch shape of _w4a16_tc_kernel."""
+class W4TcConfig(W4GemmConfig):
+    """One launch shape of _w4a16_tc_kernel: W4GemmConfig's tile, warps, stages, unpacking, split and swizzle (its
+    checks too), and the operand order and the dequantization."""
 
-    block_m: int = 64
-    """Rows of x per program; a power of two >= 16."""
-    block_n: int = 128
-    """Outputs per program; a power of two >= 16 (SWAP: the wgmma's rows, 64 per warpgroup)."""
-    block_k: int = 64
-    """Inputs per step; a power of two >= 16 that divides the group size."""
-    num_warps: int = 4
-    num_stages: int = 3
     swap: bool = True
-    unpack: str = "reshape"
-    split_k: int = 1
-    group_m: int = 8
+    """The transposed tile: the weights as the dot's first operand (registers), x as its second (shared memory)."""
     pairs: bool = False
     """Dequantize with paired 16-bit arithmetic (_dequant_word: per 8 weights 4 LOP3, 3 shifts and 8 FMA2s, against
     ~6 float32 operations a weight); 16-bit x on the GPU only (float32 x and the interpreter keep the float32 path,
     the interpreter emulating the pairs' layout)."""
-
-    def __post_init__(self) -> None:
-        for name in ("block_m", "block_n", "block_k", "num_warps"):
-            v = getattr(self, name)
-            if v < 1 or v & (v - 1):
-                raise ValueError(f"{name}={v}: must be a power of two")
-            if name != "num_warps" and v < 16:
-                raise ValueError(f"{name}={v}: must be >= 16 (tensor-core tile)")
-        if self.unpack not in ("reshape", "gather"):
-            raise ValueError(f"unpack={self.unpack!r}: must be 'reshape' or 'gather'")
-        if self.split_k < 1 or self.group_m < 1:
-            raise ValueError(f"split_k={self.split_k}, group_m={self.group_m}: must be >= 1")
 
     def short(self) -> str:
         return (f"tc/{'swap' if self.swap else 'noswap'}/m{self.block_m}/n{self.block_n}/k{self.block_k}/"
@@ -185,13 +165,7 @@ def _w4a16_tc_kernel(
 ):
     pid = tl.program_id(0)
     pid_k = tl.program_id(1)
-    num_pid_m = tl.cdiv(M, BLOCK_M)
-    num_pid_n = tl.cdiv(N, BLOCK_N)
-    width = GROUP_M * num_pid_n
-    first_m = (pid // width) * GROUP_M
-    group_rows = tl.minimum(num_pid_m - first_m, GROUP_M)
-    pid_m = first_m + (pid % width) % group_rows
-    pid_n = (pid % width) // group_rows
+    pid_m, pid_n = swizzled_tile(pid, M, N, BLOCK_M, BLOCK_N, GROUP_M)
 
     rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -293,20 +267,7 @@ def _w4a16_tc_kernel(
         out = tl.trans(acc)  # [BLOCK_M, BLOCK_N]
     else:
         out = acc
-    out_mask = (rm < M)[:, None] & (rn < N)[None, :]
-    y_ptrs = y_ptr + rm.to(tl.int64)[:, None] * stride_ym + rn[None, :]
-    if SPLIT:
-        tile = rm.to(tl.int64)[:, None] * N + rn[None, :]
-        split_stride = (tl.zeros((), dtype=tl.int64) + M) * N
-        total, last = split_k_reduce(out, part_ptr, count_ptr, pid, tile, out_mask, split_stride)
-        if last:
-            if HAS_BIAS:
-                total += tl.load(bias_ptr + rn_c).to(tl.float32)[None, :]
-            tl.store(y_ptrs, total.to(y_ptr.dtype.element_ty), mask=out_mask)
-    else:
-        if HAS_BIAS:
-            out += tl.load(bias_ptr + rn_c).to(tl.float32)[None, :]
-        tl.store(y_ptrs, out.to(y_ptr.dtype.element_ty), mask=out_mask)
+    store_tile(out, y_ptr, bias_ptr, part_ptr, count_ptr, pid, rm, rn, rn_c, M, N, stride_ym, SPLIT, HAS_BIAS)
 
 
 def default_tc_config(M: int, N: int, K: int, group_size: int, num_sms: int) -> W4TcConfig:
@@ -331,18 +292,12 @@ def w4a16_tc_triton(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor
     capturable in a CUDA graph (after one split launch outside the capture has made the ticket counters)."""
     from kernels._checks import sm_count
     from kernels.gemv import INTERPRETER_SMS
-    from kernels.w4a16 import check_w4_operands
-
     M, N, K, group_size = check_w4_operands(x, qweight, scales, qzeros, bias, perm)
-    if out is None:
-        out = torch.empty((M, N), dtype=x.dtype, device=x.device)
-    else:
-        check_out("out", out, (M, N), x.dtype, x.device)
+    out = output_for(x, N, out)
     if M == 0 or N == 0:
         return out
     cfg = config or default_tc_config(M, N, K, group_size, sm_count(x.device, INTERPRETER_SMS))
-    if group_size % cfg.block_k:
-        raise ValueError(f"config: block_k={cfg.block_k} does not divide the group size {group_size}")
+    check_block_k(cfg.block_k, group_size)
     tiles = triton.cdiv(M, cfg.block_m) * triton.cdiv(N, cfg.block_n)
     plan = plan_split_k(K, cfg.block_k, cfg.split_k, tiles, out, f"qweight: N={N} (M={M})")
     pairs = cfg.pairs and x.dtype in (torch.bfloat16, torch.float16)
