@@ -55,7 +55,8 @@ from kernels._checks import sm_count  # noqa: E402
 from kernels.pdl import PDL_SUPPORTED  # noqa: E402
 from kernels.w4a16 import (GEMV_MAX_M, GEMV_TABLE, PACK, STREAM_MAX_M, W4GemmConfig, W4GemvConfig,  # noqa: E402
                            default_gemm_config, default_gemv_config, w4a16_gemm_triton, w4a16_gemv_triton,
-                           w4a16_ref, w4a16_triton)
+                           w4a16_ref)
+from kernels.w4a16_tc import w4a16_triton  # noqa: E402
 
 SHAPES = {"qkv": (4608, 3584, True), "o": (3584, 3584, False), "gate_up": (37888, 3584, False),
           "down": (3584, 18944, False)}  # name: (N, K, bias)

@@ -38,7 +38,8 @@ from torch import nn
 
 from engine.config import FUSED_LINEARS
 from engine.quant import _matches, quantization_config_dict
-from kernels.w4a16 import PACK, pack_w4, unpack_w4, w4a16_ref, w4a16_triton
+from kernels.w4a16 import PACK, pack_w4, unpack_w4, w4a16_ref
+from kernels.w4a16_tc import w4a16_triton
 
 W4_METHODS = ("awq", "gptq", "compressed-tensors")
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # AutoAWQ's GEMM packing: nibble i of word c holds output 8c + AWQ_ORDER[i]

@@ -535,13 +535,3 @@ def w4a16_gemm_triton(
             block_n=cfg.block_n, block_k=cfg.block_k, split_k=cfg.split_k, group_m=cfg.group_m, mode=2,
             unpack_reshape=cfg.unpack == "reshape", num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return out
-
-
-def w4a16_triton(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, qzeros: torch.Tensor | None = None,
-                 bias: torch.Tensor | None = None, perm: torch.Tensor | None = None) -> torch.Tensor:
-    """The GEMV for at most GEMV_MAX_M rows; above that kernels/w4a16_tc.py's batch path (its accumulating GEMM
-    or dequantize + cuBLAS, whichever the H200 sweep found faster for the shape)."""
-    if x.shape[0] <= GEMV_MAX_M:
-        return w4a16_gemv_triton(x, qweight, scales, qzeros, bias, perm)
-    from kernels.w4a16_tc import w4a16_batch_triton
-    return w4a16_batch_triton(x, qweight, scales, qzeros, bias, perm)

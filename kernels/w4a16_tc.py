@@ -31,7 +31,8 @@ import triton.language as tl
 
 from kernels._checks import check_block_k, check_out, interpreting
 from kernels.split_k import COUNTERS_PER_DEVICE, plan_split_k
-from kernels.w4a16 import W4GemmConfig, check_w4_operands, output_for, store_tile, swizzled_tile
+from kernels.w4a16 import (GEMV_MAX_M, W4GemmConfig, check_w4_operands, output_for, store_tile, swizzled_tile,
+                           w4a16_gemv_triton)
 
 _INTERPRET = interpreting()
 _MAGIC = tl.constexpr(8388608.0)  # 2^23: float32 bits 0x4B000000 | q are exactly 2^23 + q
@@ -427,3 +428,12 @@ def w4a16_batch_triton(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Ten
     if path == "tc":
         return w4a16_tc_triton(x, qweight, scales, qzeros, bias, perm, config=cfg)
     return w4a16_dequant_mm(x, qweight, scales, qzeros, bias, perm)
+
+
+def w4a16_triton(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, qzeros: torch.Tensor | None = None,
+                 bias: torch.Tensor | None = None, perm: torch.Tensor | None = None) -> torch.Tensor:
+    """The engine's 4-bit linear on CUDA: kernels/w4a16.py's GEMV for at most GEMV_MAX_M rows, the batch path
+    above (the fused GEMM or dequantize + cuBLAS, by batch_path)."""
+    if x.shape[0] <= GEMV_MAX_M:
+        return w4a16_gemv_triton(x, qweight, scales, qzeros, bias, perm)
+    return w4a16_batch_triton(x, qweight, scales, qzeros, bias, perm)

@@ -6,8 +6,8 @@ import torch
 
 from kernels.split_k import counters
 from kernels.w4a16 import (GEMV_MAX_M, W4GemmConfig, W4GemvConfig, default_gemm_config, default_gemv_config,
-                           dequantize_w4_ref, pack_w4, unpack_w4, w4a16_gemm_triton, w4a16_gemv_triton, w4a16_ref,
-                           w4a16_triton)
+                           dequantize_w4_ref, pack_w4, unpack_w4, w4a16_gemm_triton, w4a16_gemv_triton, w4a16_ref)
+from kernels.w4a16_tc import w4a16_triton
 
 ON_CUDA = torch.cuda.is_available()
 DEVICE = "cuda" if ON_CUDA else "cpu"

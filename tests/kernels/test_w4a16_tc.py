@@ -63,7 +63,7 @@ def test_dequantize_and_matmul(zeros, perm):
 @pytest.mark.parametrize("M,N", [(17, 24), (20, 16384)])
 def test_batch_path_matches_reference(M, N):
     """Both of the batch path's choices (narrow: dequantize + matmul; wide at few rows: the fused GEMM)."""
-    from kernels.w4a16 import w4a16_triton
+    from kernels.w4a16_tc import w4a16_triton
     from kernels.w4a16_tc import batch_path
     K = 64
     assert batch_path(M, N, K, 64) == ("tc" if N >= 16384 else "dequant")
