@@ -90,3 +90,23 @@ def format_table(headers: list[str], rows: list[list[Any]]) -> str:
     widths = [max(len(h), *(len(r[i]) for r in cells)) for i, h in enumerate(headers)]
     line = lambda vals: "| " + " | ".join(v.rjust(w) for v, w in zip(vals, widths)) + " |"  # noqa: E731
     return "\n".join([line(headers), "|" + "|".join("-" * (w + 2) for w in widths) + "|", *map(line, cells)])
+
+
+def compile_in_processes(worker, items: list, workers: int) -> None:
+    """Runs worker(chunk) -> [error strings] over items split across `workers` spawned processes (one process, or
+    this one, for fewer): Triton kernels launched once there land in its on-disk cache, so the timed runs that
+    follow compile nothing. Prints the first errors and the time taken."""
+    import multiprocessing as mp
+    import time
+    from concurrent.futures import ProcessPoolExecutor
+
+    t0 = time.time()
+    if workers <= 1 or len(items) <= 1:
+        errors = worker(items)
+    else:
+        chunks = [c for c in (items[i::workers] for i in range(workers)) if c]
+        with ProcessPoolExecutor(len(chunks), mp_context=mp.get_context("spawn")) as ex:
+            errors = [e for errs in ex.map(worker, chunks) for e in errs]
+    for e in errors[:8]:
+        print("  compile error:", e, flush=True)
+    print(f"compiled {len(items)} kernel variants in {time.time() - t0:.1f} s ({workers} processes)", flush=True)

@@ -26,17 +26,15 @@ from __future__ import annotations
 
 import argparse
 import math
-import multiprocessing as mp
 import sys
 import time
-from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.common import format_table, write_json  # noqa: E402
+from bench.common import compile_in_processes, format_table, write_json  # noqa: E402
 from kernels._checks import interpreting, sm_count  # noqa: E402
 from kernels.paged_attention import (LAST_LAUNCH, default_config, paged_attention_ref,  # noqa: E402
                                      paged_attention_triton)
@@ -132,16 +130,7 @@ def _compile_worker(jobs: list[tuple[str, dict]]) -> list[str]:
 
 def precompile(jobs: list[tuple[str, dict]], workers: int) -> None:
     items = list({(kv, tuple(sorted(cfg.items()))): (kv, cfg) for kv, cfg in jobs}.values())
-    t0 = time.time()
-    if workers <= 1 or len(items) <= 1:
-        errors = _compile_worker(items)
-    else:
-        chunks = [c for c in (items[i::workers] for i in range(workers)) if c]
-        with ProcessPoolExecutor(len(chunks), mp_context=mp.get_context("spawn")) as ex:
-            errors = [e for errs in ex.map(_compile_worker, chunks) for e in errs]
-    for e in errors[:8]:
-        print("  compile error:", e, flush=True)
-    print(f"compiled {len(items)} kernel variants in {time.time() - t0:.1f} s ({workers} processes)", flush=True)
+    compile_in_processes(_compile_worker, items, workers)
 
 
 def time_us(fn, smoke: bool) -> float:

@@ -11,10 +11,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import multiprocessing as mp
 import sys
-import time
-from concurrent.futures import ProcessPoolExecutor
 from dataclasses import asdict
 from pathlib import Path
 
@@ -23,7 +20,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.common import format_table, write_json  # noqa: E402
+from bench.common import compile_in_processes, format_table, write_json  # noqa: E402
 from kernels.w4a16 import default_gemm_config, w4a16_gemm_triton, w4a16_ref  # noqa: E402
 from kernels.w4a16_tc import (W4TcConfig, batch_path, w4_dequantize_triton, w4a16_batch_triton,  # noqa: E402
                               w4a16_dequant_mm, w4a16_tc_triton)
@@ -115,13 +112,7 @@ def precompile(jobs, workers: int) -> None:
         if str(key) not in seen:
             seen.add(str(key))
             items.append((name, m, group, asdict(cfg)))
-    t0 = time.time()
-    chunks = [c for c in (items[i::workers] for i in range(workers)) if c]
-    with ProcessPoolExecutor(len(chunks), mp_context=mp.get_context("spawn")) as ex:
-        errs = [e for es in ex.map(_compile_worker, chunks) for e in es]
-    for e in errs[:6]:
-        print("  compile error:", e, flush=True)
-    print(f"compiled {len(items)} variants in {time.time() - t0:.1f} s", flush=True)
+    compile_in_processes(_compile_worker, items, workers)
 
 
 def main(argv=None) -> int:

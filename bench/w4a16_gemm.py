@@ -36,10 +36,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import multiprocessing as mp
 import sys
-import time
-from concurrent.futures import ProcessPoolExecutor
 from dataclasses import asdict, replace
 from pathlib import Path
 
@@ -48,7 +45,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.common import format_table, write_json  # noqa: E402
+from bench.common import compile_in_processes, format_table, write_json  # noqa: E402
 from bench.gemv import graph_ms, time_rotation  # noqa: E402
 import kernels.gemv as gemv  # noqa: E402
 from kernels._checks import sm_count  # noqa: E402
@@ -220,16 +217,7 @@ def precompile(jobs: list[tuple], workers: int) -> None:
         if key not in seen:
             seen.add(key)
             items.append((name, m, group, zeros, perm, kind, asdict(cfg)))
-    t0 = time.time()
-    if workers <= 1 or len(items) <= 1:
-        errors = _compile_worker(items)
-    else:
-        chunks = [c for c in (items[i::workers] for i in range(workers)) if c]
-        with ProcessPoolExecutor(len(chunks), mp_context=mp.get_context("spawn")) as ex:
-            errors = [e for errs in ex.map(_compile_worker, chunks) for e in errs]
-    for e in errors[:8]:
-        print("  compile error:", e, flush=True)
-    print(f"compiled {len(items)} kernel variants in {time.time() - t0:.1f} s ({workers} processes)", flush=True)
+    compile_in_processes(_compile_worker, items, workers)
 
 
 # ---------------------------------------------------------------------------------------------------------------
