@@ -7,7 +7,7 @@ model dir into .carry/smollm2-tokenizer) as the vocabulary, sized to stop within
   python3 -c "import glob, zipfile as z; [z.ZipFile(w).extractall('/tmp/site') for w in glob.glob('.carry/whl/*')]" \
     && PYTHONPATH=/tmp/site:$PWD HF_HUB_OFFLINE=1 timeout 230 python3 bench/structured_mask.py \
     --model random:qwen2.5-7b --tokenizer .carry/smollm2-tokenizer --dtype bfloat16 --batch-size 256 \
-    --output-len 32 --max-step-ms 250 --json $OUT/structured_mask.json
+    --output-len 32 --max-step-ms 1000 --json $OUT/structured_mask.json
 Without --tokenizer a random: model has the synthetic tokenizer (engine/tokenizer.py), whose ~152k filler tokens
 "<fN>" are no BPE vocabulary: every one is valid string content, which no real model's mask looks like.
 .carry/whl (git ignores it): xgrammar 0.2.9 for CPython 3.12 and what it needs that the box lacks, made with
@@ -20,15 +20,15 @@ CPU smoke test (a small model; the numbers mean nothing, and a CPU step takes se
     --batch-size 8 --input-len 16 --output-len 8 --num-iters 1 --num-schemas 2 --max-step-ms 0
 
 Per mode ("none": unconstrained; "json": request i follows schema i % --num-schemas, a long array of objects, so no
-output can end inside the timed steps) it adds --batch-size requests of --input-len random prompt tokens (seeded
+output can end inside the timed steps) it adds --batch-size requests of --input-len random prompt tokens (unseeded
 sampling at temperature 1), steps the engine until every request decodes, runs warm-up steps, then times
 --output-len `LLMEngine.step()` calls, --num-iters times: "step ms" is the median of the iterations' mean step time.
 Each pass prints its progress; a step past --max-step-ms (a prefill step after the first decode, a warm-up step, or
 an iteration's mean) stops the run with exit status 2, after the warm-up pass's per-step host breakdown.
 The grammars compile before the timing (reported apart). "mask share" is (json - none) / json: everything the
 constraint adds to a step (the bitmask fill on the CPU, its copy and the Triton kernel, the matchers taking the
-tokens, and the sync a constrained step needs before the next launches). A second, instrumented json pass breaks
-it down per step: "fill ms" (xgrammar's fill, host), "apply ms" (copy + kernel, device time between CUDA events;
+tokens, and whatever of that the device's work does not hide). A second, instrumented json pass breaks it down
+per timed decode step: "fill ms" (xgrammar's fill, host), "apply ms" (copy + kernel, device time between CUDA events;
 host time on the CPU), "accept ms" (the matchers taking the step's tokens, host), "waiting for the device" (host
 time blocked reading a step's tokens: the device work the host did not hide).
 """
@@ -81,7 +81,7 @@ def instrument(cuda: bool) -> tuple[dict[str, Timer], callable]:
 
     timers = {name: Timer() for name in ("fill", "apply", "accept", "wait")}
     orig_fill, orig_apply, orig_advance = so.fill_bitmask, kernels.apply_token_bitmask, so.RequestGrammar.advance
-    orig_result = StepHandle.result
+    orig_accept, orig_result = so.GrammarManager.accept, StepHandle.result
     pending: list = []  # the event recorded after the fill, waiting for its apply
 
     def fill(*a, **kw):
@@ -109,6 +109,11 @@ def instrument(cuda: bool) -> tuple[dict[str, Timer], callable]:
         timers["accept"].host += time.perf_counter() - t0
         return out
 
+    def accept(self, grammars, tokens):
+        t0 = time.perf_counter()
+        orig_accept(self, grammars, tokens)
+        timers["accept"].host += time.perf_counter() - t0
+
     def result(self):
         t0 = time.perf_counter()
         out = orig_result(self)
@@ -116,11 +121,11 @@ def instrument(cuda: bool) -> tuple[dict[str, Timer], callable]:
         return out
 
     so.fill_bitmask, kernels.apply_token_bitmask, so.RequestGrammar.advance = fill, apply, advance
-    StepHandle.result = result
+    so.GrammarManager.accept, StepHandle.result = accept, result
 
     def undo():
         so.fill_bitmask, kernels.apply_token_bitmask, so.RequestGrammar.advance = orig_fill, orig_apply, orig_advance
-        StepHandle.result = orig_result
+        so.GrammarManager.accept, StepHandle.result = orig_accept, orig_result
 
     return timers, undo
 
@@ -149,9 +154,9 @@ def check_step(args, mode: str, where: str, seconds: float) -> None:
         raise TooSlow(f"{mode} {where}: {seconds * 1e3:.1f} ms per step > --max-step-ms {args.max_step_ms:g}")
 
 
-def run_mode(engine, args, constrained: bool, iters: int) -> dict:
+def run_mode(engine, args, constrained: bool, iters: int, on_timed=None) -> dict:
     """Fills the engine with the batch, times the decode steps; returns the mean step seconds per iteration and
-    the grammars' compile time."""
+    the grammars' compile time. on_timed: called once the timed steps start (after the prefill and warm-up)."""
     from engine import SamplingParams
     from engine.sampling_params import StructuredOutputsParams
 
@@ -166,7 +171,9 @@ def run_mode(engine, args, constrained: bool, iters: int) -> dict:
         if constrained:
             so = StructuredOutputsParams(json=schema(i % args.num_schemas, args.min_items),
                                          disable_any_whitespace=True)
-        params = SamplingParams(temperature=1.0, seed=i, max_tokens=steps + prefill_slack(args), ignore_eos=True,
+        # Unseeded: a seeded row draws its noise on the CPU (engine/sampler.py), a vocabulary of floats per row and
+        # step, which at 256 x 152k would swamp both modes' steps.
+        params = SamplingParams(temperature=1.0, max_tokens=steps + prefill_slack(args), ignore_eos=True,
                                 structured_outputs=so)
         prompt = torch.randint(10, vocab - 10, (args.input_len,), generator=gen).tolist()
         engine.add_request(rid, prompt, params)
@@ -189,6 +196,8 @@ def run_mode(engine, args, constrained: bool, iters: int) -> dict:
         engine.step()
         check_step(args, mode, "warm-up", time.perf_counter() - t0)
     per_step = []
+    if on_timed is not None:
+        on_timed()
     for it in range(iters):
         sync()
         t0 = time.perf_counter()
@@ -243,9 +252,9 @@ def main(argv=None) -> int:
     engine = LLMEngine.from_engine_args(EngineArgs(**kw))
     cuda = engine.runner.device.type == "cuda"
 
-    def timed_pass(name: str, constrained: bool, iters: int) -> dict:
+    def timed_pass(name: str, constrained: bool, iters: int, on_timed=None) -> dict:
         t = time.perf_counter()
-        out = run_mode(engine, args, constrained, iters)
+        out = run_mode(engine, args, constrained, iters, on_timed)
         print(f"  pass {name}: {time.perf_counter() - t:.1f} s, step ms {[round(1e3 * x, 2) for x in out['step_s']]}",
               flush=True)
         return out
@@ -265,8 +274,13 @@ def main(argv=None) -> int:
         none = timed_pass("none", False, args.num_iters)
         json_ = timed_pass("json", True, args.num_iters)
         timers, undo = instrument(cuda)
+
+        def reset():  # the breakdown is of the timed decode steps only
+            for t in timers.values():
+                t.host, t.calls, t.events = 0.0, 0, []
+
         try:
-            timed_pass("instrumented (json)", True, 1)
+            timed_pass("instrumented (json)", True, 1, reset)
         finally:
             undo()
     except TooSlow as e:
@@ -274,7 +288,7 @@ def main(argv=None) -> int:
         return 2
     finally:
         engine.close()
-    steps = args.output_len + args.warmup_steps  # the instrumented pass: warm-up and timed steps, not the prefill
+    steps = args.output_len  # the instrumented pass's timed steps
     t_none, t_json = statistics.median(none["step_s"]), statistics.median(json_["step_s"])
     share = (t_json - t_none) / t_json
     fill_ms = timers["fill"].host / steps * 1e3

@@ -473,10 +473,22 @@ class LLMEngine:
             outputs += self._read_step(prev)
             prev = None
         sched = self.scheduler.schedule()
+        unread = [prev] if prev is not None else []
+
+        def read_prev() -> None:
+            """The previous step's tokens, read and applied (once): before this step's grammar masks, which need
+            them accepted into the matchers, or after its launch."""
+            if unread:
+                outputs.extend(self._read_step(unread.pop()))
+
         if not sched.is_empty:
             tables = self.kv.block_tables([req.request_id for req, _ in sched.scheduled])
             try:
-                handle = self.runner.execute(sched, tables, prev.handle if prev is not None else None)
+                # A grammar row's mask is filled with this step's forward pass already queued: the previous step's
+                # tokens are read there (before_mask), not before the launch, so the matchers' work and the fill
+                # overlap the device's.
+                handle = self.runner.execute(sched, tables, prev.handle if prev is not None else None,
+                                             before_mask=read_prev)
             except WorkerError:  # the tensor-parallel group is gone: no later step can run either
                 raise
             except Exception:
@@ -484,8 +496,7 @@ class LLMEngine:
                 outputs += self._abort_batch(sched)
             else:
                 self._launched = _Launched(sched, handle, [r.num_computed_tokens for r, _ in sched.scheduled])
-        if prev is not None:
-            outputs += self._read_step(prev)
+        read_prev()
         if not self.async_scheduling and self._launched is not None:
             launched, self._launched = self._launched, None
             outputs += self._read_step(launched)
@@ -518,6 +529,8 @@ class LLMEngine:
             return self._abort_batch(sched)
         outputs = []
         self.scheduler.update_from_output(sched)
+        if self.grammars.num_compiles:  # (some request was ever constrained)
+            self._accept_grammar_tokens(handle.requests, sampled.token_ids)
         for req, token, lp in zip(handle.requests, sampled.token_ids, sampled.logprobs):
             if req.is_finished:  # it stopped on the token before this one (or was aborted): drop this one
                 continue
@@ -535,6 +548,19 @@ class LLMEngine:
                 out.num_computed_tokens = done
                 outputs.append(out)
         return outputs
+
+    def _accept_grammar_tokens(self, requests: list[Request], token_ids: list[int]) -> None:
+        """The step's tokens into the matchers of the requests that will append them, in one batch on several
+        threads (GrammarManager.accept); _append_token then finds them accepted, and reports a refused one."""
+        grammars, tokens = [], []
+        for req, token in zip(requests, token_ids):
+            g = req.grammar
+            if (g is not None and g.active and not req.is_finished and g.num_accepted == len(req.output_token_ids)
+                    and not g.terminated):
+                grammars.append(g)
+                tokens.append(token)
+        if grammars:
+            self.grammars.accept(grammars, tokens)
 
     def _record_stats(self, sched, t0: float) -> None:
         self.last_stats = StepStats(len(self.scheduler.running), len(self.scheduler.waiting), self.kv.usage(),

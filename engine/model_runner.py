@@ -426,18 +426,19 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput, block_tables: np.ndarray | list[list[int]],
-                prev: "StepHandle | None" = None) -> "StepHandle":
+                prev: "StepHandle | None" = None, before_mask=None) -> "StepHandle":
         """Launches the step and returns without waiting for the device: the handle reads the sampled tokens.
+        before_mask: Sampler.sample's (called once the forward pass is queued, before a grammar row's mask).
         With tensor parallelism the step goes to the workers first; a failure after that breaks the group
         (engine/collectives.WorkerError)."""
         step = self.step_inputs(sched, block_tables, prev)
         path = self.step_path(step)
         if self.driver is None:
-            return self._execute(step, path, prev, share=False)
+            return self._execute(step, path, prev, share=False, before_mask=before_mask)
         share = self.share_sampled_tokens and step.num_sampled > 0
         self.driver.send_step(step, path, share)
         try:
-            return self._execute(step, path, prev, share)
+            return self._execute(step, path, prev, share, before_mask)
         except Exception as e:
             raise self.driver.fail(f"rank 0's step failed: {e!r}") from e
 
@@ -453,7 +454,7 @@ class ModelRunner:
         return EAGER, 0, 0
 
     def _execute(self, step: StepInputs, path: tuple[int, int, int], prev: "StepHandle | None",
-                 share: bool) -> "StepHandle":
+                 share: bool, before_mask=None) -> "StepHandle":
         inputs = self.device_inputs(step, prev.token_ids if step.num_fill else None)
         logits = self.forward(inputs, path)
         sampled = inputs.sampled_requests
@@ -463,7 +464,7 @@ class ModelRunner:
                 done = torch.cuda.Event()
                 done.record()
             return StepHandle([], None, done)
-        sample = self.sampler.sample(logits.float(), sampled)
+        sample = self.sampler.sample(logits.float(), sampled, before_mask)
         if share:  # the workers' next inputs may be these tokens (engine/tp_worker.py)
             share_tokens(sample.token_ids)
         return StepHandle(sampled, sample)
@@ -558,7 +559,8 @@ class StepHandle:
         self.sample = sample
         self._done = done  # a step that samples nothing: its end on the device
         # The next step's sampling must see this step's tokens on the host (penalties count output tokens,
-        # min_tokens masks by output length): the engine reads this step before scheduling the next.
+        # min_tokens masks by output length): the engine reads this step before scheduling the next. (A grammar
+        # needs them only by the next step's mask: LLMEngine.step reads them there.)
         self.needs_sync = sample is not None and sample.needs_host_tokens
 
     @property

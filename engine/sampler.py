@@ -28,7 +28,7 @@ hand-off), draws what an undisturbed run would have; and the same seed gives the
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -94,18 +94,27 @@ class Sampler:
         """logits: [batch, vocab] float32, any device; one row per state."""
         return self.sample(logits, states).result()
 
-    def sample(self, logits: torch.Tensor, states: Sequence[SamplingState]) -> "DeviceSample":
-        """Like __call__, but returns as soon as the work is queued on the device."""
+    def sample(self, logits: torch.Tensor, states: Sequence[SamplingState],
+               before_mask: Callable[[], None] | None = None) -> "DeviceSample":
+        """Like __call__, but returns as soon as the work is queued on the device.
+        before_mask: called before the grammar rows' bitmask is filled, when there are any: what brings their
+        matchers up to the previous step's tokens under async scheduling (the engine reads that step there, while
+        this step's forward pass runs on the device). A row whose request it finished (its previous token ended it:
+        that step ran one step ahead) is not masked; its token is dropped."""
         assert logits.dim() == 2 and logits.shape[0] == len(states), (logits.shape, len(states))
         assert logits.shape[1] == self.vocab_size, (logits.shape, self.vocab_size)
         params = [s.sampling_params for s in states]
         logits = logits.float()
         grammar_rows = [i for i, s in enumerate(states) if getattr(s, "grammar", None) is not None]
         if grammar_rows:
-            grammars = [states[i].grammar for i in grammar_rows]
-            assert all(g.active for g in grammars), "a request is scheduled before its grammar compiled"
-            logits = logits.clone()  # (not the runner's buffer: a CUDA graph's output is reused)
-            self.token_masks.apply(logits, grammars, grammar_rows)
+            if before_mask is not None:
+                before_mask()
+            masked = [i for i in grammar_rows if not getattr(states[i], "is_finished", False)]
+            if masked:
+                grammars = [states[i].grammar for i in masked]
+                assert all(g.active for g in grammars), "a request is scheduled before its grammar compiled"
+                logits = logits.clone()  # (not the runner's buffer: a CUDA graph's output is reused)
+                self.token_masks.apply(logits, grammars, masked)
         # One pass over the rows for what the batch needs (most steps: plain greedy or plain sampling, no logprobs).
         any_logprobs = any_min_tokens = False
         penalty_rows = []
@@ -126,7 +135,7 @@ class Sampler:
 
         min_tokens_masks = self._min_tokens_masks(states, grammar_rows) if any_min_tokens else []
         if min_tokens_masks or penalty_rows:
-            if not grammar_rows:
+            if not (grammar_rows and masked):
                 logits = logits.clone()  # (the masks and penalties go in place; the caller's logits stay)
             for row, ids in min_tokens_masks:
                 logits[row, ids] = float("-inf")
@@ -141,10 +150,11 @@ class Sampler:
                 rows = _tensor(sample_rows, torch.int64, logits.device)
                 token_ids[rows] = self._sample(logits[rows], sub)
 
-        # A grammar row's next mask needs this step's token accepted into its matcher: the engine reads this step
-        # before it launches the next (a sync under async scheduling, for the steps that have such a row).
+        # Penalties and min_tokens read the outputs before the next step is scheduled: the engine reads this step
+        # first (a sync under async scheduling). A grammar row needs its token only by the next step's mask, which
+        # before_mask provides with the next forward pass already running.
         return DeviceSample(token_ids, raw_logprobs, params,
-                            needs_host_tokens=bool(penalty_rows) or any_min_tokens or bool(grammar_rows))
+                            needs_host_tokens=bool(penalty_rows) or any_min_tokens)
 
     # ---- logits processing -------------------------------------------------------------------------------
 

@@ -14,8 +14,11 @@ The life of a constrained request (SamplingParams.structured_outputs set):
 4. Each step that samples for it, the sampler's `TokenMasks` fills the request's row of the step's token bitmask
    from the matcher (`fill_bitmask`: the constrained rows only, packed, on xgrammar's threads) and masks the logits
    with it on their device (kernels/token_bitmask.py) before any other processing (vLLM applies the grammar bitmask
-   to the logits before its sampler runs). After the step the engine accepts the sampled token into the matcher;
-   when the matcher terminates (it accepted the end-of-sequence token) the request finishes with "stop".
+   to the logits before its sampler runs). The engine accepts each sampled token into the matcher when it reads
+   the step; under async scheduling that is inside the next step, once its forward pass is queued and before its
+   mask is filled (Sampler.sample's before_mask), so the matchers and the fill run while the device computes
+   rather than between steps. When the matcher terminates (it accepted the end-of-sequence token) the request
+   finishes with "stop"; a step already launched for it by then leaves its row unmasked and drops its token.
 """
 from __future__ import annotations
 
@@ -37,6 +40,8 @@ log = logging.getLogger(__name__)
 # Distinct constraints whose compiled grammars an engine keeps (each holds per-state token masks: up to a few MB
 # for a large schema over a 150k-token vocabulary).
 MAX_CACHED_GRAMMARS = 256
+# accept() gives each thread at least this many rows (fewer would cost more in hand-offs than they save).
+MIN_ACCEPT_ROWS_PER_THREAD = 16
 # xgrammar's errors start with "[time] /path/file.cc:line: "; the rest is the message for the user.
 _XGR_PREFIX = re.compile(r"^\[[0-9:]+\] \S+:\d+: ")
 
@@ -158,6 +163,7 @@ class GrammarManager:
         self._compiler_lock = threading.Lock()
         self._cache: OrderedDict[tuple, concurrent.futures.Future] = OrderedDict()
         self._executor: concurrent.futures.ThreadPoolExecutor | None = None
+        self._accept_pool: concurrent.futures.ThreadPoolExecutor | None = None  # accept()'s other threads
         self.num_compiles = 0  # compiles started (cache misses)
 
     def compiler(self):
@@ -200,9 +206,35 @@ class GrammarManager:
         if self._cache.get(key) is fut:
             self._cache.pop(key, None)
 
+    def accept(self, grammars: list[RequestGrammar], tokens: list[int]) -> None:
+        """One step's tokens into active, unterminated matchers that stand after every output token but this one:
+        each one accepted counts (num_accepted); a refused one leaves its matcher as it was, for advance() to
+        report. xgrammar's batch accept runs without the GIL, so the rows are split over fill_threads() threads (a
+        JSON matcher takes tens of microseconds a token: serial, 256 rows would outlast a 7B model's decode step)."""
+        matchers = [g.matcher for g in grammars]
+        batch_accept = _xgr().BatchGrammarMatcher.batch_accept_token
+        threads = min(fill_threads(), len(matchers) // MIN_ACCEPT_ROWS_PER_THREAD)
+        if threads <= 1:
+            results = batch_accept(matchers, tokens)
+        else:
+            if self._accept_pool is None:
+                self._accept_pool = concurrent.futures.ThreadPoolExecutor(fill_threads() - 1,
+                                                                          thread_name_prefix="grammar-accept")
+            bounds = [len(matchers) * i // threads for i in range(threads + 1)]
+            futures = [self._accept_pool.submit(batch_accept, matchers[a:b], tokens[a:b])
+                       for a, b in zip(bounds[1:-1], bounds[2:])]
+            results = batch_accept(matchers[:bounds[1]], tokens[:bounds[1]])
+            for f in futures:
+                results += f.result()
+        for g, ok in zip(grammars, results):
+            if ok:
+                g.num_accepted += 1
+
     def close(self) -> None:
         if self._executor is not None:
             self._executor.shutdown(wait=False, cancel_futures=True)
+        if self._accept_pool is not None:
+            self._accept_pool.shutdown(wait=False)
 
 
 # ---- the token bitmask ----------------------------------------------------------------------------------------
@@ -231,9 +263,9 @@ def fill_bitmask(grammars: list[RequestGrammar], vocab_size: int, out=None, batc
 class TokenMasks:
     """One sampler's token masks. Each step the constrained rows' bitmasks are filled on the CPU, packed (row i
     masks the i-th constrained row), into a buffer kept between steps; on CUDA it is pinned, and the bitmask and the
-    row indices reach the device in one copy each, queued without waiting; kernels.apply_token_bitmask masks
-    those rows in place (a Triton kernel on CUDA, the plain-torch reference elsewhere). A batch's unconstrained
-    rows cost nothing."""
+    row indices reach the device in one copy each, queued without waiting on a stream of their own (beside the
+    step's forward pass); kernels.apply_token_bitmask masks those rows in place (a Triton kernel on CUDA, the
+    plain-torch reference elsewhere). A batch's unconstrained rows cost nothing."""
 
     def __init__(self, vocab_size: int):
         self.vocab_size = vocab_size
@@ -242,6 +274,9 @@ class TokenMasks:
         self._host_view = None  # the host bitmask's numpy view (what xgrammar fills)
         self._device: tuple[torch.Tensor, torch.Tensor] | None = None
         self._copied = None  # CUDA event: the last copy out of the host buffers is done
+        self._applied = None  # CUDA event: the last kernel that read the device buffers is done
+        self._copy_stream = None  # the copies' CUDA stream
+        self._device_fresh = False  # the device buffers are new: no copy has gone into them yet
         self._batch_matcher = None
 
     def apply(self, logits: torch.Tensor, grammars: list[RequestGrammar], rows: list[int]) -> None:
@@ -260,11 +295,28 @@ class TokenMasks:
             apply_token_bitmask(logits, host_mask[:k], host_rows[:k])
             return
         mask, idx = self._buffers("_device", k, logits.device)
-        mask[:k].copy_(host_mask[:k], non_blocking=True)
-        idx[:k].copy_(host_rows[:k], non_blocking=True)
-        self._copied = torch.cuda.Event()
-        self._copied.record()
+        # The copies go on a stream of their own, so that they run beside the forward pass queued before them
+        # (on the compute stream they would wait for it, then hold the kernel back). They wait for the last
+        # kernel that read the device buffers; the kernel waits for them.
+        compute = torch.cuda.current_stream(logits.device)
+        if self._copy_stream is None:
+            self._copy_stream = torch.cuda.Stream(logits.device)
+        if self._device_fresh:
+            # New device buffers came from the compute stream's pool: memory that work queued there (the forward
+            # pass) may still use. The first copy into them waits for that work.
+            self._copy_stream.wait_stream(compute)
+            self._device_fresh = False
+        with torch.cuda.stream(self._copy_stream):
+            if self._applied is not None:
+                self._copy_stream.wait_event(self._applied)
+            mask[:k].copy_(host_mask[:k], non_blocking=True)
+            idx[:k].copy_(host_rows[:k], non_blocking=True)
+            self._copied = torch.cuda.Event()
+            self._copied.record(self._copy_stream)
+        compute.wait_event(self._copied)
         apply_token_bitmask(logits, mask[:k], idx[:k])
+        self._applied = torch.cuda.Event()
+        self._applied.record(compute)
 
     def _buffers(self, name: str, k: int, device: torch.device, pin: bool = False):
         held = getattr(self, name)
@@ -275,4 +327,6 @@ class TokenMasks:
             setattr(self, name, held)
             if name == "_host":
                 self._host_view = held[0].numpy()
+            else:
+                self._device_fresh = True
         return held

@@ -8,6 +8,7 @@ import re
 
 import jsonschema
 import pytest
+import torch
 
 from engine import EngineArgs, LLMEngine, SamplingParams
 from engine.sampling_params import StructuredOutputsParams as S
@@ -58,6 +59,24 @@ def test_regex_holds_for_100_seeded_samples_sync_and_async(engines):
     assert results[0] == results[1]  # async scheduling changes when tokens are read, not which
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_on_cuda_async_matches_sync_and_holds():
+    """The same on a GPU (pinned mask buffers, the copies on their own stream, the Triton kernel, CUDA graphs): a
+    JSON schema and a regex hold for seeded samples, and async scheduling gives the synchronous engine's tokens."""
+    reqs = [("j", prompt(2), SamplingParams(n=16, temperature=1.0, seed=2, max_tokens=80,
+                                            structured_outputs=S(json=SCHEMA, disable_any_whitespace=True))),
+            ("r", prompt(0), SamplingParams(n=48, temperature=1.0, seed=7, max_tokens=12,
+                                            structured_outputs=S(regex=REGEX))),
+            ("free", prompt(4), SamplingParams(temperature=1.0, seed=3, max_tokens=8, ignore_eos=True))]
+    got = [run(make_engine(device="cuda", async_scheduling=a, kv_cache_memory=0.2), reqs) for a in (False, True)]
+    for i in range(48):
+        assert re.fullmatch(REGEX, got[0][("r", i)][1]) and got[0][("r", i)][2] == "stop"
+    for i in range(16):
+        if got[0][("j", i)][2] == "stop":
+            jsonschema.validate(json.loads(got[0][("j", i)][1]), SCHEMA)
+    assert got[0] == got[1]
+
+
 @pytest.mark.slow
 def test_choice_and_json_schema_hold(engines):
     sync, asyn = engines
@@ -102,6 +121,52 @@ def test_preemption_and_chunked_prefill_keep_the_tokens(engines):
             assert re.fullmatch(REGEX, text) and finish == "stop"
         elif finish == "stop":
             jsonschema.validate(json.loads(text), SCHEMA)
+
+
+def test_async_constrained_steps_launch_before_the_previous_is_read(engines):
+    """Under async scheduling a constrained step does not wait for the previous step's tokens before its launch:
+    the forward pass is queued first, and the previous step is read (its tokens accepted into the matchers) just
+    before the mask is filled, so the matchers stand after every output token when it is."""
+    _, asyn = engines
+    events = []
+    runner, sampler = asyn.runner, asyn.runner.sampler
+    orig_forward, orig_read, orig_apply = runner.forward, asyn._read_step, sampler.token_masks.apply
+
+    def forward(*a, **kw):
+        events.append("forward")
+        return orig_forward(*a, **kw)
+
+    def read_step(launched):
+        events.append("read")
+        return orig_read(launched)
+
+    def apply(logits, grammars, rows):
+        events.append("mask")
+        states = runner_states[0]
+        assert all(g.num_accepted == len(states[r].output_token_ids) for g, r in zip(grammars, rows))
+        return orig_apply(logits, grammars, rows)
+
+    runner_states = [None]
+    orig_sample = sampler.sample
+
+    def sample(logits, states, before_mask=None):
+        runner_states[0] = states
+        return orig_sample(logits, states, before_mask)
+
+    runner.forward, asyn._read_step, sampler.token_masks.apply, sampler.sample = forward, read_step, apply, sample
+    try:
+        params = SamplingParams(n=4, temperature=1.0, seed=3, max_tokens=40,
+                                structured_outputs=S(json=SCHEMA, disable_any_whitespace=True))
+        got = run(asyn, [("o", prompt(9), params)])
+    finally:
+        del runner.forward, asyn._read_step, sampler.token_masks.apply, sampler.sample
+    for i in range(4):
+        if got[("o", i)][2] == "stop":
+            jsonschema.validate(json.loads(got[("o", i)][1]), SCHEMA)
+    steps = "".join({"forward": "F", "read": "R", "mask": "M"}[e] for e in events)
+    # The prefill step (launch, mask), then every step: launch, read the previous, mask (none once every row has
+    # finished); the last call reads the last step. Reading before a launch would show as "RF".
+    assert re.fullmatch(r"FM(FRM?)+R", steps) and "FRM" * 5 in steps, steps
 
 
 def test_resumed_request_continues_the_grammar(engines):

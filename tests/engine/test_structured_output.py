@@ -162,9 +162,12 @@ def test_prior_tokens_the_grammar_refuses(manager, tokenizer):
     assert err is not None and "output token 0" in err
 
 
-def test_token_masks_mask_the_constrained_rows_as_xgrammar_does(manager, tokenizer):
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a GPU"))])
+def test_token_masks_mask_the_constrained_rows_as_xgrammar_does(manager, tokenizer, device):
     """TokenMasks (packed constrained rows, xgrammar's batch fill, kernels.apply_token_bitmask) against xgrammar's own
-    fill and apply over the whole batch, step after step with the buffers reused (and grown)."""
+    fill and apply over the whole batch, step after step with the buffers reused (and grown). On CUDA: pinned
+    buffers, the copies on their own stream, the Triton kernel."""
     import xgrammar
 
     schema = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}
@@ -177,8 +180,9 @@ def test_token_masks_mask_the_constrained_rows_as_xgrammar_does(manager, tokeniz
         rows = sorted(rng.sample(range(batch + 2), batch))  # (some rows of the batch unconstrained)
         live = grammars[:batch]
         logits = torch.randn(batch + 2, VOCAB)
-        got = logits.clone()
+        got = logits.to(device)
         masks.apply(got, live, rows)
+        got = got.cpu()
         whole = xgrammar.allocate_token_bitmask(batch + 2, VOCAB)
         for g, row in zip(live, rows):
             g.matcher.fill_next_token_bitmask(whole, row)
@@ -201,3 +205,37 @@ def test_structural_tag_both_forms(manager, tokenizer):
     S(structural_tag=json.dumps(legacy))  # vLLM's older form parses too
     with pytest.raises(ValueError, match="structured_outputs.structural_tag: invalid"):
         S(structural_tag='{"structures": 3}')
+
+
+@pytest.mark.parametrize("threads", [1, 4])
+def test_batch_accept_over_threads_equals_one_at_a_time(manager, tokenizer, monkeypatch, threads):
+    """GrammarManager.accept (xgrammar's batch accept, the rows split over threads) leaves every matcher where
+    advance() one token at a time does; a refused token is not counted and leaves its matcher as it was."""
+    import engine.structured_output as so
+
+    monkeypatch.setattr(so, "fill_threads", lambda: threads)
+    local = GrammarManager(tokenizer, VOCAB, [tokenizer.eos_token_id])
+    params = SamplingParams(structured_outputs=S(regex=r"[a-c]{6}-\d{6}"))
+    n = 4 * so.MIN_ACCEPT_ROWS_PER_THREAD + 3  # (uneven chunks)
+    batch, single = ([local.grammar_for(params) for _ in range(n)] for _ in range(2))
+    for g in batch + single:
+        assert g.activate([]) is None
+    rng, outs = random.Random(1), [[] for _ in range(n)]
+    for step in range(8):
+        mask = fill_bitmask(single, VOCAB)
+        tokens = []
+        for i in range(n):
+            allowed = [t for t in range(VOCAB) if (int(mask[i, t // 32]) >> (t % 32)) & 1]
+            # Row 5 gets a token its grammar refuses at step 3.
+            tokens.append(tokenizer.convert_tokens_to_ids("z") if (i, step) == (5, 3) else rng.choice(allowed))
+        local.accept(batch, tokens)
+        for i, (g, t) in enumerate(zip(single, tokens)):
+            err = g.advance(outs[i] + [t])
+            if err is None:
+                outs[i].append(t)
+            else:
+                assert (i, step) == (5, 3), err
+        assert [g.num_accepted for g in batch] == [g.num_accepted for g in single]
+        assert torch.equal(fill_bitmask(batch, VOCAB), fill_bitmask(single, VOCAB)), step
+    assert batch[5].num_accepted == 7
+    local.close()
