@@ -54,10 +54,36 @@ def _quantize_int8_rows(x):
     return tl.where(y < 0, -r, r), scale
 
 
-def int8_cache_views(cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """An int8 cache tensor [..., head_dim + INT8_ROW_PAD] (last dim contiguous) as its two views: the values
-    [..., head_dim] int8 and the scales [...] float32 (the 4 bytes after each row's values)."""
+INT8_LAYOUTS = ("row", "block")
+# How each (block, layer, K/V) region of an int8 cache holds its values and scales (int8_cache_views).
+INT8_LAYOUT = "row"
+
+
+def int8_cache_views(cache: torch.Tensor, layout: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """An int8 cache tensor [..., block_size, num_kv_heads, head_dim + INT8_ROW_PAD] (last dim contiguous) as its
+    two views over the tensor's storage: the values [..., block_size, num_kv_heads, head_dim] int8 and the scales
+    [..., block_size, num_kv_heads] float32. layout (INT8_LAYOUT by default):
+      "row": each row is head_dim values, then its float32 scale (rows 4-byte aligned);
+      "block": each block's region (its last three dims, block_size * num_kv_heads * (head_dim + 4) bytes,
+        contiguous) is first the values [block_size, num_kv_heads, head_dim], then the scales [num_kv_heads,
+        block_size] float32 (each head's block_size scales contiguous): rows 16-byte aligned when head_dim % 16 ==
+        0 (and the regions are); the scale view's last strides are (1, block_size)."""
+    layout = INT8_LAYOUT if layout is None else layout
     assert cache.dtype == torch.int8 and cache.stride(-1) == 1, (cache.dtype, cache.stride())
     head_dim = cache.shape[-1] - INT8_ROW_PAD
     assert head_dim > 0 and head_dim % 4 == 0, f"head_dim={head_dim}: an int8 cache needs a multiple of 4"
-    return cache[..., :head_dim], cache.view(torch.float32)[..., head_dim // 4]
+    if layout == "row":
+        return cache[..., :head_dim], cache.view(torch.float32)[..., head_dim // 4]
+    assert layout == "block", f"int8 layout {layout!r}: one of {INT8_LAYOUTS}"
+    assert cache.dim() >= 3, cache.shape
+    *lead, block_size, num_kv_heads, row = cache.shape
+    lead_strides = cache.stride()[:-3]
+    assert cache.stride()[-3:] == (num_kv_heads * row, row, 1) or 0 in cache.shape, \
+        f"strides {cache.stride()}: each block's region must be contiguous"
+    assert all(st % 4 == 0 for st in lead_strides) and cache.storage_offset() % 4 == 0, cache.stride()
+    values = cache.as_strided((*lead, block_size, num_kv_heads, head_dim),
+                              (*lead_strides, num_kv_heads * head_dim, head_dim, 1))
+    words = cache.view(torch.float32)  # the same storage in float32 elements
+    scales = words.as_strided((*lead, block_size, num_kv_heads), (*(st // 4 for st in lead_strides), 1, block_size),
+                              words.storage_offset() + block_size * num_kv_heads * head_dim // 4)
+    return values, scales
