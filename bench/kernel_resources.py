@@ -25,15 +25,17 @@ from triton.compiler import ASTSource
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from kernels.paged_attention import PREFILL_CANDIDATES, _paged_attention_kernel, default_config  # noqa: E402
+from kernels.quant_int8 import INT8_LAYOUT  # noqa: E402
 
 CUOBJDUMP = os.path.join(os.path.dirname(nvidia.__file__), "bin", "cuobjdump")
 QPK, HEAD_DIM, BLOCK_SIZE = 7, 128, 16  # Qwen2.5-7B: 28 query heads over 4 KV heads, head_dim 128
 
 
-def compile_sm90(cfg: dict, kv: str = "bf16", q: str = "bf16", int8_layout: str = "row"):
+def compile_sm90(cfg: dict, kv: str = "bf16", q: str = "bf16", int8_layout: str = INT8_LAYOUT):
     """The kernel as paged_attention_triton would launch it with cfg (16-byte aligned pointers and strides; kv
-    "int8", int8_layout "row": rows of head_dim + 4 bytes, so the slot and head strides are not multiples of 16;
-    "block": 16-byte aligned rows, the scales' slot stride 1, kernels/quant_int8.int8_cache_views)."""
+    "int8", int8_layout the engine's by default: "row", rows of head_dim + 4 bytes, so the slot and head strides
+    are not multiples of 16; "block", 16-byte aligned rows, the scales' slot stride 1,
+    kernels/quant_int8.int8_cache_views)."""
     new_kv = cfg.get("new_kv", 0) if kv == q else 0
     words = cfg.get("fp8x4", 0) if kv in ("fp8e4nv", "int8") else 0  # 8-bit caches read as int32 words (PTX: 2)
     const = dict(QUERIES_PER_KV=QPK, HEAD_DIM=HEAD_DIM, HEAD_DIM_PAD=HEAD_DIM, BLOCK_SIZE=BLOCK_SIZE,
@@ -77,7 +79,7 @@ def compile_sm90(cfg: dict, kv: str = "bf16", q: str = "bf16", int8_layout: str 
                           target=GPUTarget("cuda", 90, 32), options=opts)
 
 
-def report(label: str, cfg: dict, kv: str = "bf16", int8_layout: str = "row") -> None:
+def report(label: str, cfg: dict, kv: str = "bf16", int8_layout: str = INT8_LAYOUT) -> None:
     c = compile_sm90(cfg, kv, int8_layout=int8_layout)
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(c.asm["cubin"])
