@@ -1,14 +1,19 @@
 """Decode attention over an int8 KV cache: its launch configurations against the fp8 and bf16 caches' (issue 17).
 
   python3 bench/int8_attn_sweep.py [--batch 256 32 1] [--context 640] [--max-model-len 784] [--budget 200]
-                                   [--workers 8] [--json out.json]
-  TRITON_INTERPRET=1 python3 bench/int8_attn_sweep.py --smoke      # on the CPU: tiny shapes, every code path once
+                                   [--workers 8] [--int8-layout row block] [--json out.json]
+  TRITON_INTERPRET=1 python3 bench/int8_attn_sweep.py --smoke [--int8-layout block]  # on the CPU: tiny shapes
 
 Caches in the engine's layout (engine/model_runner.py: [blocks, 28 layers, 2, block_size, kv_heads, row], layer 3
-read, so the strides are the engine's; an int8 row is head_dim values then its float32 scale), filled as write_kv
+read, so the strides are the engine's), filled as write_kv
 fills them, block tables permuted; Qwen2.5-7B's attention: 28 query heads, 4 KV heads, head_dim 128, block 16, bf16
 queries. Batch b decodes one token per sequence over contexts uniform in --context +-20% (b = 1: exactly
---context); every launch is sized for --max-model-len keys, as the decode CUDA graphs are.
+--context); every launch is sized for --max-model-len keys, as the decode CUDA graphs are. --int8-layout (one or
+more; default the engine's, kernels/quant_int8.INT8_LAYOUT): how each block's int8 region holds values and scales
+(int8_cache_views): "row", each row head_dim values then its float32 scale (rows 4-byte aligned); "block", the
+block's values [block_size, kv_heads, head_dim] then its scales [kv_heads, block_size] (rows 16-byte aligned).
+Every int8 config runs in each layout given; the "path" column says which 8-bit walk the launch took (words:
+fp8x4 1 or 2, else bytes; align 1: from the 16-byte boundary below each row, align 2: 16-byte aligned rows).
 
 0. Every distinct kernel is compiled first, in --workers processes (each launches it once on a small batch of the
    same layout, filling Triton's on-disk cache).
@@ -18,9 +23,10 @@ queries. Batch b decodes one token per sequence over contexts uniform in --conte
    microseconds; "vs fp8" divides by the fp8 cache's default at the same batch. Rows past --budget seconds are
    checked but not timed.
 The int8 configs (default_config's entries, overridden): the word walk (fp8x4 2: four values per 32-bit load,
-converted by PTX) and int8_align 1 (rows read from the 16-byte boundary below them, 16-byte loads:
-kernels/paged_attention.py's _attend_tiles_words), over key tiles, warps, stages and a register cap; at split
-batches also the byte walk (fp8x4 0). Prints one table; results go to bench/RESULTS.md ("INT8 KV cache").
+converted by PTX) and int8_align 1 (16-byte loads: in the row layout from the 16-byte boundary below each row, in
+the block layout the aligned rows as they are: kernels/paged_attention.py's _attend_tiles_words), over key tiles,
+warps, stages and a register cap; unsplit also the capped configs with int8_align 0, at split batches also the
+byte walk (fp8x4 0). Prints one table; results go to bench/RESULTS.md ("INT8 KV cache").
 """
 from __future__ import annotations
 
@@ -38,7 +44,8 @@ from bench.common import compile_in_processes, format_table, write_json  # noqa:
 from kernels._checks import interpreting, sm_count  # noqa: E402
 from kernels.paged_attention import (LAST_LAUNCH, default_config, paged_attention_ref,  # noqa: E402
                                      paged_attention_triton)
-from kernels.quant_int8 import INT8_ROW_PAD, int8_cache_views, quantize_int8_rows_ref  # noqa: E402
+from kernels.quant_int8 import (INT8_LAYOUT, INT8_LAYOUTS, INT8_ROW_PAD, int8_cache_views,  # noqa: E402
+                                quantize_int8_rows_ref)
 
 H, HKV, D, BS, LAYERS, LAYER = 28, 4, 128, 16, 28, 3  # Qwen2.5-7B attention; the layer read
 TOL = 2e-2  # relative (Frobenius) error of the bf16 output against the float32 reference
@@ -46,8 +53,11 @@ DTYPES = {"bf16": torch.bfloat16, "fp8": torch.float8_e4m3fn, "int8": torch.int8
 
 
 def build(kv: str, seq_lens: list[int], max_seq_len: int, device: str, num_layers: int = LAYERS,
-          seed: int = 0) -> dict:
-    """paged_attention's decode arguments over layer LAYER of an engine-layout cache of kv (bf16 / fp8 / int8)."""
+          seed: int = 0, int8_layout: str = INT8_LAYOUT) -> dict:
+    """paged_attention's decode arguments over layer LAYER of an engine-layout cache of kv (bf16 / fp8 / int8;
+    int8_layout: int8_cache_views' layout)."""
+    if kv.startswith("int8-"):  # a cache name of main()'s: int8-<layout>
+        kv, int8_layout = "int8", kv[5:]
     gen = torch.Generator(device=device).manual_seed(seed)
     nblk = [math.ceil(sl / BS) for sl in seq_lens]
     num_blocks = sum(nblk) + 1
@@ -58,7 +68,8 @@ def build(kv: str, seq_lens: list[int], max_seq_len: int, device: str, num_layer
     x *= torch.rand(num_blocks, 2, BS, HKV, 1, device=device, generator=gen)  # rows of different ranges
     extra: dict = {}
     if kv == "int8":
-        (kc, ks), (vc, vs) = int8_cache_views(cache[:, layer, 0]), int8_cache_views(cache[:, layer, 1])
+        (kc, ks), (vc, vs) = (int8_cache_views(cache[:, layer, 0], int8_layout),
+                                int8_cache_views(cache[:, layer, 1], int8_layout))
         x_q, sc = quantize_int8_rows_ref(x)
         kc.copy_(x_q[:, 0]), vc.copy_(x_q[:, 1]), ks.copy_(sc[:, 0]), vs.copy_(sc[:, 1])
         extra = dict(k_scale_cache=ks, v_scale_cache=vs)
@@ -86,7 +97,8 @@ def build(kv: str, seq_lens: list[int], max_seq_len: int, device: str, num_layer
 def int8_candidates(split: bool, smoke: bool) -> list[dict]:
     """The int8 configs compared ({} is the default); split: a launch that splits the context (small batches)."""
     if smoke:
-        return [{}, dict(int8_align=1), dict(tile_n=32, num_segments=2, int8_align=1), dict(fp8x4=0, num_stages=3)]
+        return [{}, dict(int8_align=1), dict(int8_align=0), dict(tile_n=32, num_segments=2, int8_align=1),
+                dict(fp8x4=0, num_stages=3)]
     if not split:
         words = [dict(tile_n=t, num_warps=w, num_stages=st) for t in (128, 64) for w in (4, 8) for st in (2, 3)]
         capped = [dict(tile_n=t, num_warps=4, num_stages=2, maxnreg=168) for t in (128, 64)]
@@ -94,12 +106,12 @@ def int8_candidates(split: bool, smoke: bool) -> list[dict]:
         words = [dict(tile_n=t, num_warps=4, num_stages=st) for t in (64, 32) for st in (2, 3)]
         capped = [dict(tile_n=64, num_warps=8, num_stages=2)]
     return ([{}] + words + [dict(c, int8_align=1) for c in words + capped]
-            + ([dict(fp8x4=0, num_stages=3)] if split else []))
+            + ([dict(fp8x4=0, num_stages=3)] if split else [dict(c, int8_align=0) for c in capped]))
 
 
 def resolve(args: dict, override: dict) -> dict:
     """The full launch config paged_attention_triton takes for args with override (default_config's entries)."""
-    q, kc = args["q"], args["k_cache"]
+    q, kc = args["q"], args["k_cache"]  # (k_cache: a tensor of the cache's dtype)
     cfg = default_config(q.shape[0], args["block_tables"].shape[0], HKV, H // HKV, D, 1, args["max_seq_len"],
                          sm_count(q.device, 4), q.element_size(), kc.dtype == torch.float8_e4m3fn,
                          kc.dtype == torch.int8)
@@ -142,6 +154,14 @@ def time_us(fn, smoke: bool) -> float:
     return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median") * 1e3
 
 
+def path() -> str:
+    """The 8-bit walk the last launch took: bytes, words (fp8x4 1 or 2), +align1 / +align2 (int8_align's)."""
+    p = LAST_LAUNCH.get("path") or {}
+    if not p.get("fp8x4"):
+        return "bytes"
+    return f"words{p['fp8x4']}" + (f"+align{p['align16']}" if p.get("align16") else "")
+
+
 def compiled() -> str:
     k = LAST_LAUNCH.get("kernel")
     regs, spills = getattr(k, "n_regs", None), getattr(k, "n_spills", None)
@@ -156,8 +176,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--budget", type=float, default=200.0, help="seconds of checking and timing, then check only")
     p.add_argument("--workers", type=int, default=8, help="processes compiling the kernels first")
     p.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU under TRITON_INTERPRET=1")
+    p.add_argument("--int8-layout", nargs="+", choices=INT8_LAYOUTS, default=[INT8_LAYOUT],
+                   help=f"the int8 cache's layouts, each timed (default the engine's, {INT8_LAYOUT})")
     p.add_argument("--json", help="write the rows and the run's metadata here")
     a = p.parse_args(argv)
+    caches = ["bf16", "fp8"] + [f"int8-{lay}" for lay in dict.fromkeys(a.int8_layout)]
     if a.smoke:
         if not interpreting():
             p.error("--smoke runs under TRITON_INTERPRET=1 (on the CPU)")
@@ -178,12 +201,13 @@ def main(argv: list[str] | None = None) -> int:
     # only), so the compile step gets every launch's full config.
     plans = []
     for b, seq_lens, max_seq_len in shapes:
-        for kv in ("bf16", "fp8", "int8"):
+        for kv in caches:
+            int8 = kv.startswith("int8")
             stub = dict(q=torch.empty(b, H, D, dtype=torch.bfloat16, device=device),
-                        k_cache=torch.empty(0, dtype=DTYPES[kv]), block_tables=torch.empty(b, 0),
+                        k_cache=torch.empty(0, dtype=DTYPES["int8" if int8 else kv]), block_tables=torch.empty(b, 0),
                         max_seq_len=max_seq_len)
             split = resolve(stub, {})["num_segments"] > 1
-            overrides = int8_candidates(split, a.smoke) if kv == "int8" else [{}]
+            overrides = int8_candidates(split, a.smoke) if int8 else [{}]
             seen, cands = set(), []
             for o in overrides:
                 full = resolve(stub, o)
@@ -196,7 +220,7 @@ def main(argv: list[str] | None = None) -> int:
         precompile([(kv, full) for *_, kv, cands in plans for _, full in cands], a.workers)
 
     rows, wrong, fp8_us = [], 0, {}
-    print(f"{'batch':>5s} {'cache':5s} {'config':58s} {'us':>8s} {'rel err':>8s}", flush=True)
+    print(f"{'batch':>5s} {'cache':10s} {'config':58s} {'path':14s} {'us':>8s} {'rel err':>8s}", flush=True)
     for b, seq_lens, max_seq_len, kv, cands in plans:
         args = build(kv, seq_lens, max_seq_len, device, num_layers)
         ref = paged_attention_ref(**args).float()
@@ -205,8 +229,9 @@ def main(argv: list[str] | None = None) -> int:
             try:
                 paged_attention_triton(**args, out=out, config=full)
             except Exception as e:  # noqa: BLE001 (an out-of-resources config is a data point)
-                print(f"{b:5d} {kv:5s} {label(override, full):58s} {type(e).__name__}: {str(e)[:80]}", flush=True)
+                print(f"{b:5d} {kv:10s} {label(override, full):58s} {type(e).__name__}: {str(e)[:80]}", flush=True)
                 continue
+            walk = path()
             err = ((out.float() - ref).norm() / ref.norm()).item()
             ok = bool(torch.isfinite(out).all()) and err < TOL
             wrong += not ok
@@ -216,27 +241,29 @@ def main(argv: list[str] | None = None) -> int:
             if kv == "fp8" and not override:
                 fp8_us[b] = us
             rows.append(dict(batch=b, mean_context=sum(seq_lens) / b, cache=kv, config=label(override, full),
-                             full_config=full, us=us, rel_err=err, ok=ok, regs_spills=compiled()))
-            print(f"{b:5d} {kv:5s} {label(override, full):58s} {us:8.1f} {err:8.1e}{'' if ok else '  WRONG'}",
-                  flush=True)
+                             full_config=full, path=walk, us=us, rel_err=err, ok=ok, regs_spills=compiled()))
+            print(f"{b:5d} {kv:10s} {label(override, full):58s} {walk:14s} {us:8.1f} {err:8.1e}"
+                  f"{'' if ok else '  WRONG'}", flush=True)
         del args, ref
 
     table = []
     for r in rows:
         vs = r["us"] / fp8_us.get(r["batch"], float("nan"))
         r["vs_fp8"] = vs
-        table.append([r["batch"], r["cache"], r["config"], round(r["us"], 1), f"{vs:.3f}x", f"{r['rel_err']:.1e}",
-                      r["regs_spills"], "ok" if r["ok"] else "WRONG"])
+        table.append([r["batch"], r["cache"], r["config"], r["path"], round(r["us"], 1), f"{vs:.3f}x",
+                      f"{r['rel_err']:.1e}", r["regs_spills"], "ok" if r["ok"] else "WRONG"])
     print()
-    print(format_table(["batch", "cache", "config", "us per layer", "vs fp8", "rel err", "regs/spills", "check"],
-                       table))
+    print(format_table(["batch", "cache", "config", "path", "us per layer", "vs fp8", "rel err", "regs/spills",
+                        "check"], table))
     for b, *_ in shapes:
-        int8 = [r for r in rows if r["batch"] == b and r["cache"] == "int8" and r["ok"] and r["us"] == r["us"]]
-        if int8 and not a.smoke:
-            best = min(int8, key=lambda r: r["us"])
-            dflt = next((r for r in int8 if r["config"] == "default"), best)
-            print(f"batch {b}: fastest int8 {best['config']} {best['us']:.1f} us ({best['vs_fp8']:.3f}x fp8, "
-                  f"{best['us'] / dflt['us']:.3f}x the int8 default); full config {best['full_config']}")
+        for kv in caches[2:]:
+            int8 = [r for r in rows if r["batch"] == b and r["cache"] == kv and r["ok"] and r["us"] == r["us"]]
+            if int8 and not a.smoke:
+                best = min(int8, key=lambda r: r["us"])
+                dflt = next((r for r in int8 if r["config"] == "default"), best)
+                print(f"batch {b}: fastest {kv} {best['config']} ({best['path']}) {best['us']:.1f} us "
+                      f"({best['vs_fp8']:.3f}x fp8, {best['us'] / dflt['us']:.3f}x its default); "
+                      f"full config {best['full_config']}")
     print(f"done in {time.time() - t_start:.0f} s{'' if not wrong else f'; {wrong} rows WRONG'}")
     if a.json:
         write_json(a.json, {"args": vars(a), "rows": rows})

@@ -11,6 +11,8 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from kernels.quant_int8 import int8_join_heads, int8_split_heads
+
 
 class WorkerError(RuntimeError):
     """A tensor-parallel worker died or the group broke: this engine cannot run another step."""
@@ -93,13 +95,17 @@ def receive_tokens(num_sampled: int, device: torch.device) -> torch.Tensor:
 def gather_heads(local: torch.Tensor, rank: int, world: int) -> torch.Tensor | None:
     """KV blocks [n, layers, 2, block_size, heads_per_rank, row] of every rank, joined on rank 0 along the heads
     (rank r holds KV heads [r * heads_per_rank, (r + 1) * heads_per_rank)); None on the other ranks. The bytes travel
-    as uint8, whatever the cache's dtype (gloo has no float8)."""
+    as uint8, whatever the cache's dtype (gloo has no float8). An int8 cache's blocks hold each region's values, then
+    its scales (kernels/quant_int8.py): joined as such (int8_join_heads), so the result is the full-head layout."""
     flat = local.contiguous().view(torch.uint8)
     parts = [torch.empty_like(flat) for _ in range(world)] if rank == 0 else None
     dist.gather(flat, parts, dst=0)
     if rank != 0:
         return None
-    return torch.cat([p.view(local.dtype) for p in parts], dim=4)
+    parts = [p.view(local.dtype) for p in parts]
+    if local.dtype == torch.int8:  # each block's values, then its scales: a rank's heads are two slices of it
+        return int8_join_heads(parts)
+    return torch.cat(parts, dim=4)
 
 
 def scatter_heads(full: torch.Tensor | None, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device,
@@ -109,6 +115,7 @@ def scatter_heads(full: torch.Tensor | None, shape: tuple[int, ...], dtype: torc
     out = torch.empty(shape, dtype=dtype, device=device)
     parts = None
     if rank == 0:
-        parts = [p.contiguous().view(torch.uint8) for p in full.chunk(world, dim=4)]
+        heads = int8_split_heads(full, world) if dtype == torch.int8 else full.chunk(world, dim=4)
+        parts = [p.contiguous().view(torch.uint8) for p in heads]
     dist.scatter(out.view(torch.uint8), parts, src=0)
     return out

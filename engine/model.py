@@ -34,7 +34,7 @@ class LayerKV:
     k_scale: float = 1.0
     v_scale: float = 1.0
     k_scale_cache: torch.Tensor | None = None  # [num_blocks, block_size, num_kv_heads] float32: an int8 cache's
-    v_scale_cache: torch.Tensor | None = None  # scale per slot and KV head (a strided view, beside the values)
+    v_scale_cache: torch.Tensor | None = None  # scale per slot and KV head (a strided view: after each block's values)
 
 
 def rope_parameters(config) -> dict:

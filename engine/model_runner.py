@@ -40,8 +40,8 @@ def kv_cache_torch_dtype(kv_cache_dtype: str, model_dtype: torch.dtype) -> torch
 
 
 def kv_row_bytes(kv_dtype: torch.dtype, head_dim: int) -> int:
-    """Bytes of one (slot, KV head) row of K or V in the cache: an int8 row carries its float32 scale after its
-    values (kernels/quant_int8.py)."""
+    """Bytes of one (slot, KV head) row of K or V in the cache: an int8 row's share includes its float32 scale (stored
+    in its block after the block's values, kernels/quant_int8.py)."""
     if kv_dtype == torch.int8:
         return head_dim + INT8_ROW_PAD
     return head_dim * torch.empty((), dtype=kv_dtype).element_size()
@@ -50,12 +50,13 @@ def kv_row_bytes(kv_dtype: torch.dtype, head_dim: int) -> int:
 def allocate_kv_cache(num_blocks: int, num_layers: int, block_size: int, num_kv_heads: int, head_dim: int,
                       kv_dtype: torch.dtype, device, zero: bool = False) -> torch.Tensor:
     """The engine's KV cache, one contiguous tensor [num_blocks, num_layers, 2, block_size, num_kv_heads, row]:
-    row = head_dim values, or for int8 head_dim values then their float32 scale's 4 bytes. Each block's bytes (its
-    scales included) are one contiguous range: prefix caching shares blocks by id and every KV transfer path moves
+    row = head_dim values, or for int8 head_dim + 4 bytes (each (block, layer, K/V) region its values, then their
+    float32 scales: kernels/quant_int8.int8_cache_views). Each block's bytes (its scales included) are one
+    contiguous range: prefix caching shares blocks by id and every KV transfer path moves
     block bytes, so the scales go wherever their values go."""
     if kv_dtype == torch.int8 and head_dim % 4:
-        raise ValueError(f"kv_cache_dtype=int8: head_dim={head_dim} must be a multiple of 4 (each row's float32 "
-                         "scale is stored after its values, 4-byte aligned); use auto or fp8")
+        raise ValueError(f"kv_cache_dtype=int8: head_dim={head_dim} must be a multiple of 4 (each block's float32 "
+                         "scales are stored after its values, 4-byte aligned); use auto or fp8")
     row = head_dim + INT8_ROW_PAD if kv_dtype == torch.int8 else head_dim
     alloc = torch.zeros if zero else torch.empty
     return alloc(num_blocks, num_layers, 2, block_size, num_kv_heads, row, dtype=kv_dtype, device=device)

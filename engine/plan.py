@@ -12,8 +12,8 @@
     sequences   = blocks // ceil(max_model_len / block_size)      (how many max_model_len requests fit at once)
 
 Like vLLM's rule of thumb, it leaves no room for activations, CUDA graphs or the allocator's slack: the engine's
-profiled numbers will be somewhat lower. An int8 KV cache stores each (token, KV head) row's float32 scale after
-its values: head_dim + 4 bytes a row.
+profiled numbers will be somewhat lower. An int8 KV cache stores a float32 scale per (token, KV head) beside its
+head_dim values (each block region holds its values, then its scales): head_dim + 4 bytes a row.
 
 `tandem plan --from-bench results.json [--target-rps R] [--headroom 0.3]` answers from a measured benchmark
 instead: peak concurrency per instance and instance counts for a request rate (engine/capacity.py).
@@ -35,7 +35,7 @@ from engine.utils import cdiv
 
 _DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
 _KV_DTYPE_BYTES = {"fp8": 1, "fp8_e4m3": 1, "int8": 1}
-_INT8_ROW_PAD = 4  # an int8 row's float32 scale (kernels/quant_int8.INT8_ROW_PAD)
+_INT8_ROW_PAD = 4  # an int8 row's float32 scale, stored in its block (kernels/quant_int8.INT8_ROW_PAD)
 _UNITS = {
     "": 1, "b": 1,
     "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,

@@ -6,7 +6,9 @@ reverse), so both ends speak in full-head blocks: the sender's rank 0 gathers ea
 (`read`), the receiver's rank 0 scatters each rank its own heads (`write`). Each rank's share of a block travels over
 the engine's own process group (NCCL on GPUs, gloo on the CPU) in order with the steps (ModelRunner.gather_kv_blocks
 and scatter_kv_blocks, which every rank runs). The layout both sides check (kv_transfer/layout.layout_of) is then the
-model's: all of its KV heads, whatever either side's tensor-parallel size.
+model's: all of its KV heads, whatever either side's tensor-parallel size. (An int8 cache's (layer, K/V) regions
+hold their values, then their scales, kernels/quant_int8.py: a rank's heads are two slices of each, which the gather
+and scatter join and split, engine/collectives.py, so a full-head block is tp=1's bytes.)
 """
 from __future__ import annotations
 

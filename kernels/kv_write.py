@@ -6,7 +6,8 @@ every stride except the last (which must be 1).
 
 With an int8 cache (k_scale_cache / v_scale_cache given: [num_blocks, block_size, num_kv_heads] float32, any
 strides) each row (token, KV head) is quantized with its own scale, computed here from the row
-(kernels/quant_int8.py), and the scale is stored in its slot beside the row.
+(kernels/quant_int8.py), and the scale is stored in its slot of the scale view (the engine's: each block's scales
+after its values, int8_cache_views; the kernel goes by the views' strides only).
 """
 from __future__ import annotations
 

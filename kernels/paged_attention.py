@@ -16,9 +16,10 @@ fp8 caches are converted to the query dtype on load; k_scale is folded into the 
 output. An int8 cache (k_scale_cache / v_scale_cache: a float32 scale per slot and KV head, kernels/quant_int8.py)
 is converted exactly to the query dtype on load; each key's scale multiplies its column of raw scores, each
 value's scale its column of probabilities before P @ V, so dequantization costs one multiply per score.
-Decodes read an 8-bit cache (fp8 at large batches, int8 always) as int32 words of four values (FP8X4); an int8
-cache's rows (head_dim + 4 bytes) may instead be read from the 16-byte boundary below them with 16-byte loads
-(config int8_align, ALIGN16: _attend_tiles_words).
+Decodes read an 8-bit cache (fp8 at large batches, int8 always) as int32 words of four values (FP8X4); with config
+int8_align an int8 cache's rows are read with 16-byte loads (ALIGN16: _attend_tiles_words): rows that are only
+word-aligned (the "row" layout, head_dim + 4 bytes each) from the 16-byte boundary below them, rows that are
+16-byte aligned themselves (the "block" layout, kernels/quant_int8.int8_cache_views) as they are.
 """
 from __future__ import annotations
 
@@ -354,7 +355,8 @@ def _attend_tiles_words(
     HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr, MASK: tl.constexpr,
     PRECISION: tl.constexpr, ASM: tl.constexpr,
     INT8: tl.constexpr,  # int8 values with a scale per slot (else fp8 e4m3 with the launch's k/v scales)
-    ALIGN: tl.constexpr,  # INT8: rows read from the 16-byte boundary below them, 16-byte loads (see below)
+    ALIGN: tl.constexpr,  # INT8, 16-byte loads: 1 rows read from the 16-byte boundary below them (see below); 2 rows
+    #                       16-byte aligned themselves (no shift, no tail); 0 neither
 ):
     """_attend_tiles over an 8-bit cache (fp8 or int8) read four values per load: one 32-bit address per four keys'
     (or values') bytes instead of one per byte, which is what bounded the byte-wise fp8 walk (docs/kernels.md); an
@@ -373,7 +375,10 @@ def _attend_tiles_words(
     shifted to match, zero where the words hold no value of this row (int8 bytes of any kind convert to finite
     values, so q = 0 cancels them); the tail's scores are one more dot (K = 16). The values' tail dot reads 32 bytes,
     the 16 before the tail too (a dot of N = 16 made Triton lay every dot's warps along the 16 rows, 4x the
-    work), and its first 16 output columns are dropped on the store."""
+    work), and its first 16 output columns are dropped on the store.
+
+    ALIGN 2: every row starts on a 16-byte boundary (the launcher checks the strides): the plain word walk with the
+    rows' alignment asserted, so its loads are 16 bytes wide; no shift and no tail."""
     d4 = tl.arange(0, HEAD_DIM // 4)
     n = tl.arange(0, TILE_N)
     b16 = tl.arange(0, 16)
@@ -388,7 +393,7 @@ def _attend_tiles_words(
         off = keys % BLOCK_SIZE
         k_rows = blk * stride_kc_b + off * stride_kc_s  # [TILE_N] in words (ALIGN: multiples of 4)
         v_rows = blk * stride_vc_b + off * stride_vc_s
-        if ALIGN:  # (a hint on the strides alone does not reach the loads' alignment analysis)
+        if ALIGN != 0:  # (a hint on the strides alone does not reach the loads' alignment analysis)
             k_rows = tl.multiple_of(k_rows, 4)
             v_rows = tl.multiple_of(v_rows, 4)
         k_ptrs = kc_ptr + k_rows[None, :] + d4[:, None]  # [D / 4, N]
@@ -399,7 +404,7 @@ def _attend_tiles_words(
         else:
             kw = tl.load(k_ptrs)
             vw = tl.load(v_ptrs)
-        if ALIGN:  # keys: the 16 bytes after the head_dim / 4 words [16, N]; values: the 32 ending there [N, 32]
+        if ALIGN == 1:  # keys: the 16 bytes after the head_dim / 4 words [16, N]; values: the 32 ending there [N, 32]
             kt_ptrs = kc_ptr.to(tl.pointer_type(tl.int8)) + (k_rows * 4 + HEAD_DIM)[None, :] + b16[:, None]
             vt_ptrs = vc_ptr.to(tl.pointer_type(tl.int8)) + (v_rows * 4 + HEAD_DIM - 16)[:, None] + b32[None, :]
             if MASK != 0:
@@ -424,7 +429,7 @@ def _attend_tiles_words(
         s = tl.dot(q1, k1, s, input_precision=PRECISION)
         s = tl.dot(q2, k2, s, input_precision=PRECISION)
         s = tl.dot(q3, k3, s, input_precision=PRECISION)
-        if ALIGN:
+        if ALIGN == 1:
             s = tl.dot(q_t, kt.to(q0.dtype), s, input_precision=PRECISION)
         if INT8:
             s = s * k_row_scale[None, :]
@@ -443,7 +448,7 @@ def _attend_tiles_words(
         acc1 = tl.dot(p, v1, acc1 * alpha[:, None], input_precision=PRECISION)
         acc2 = tl.dot(p, v2, acc2 * alpha[:, None], input_precision=PRECISION)
         acc3 = tl.dot(p, v3, acc3 * alpha[:, None], input_precision=PRECISION)
-        if ALIGN:
+        if ALIGN == 1:
             acc_t = tl.dot(p, vt.to(q0.dtype), acc_t * alpha[:, None], input_precision=PRECISION)
     return acc0, acc1, acc2, acc3, acc_t, l_i, m_i, v_unit
 
@@ -469,10 +474,10 @@ def _store_fp8x4_parts(ptrs, factor, a0, a1, a2, a3, a_t, shift, row_ok, HEAD_DI
     """Stores the four column sets (4i + j in a_j) of a row tile, times factor, at ptrs [BLOCK_M, 1] + column.
     ALIGN: the column sets are shifted by shift words (4 (i - shift) + j in a_j; the first shift words hold no
     column) and a_t [BLOCK_M, 32] holds columns HEAD_DIM - 16 - 4 shift + b, of which b >= 16 and < HEAD_DIM are
-    stored, as _attend_tiles_words' ALIGN leaves them."""
+    stored, as _attend_tiles_words' ALIGN 1 leaves them."""
     cols = tl.arange(0, HEAD_DIM // 4) * 4
     ty = ptrs.dtype.element_ty
-    if ALIGN:
+    if ALIGN == 1:
         cols = cols - 4 * shift
         ok = row_ok[:, None] & (cols >= 0)[None, :]
         b = tl.arange(0, 32)
@@ -545,7 +550,8 @@ def _paged_attention_kernel(
     FP8X4: tl.constexpr,  # an 8-bit cache (fp8, int8) read as int32 words of four values (k/v_cache_ptr, strides in
     #                       words): 0 no, 1 unpacked by shifts and casts, 2 by PTX (fp16 dots on a GPU)
     INT8: tl.constexpr,  # an int8 cache with a scale per slot and KV head
-    ALIGN16: tl.constexpr,  # FP8X4 and INT8: rows read from the 16-byte boundary below them (_attend_tiles_words)
+    ALIGN16: tl.constexpr,  # FP8X4 and INT8, 16-byte loads (_attend_tiles_words' ALIGN): 1 rows read from the
+    #                         16-byte boundary below them, 2 rows 16-byte aligned themselves; 0 neither
 ):
     # Last query blocks first: under the causal mask they see the most keys, so the cheap ones fill the tail.
     q_block = tl.num_programs(0) - 1 - tl.program_id(0)
@@ -595,7 +601,10 @@ def _paged_attention_kernel(
         d4 = tl.arange(0, HEAD_DIM // 4) * 4
         k_shift = 0
         v_shift = 0
-        if ALIGN16:  # rows from the 16-byte boundary below this KV head's (the launcher checked the strides)
+        if ALIGN16 == 2:  # every row 16-byte aligned (the launcher checked the strides)
+            kc_ptr = k_cache_ptr + tl.multiple_of(kv_head * stride_kc_h, 4)
+            vc_ptr = v_cache_ptr + tl.multiple_of(kv_head * stride_vc_h, 4)
+        if ALIGN16 == 1:  # rows from the 16-byte boundary below this KV head's (the launcher checked the strides)
             k_shift = (kv_head * stride_kc_h) % 4
             v_shift = (kv_head * stride_vc_h) % 4
             kc_ptr = k_cache_ptr + tl.multiple_of(kv_head * stride_kc_h - k_shift, 4)
@@ -747,6 +756,13 @@ def _cache_words(cache: torch.Tensor) -> torch.Tensor | None:
     if any(st % 4 for st in cache.stride()[:3]) or cache.storage_offset() % 4 or cache.data_ptr() % 4:
         return None
     return cache.view(torch.int32)
+
+
+def _rows16_ok(cache: torch.Tensor) -> bool:
+    """Whether every row of an 8-bit cache [num_blocks, block_size, num_kv_heads, head_dim] starts on a 16-byte
+    boundary (_attend_tiles_words' ALIGN 2): a 16-byte aligned start, block, slot and head strides of whole 16
+    bytes (an int8 cache in the "block" layout with head_dim % 16 == 0)."""
+    return cache.data_ptr() % 16 == 0 and all(st > 0 and st % 16 == 0 for st in cache.stride()[:3])
 
 
 def _align16_ok(cache: torch.Tensor) -> bool:
@@ -967,7 +983,7 @@ def paged_attention_triton(
         k = v = q  # unused
     via_fp16 = bool(cfg["fp8_via_fp16"]) and q.dtype == torch.bfloat16
     fp8_via_fp16 = via_fp16 and k_cache.dtype == FP8_DTYPE
-    kc, vc, fp8x4, align16 = k_cache, v_cache, 0, False
+    kc, vc, fp8x4, align16 = k_cache, v_cache, 0, 0
     if cfg["fp8x4"] and head_dim == head_dim_pad and head_dim % 64 == 0:  # an 8-bit cache only (_cache_words)
         k_words, v_words = _cache_words(k_cache), _cache_words(v_cache)
         if k_words is not None and v_words is not None:
@@ -976,10 +992,14 @@ def paged_attention_triton(
             fp8x4 = 2 if cfg["fp8x4"] == 2 and not dot_fp32 and (via_fp16 or q.dtype == torch.float16) else 1
             if int8:  # bf16 queries as fp16 for the PTX conversion's fp16 dots (the word walk keeps P in [0, 1])
                 fp8_via_fp16 = fp8x4 == 2 and q.dtype == torch.bfloat16
-                align16 = bool(cfg["int8_align"]) and _align16_ok(k_cache) and _align16_ok(v_cache)
+                if cfg["int8_align"] and _rows16_ok(k_cache) and _rows16_ok(v_cache):
+                    align16 = 2
+                elif cfg["int8_align"] and _align16_ok(k_cache) and _align16_ok(v_cache):
+                    align16 = 1
     ks, vs = (k_scale_cache, v_scale_cache) if int8 else (kc[:, :, :, 0], vc[:, :, :, 0])  # unused without int8
     grid = (num_tokens // block_q + num_seqs, num_kv_heads, num_segments)
     maxnreg = {} if interpreting() or not cfg["maxnreg"] else {"maxnreg": cfg["maxnreg"]}
+    LAST_LAUNCH["path"] = dict(fp8x4=fp8x4, align16=align16)  # the 8-bit walk taken (bench/int8_attn_sweep.py)
     LAST_LAUNCH["kernel"] = _paged_attention_kernel[grid](
         out, seg_out, seg_max, seg_sum,
         q, k, v, k_desc, v_desc, kc, vc, ks, vs, block_tables, seq_lens, query_start_loc,

@@ -13,10 +13,12 @@ from protos.tandem.v1 import kv_transfer_pb2
 from serving.errors import shown
 
 LAYOUT_NAME = "block_layer_kv_token_head_dim"
-# An int8 cache's rows carry their float32 scale after their head_dim values (kernels/quant_int8.py): a block's
-# bytes are its values and its scales, and both sides must agree on that as on the rest.
-LAYOUT_NAME_INT8 = "block_layer_kv_token_head_dim_scale"
-INT8_ROW_PAD = 4  # bytes of the scale after each int8 row (kernels/quant_int8.INT8_ROW_PAD)
+# An int8 cache's (block, layer, K/V) regions hold their values [block_size, num_kv_heads, head_dim], then their
+# float32 scales [num_kv_heads, block_size] (kernels/quant_int8.py, the "block" layout): a block's bytes are its
+# values and its scales, and both sides must agree on that as on the rest. (The earlier layout, each row's values
+# followed by its scale, was "block_layer_kv_token_head_dim_scale": a process of either refuses the other's name.)
+LAYOUT_NAME_INT8 = "block_layer_kv_token_head_dim_then_scales_head_token"
+INT8_ROW_PAD = 4  # bytes per (slot, KV head) of an int8 cache beyond its values (kernels/quant_int8.INT8_ROW_PAD)
 
 
 # glibc's malloc for the transfer path's large short-lived buffers (each message's bytes, several copies per side:
@@ -47,7 +49,7 @@ def retain_freed_memory() -> bool:
 
 def layout_of(kv_cache: torch.Tensor) -> kv_transfer_pb2.KvLayout:
     """The layout of an engine's kv_cache [num_blocks, num_layers, 2, block_size, num_kv_heads, row]: row = head_dim
-    values, or for an int8 cache head_dim values then the row's float32 scale."""
+    values, or for an int8 cache head_dim + 4 bytes (each region's values, then its float32 scales)."""
     _, num_layers, two, block_size, num_kv_heads, row = kv_cache.shape
     assert two == 2, kv_cache.shape
     int8 = kv_cache.dtype == torch.int8

@@ -1,6 +1,6 @@
-"""int8 KV cache (a float32 scale per token and KV head, stored after each row) on the CPU path: the pool's bytes,
-the scales beside the values, greedy agreement with the full-precision cache, prefix caching moving scales with
-their blocks, and stacking with 4-bit and fp8 weights."""
+"""int8 KV cache (a float32 scale per token and KV head, stored in each block after its values) on the CPU path:
+the pool's bytes, the scales beside the values, greedy agreement with the full-precision cache, prefix caching
+moving scales with their blocks, and stacking with 4-bit and fp8 weights."""
 from __future__ import annotations
 
 import pytest
@@ -68,6 +68,30 @@ def test_prefix_caching_reuses_blocks_with_their_scales():
     warm = [llm.generate([p], GREEDY)[0] for p in prompts]
     assert warm[1].num_cached_tokens == 48  # the second prompt read the first one's blocks (and their scales)
     assert [o.outputs[0].token_ids for o in warm] == cold
+
+
+def test_each_block_region_holds_its_values_then_its_scales():
+    """The "block" layout (kernels/quant_int8.py): each (block, layer, K/V) region of the cache is its values
+    [block_size, kv_heads, head_dim] int8, then its scales [kv_heads, block_size] float32; the layer views read
+    exactly those bytes, and every value row is 16-byte aligned."""
+    from engine.model_runner import layer_kv_views
+    nb, layers, bs, heads, d = 3, 2, 16, 2, 16
+    cache = allocate_kv_cache(nb, layers, bs, heads, d, torch.int8, "cpu", zero=True)
+    assert cache.shape == (nb, layers, 2, bs, heads, d + 4)
+    kv = layer_kv_views(cache)
+    gen = torch.Generator().manual_seed(0)
+    for l in range(layers):
+        for c, sc in ((kv[l].k_cache, kv[l].k_scale_cache), (kv[l].v_cache, kv[l].v_scale_cache)):
+            c.copy_(torch.randint(-127, 128, c.shape, generator=gen, dtype=torch.int8))
+            sc.copy_(torch.rand(sc.shape, generator=gen) + 0.5)
+            assert c.stride(1) % 16 == 0 and c.stride(2) % 16 == 0 and c.data_ptr() % 16 == 0
+    region = bs * heads * (d + 4)
+    for b in range(nb):
+        for l in range(layers):
+            for t, (c, sc) in enumerate(((kv[l].k_cache, kv[l].k_scale_cache), (kv[l].v_cache, kv[l].v_scale_cache))):
+                raw = cache[b, l, t].reshape(region)
+                assert torch.equal(raw[:bs * heads * d].view(bs, heads, d), c[b])
+                assert torch.equal(raw[bs * heads * d:].view(torch.float32).view(heads, bs), sc[b].t())
 
 
 def test_head_dim_not_a_multiple_of_4_is_refused():

@@ -168,6 +168,51 @@ def test_a_kv_transfer_moves_every_ranks_kv_heads(tiny_llama_dir):
         llm.close()
 
 
+def test_int8_kv_blocks_round_trip_between_tensor_parallel_sizes(tiny_llama_dir):
+    """An int8 cache's block holds each (layer, K/V) region's values [block_size, heads, head_dim], then its scales
+    [heads, block_size] (kernels/quant_int8.py): a rank's block is its heads of both, so the transfer's gather and
+    scatter convert. Full-head blocks (tp=1's layout) of random bytes (scales of every bit pattern, NaN too) are
+    scattered to two ranks and gathered back bit-exact, each rank holding its heads' values and scales; and the KV
+    a tp=2 engine writes for a prompt, gathered, reads as tp=1's (layer 0: the same K/V up to rounding)."""
+    from kernels.quant_int8 import dequantize_int8_rows_ref, int8_cache_views, int8_split_heads
+
+    prompt = [[5 + 7 * i % 500 for i in range(37)]]
+    greedy = SamplingParams(temperature=0.0, max_tokens=1)
+    one = LLM(str(tiny_llama_dir), tensor_parallel_size=1, kv_cache_dtype="int8", **{**ENGINE, "device": "cpu"})
+    try:
+        one.engine.kv_cache.zero_()
+        one.generate(prompt_token_ids=prompt, sampling_params=greedy)
+        want = one.engine.transfer_kv[list(range(32))].clone()
+    finally:
+        one.close()
+    llm = LLM(str(tiny_llama_dir), tensor_parallel_size=2, kv_cache_dtype="int8", **{**ENGINE, "device": "cpu"})
+    try:
+        kv, local = llm.engine.transfer_kv, llm.engine.kv_cache
+        heads = llm.engine.runner.hf_config.num_key_value_heads
+        assert kv.dtype == local.dtype == torch.int8 and (kv.shape[4], local.shape[4]) == (heads, heads // 2)
+        ids = [3, 4, 9, 0]
+        blocks = torch.randint(-128, 128, (len(ids), *kv.shape[1:]), generator=torch.Generator().manual_seed(0),
+                               dtype=torch.int8)
+        kv.write(ids, blocks)
+        assert torch.equal(local[ids], int8_split_heads(blocks, 2)[0])  # rank 0: the first half of the heads
+        (v_full, s_full), (v_mine, s_mine) = int8_cache_views(blocks), int8_cache_views(local[ids])
+        assert torch.equal(v_mine, v_full[..., :heads // 2, :])
+        assert torch.equal(s_mine.view(torch.int32), s_full[..., :heads // 2].view(torch.int32))
+        assert torch.equal(kv.read(ids), blocks)  # and rank 1 the second: they came back, bit for bit
+        assert torch.equal(kv.read([9]), blocks[2:3])
+
+        kv.write(list(range(32)), torch.zeros(32, *kv.shape[1:], dtype=torch.int8))
+        llm.generate(prompt_token_ids=prompt, sampling_params=greedy)
+        got = kv.read(list(range(32)))
+    finally:
+        llm.close()
+    (v_want, s_want), (v_got, s_got) = int8_cache_views(want), int8_cache_views(got)
+    assert torch.equal(s_got > 0, s_want > 0) and (s_want > 0).sum() >= 37 * heads * 2 * 3  # the prompt's slots
+    written = s_want[:, 0] > 0  # layer 0: K/V from the embeddings, no all-reduce before them
+    a, b = dequantize_int8_rows_ref(v_got[:, 0], s_got[:, 0]), dequantize_int8_rows_ref(v_want[:, 0], s_want[:, 0])
+    assert torch.allclose(a[written], b[written], atol=2 * float(s_want[:, 0][written].max()), rtol=0)
+
+
 def test_a_tensor_parallel_prefill_refuses_cuda_ipc(capsys):
     """CUDA IPC maps one process's cache; a tensor-parallel prefill's KV goes by NIXL (each rank its heads) or as
     gRPC bytes through rank 0."""

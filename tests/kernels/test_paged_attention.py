@@ -198,9 +198,12 @@ def test_cache_words_only_where_the_layout_allows():
     assert _cache_words(kv[:, 1, 0].to(torch.bfloat16)) is None  # not an 8-bit cache
     assert _cache_words(kv[..., 1:61]) is None  # a row that does not start on a word
     assert _cache_words(torch.zeros(3, 16, 4, 66, dtype=torch.float8_e4m3fn)) is None  # head_dim not a multiple of 4
-    # The engine's int8 rows (head_dim values + a 4-byte scale) start on words (17-word rows at head_dim 64)
-    values, _ = int8_cache_views(torch.zeros(3, 2, 2, 16, 4, 64 + 4, dtype=torch.int8)[:, 1, 0])
-    words = _cache_words(values)
+    # The engine's int8 values ("block" layout: a block's values, then its scales) are 16-word rows at head_dim 64;
+    # the "row" layout's (head_dim values + a 4-byte scale) still start on words (17-word rows)
+    cache = torch.zeros(3, 2, 2, 16, 4, 64 + 4, dtype=torch.int8)
+    words = _cache_words(int8_cache_views(cache[:, 1, 0])[0])
+    assert words.shape == (3, 16, 4, 16) and words.stride()[1:] == (4 * 16, 16, 1)
+    words = _cache_words(int8_cache_views(cache[:, 1, 0], "row")[0])
     assert words.shape == (3, 16, 4, 16) and words.stride()[1:] == (4 * 17, 17, 1)
 
 

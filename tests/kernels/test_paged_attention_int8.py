@@ -16,16 +16,18 @@ DEVICE = "cuda" if ON_CUDA else "cpu"
 TOL = {torch.float32: 2e-5, torch.float16: 3e-3, torch.bfloat16: 2e-2}
 
 
-def int8_batch(specs, num_heads, num_kv_heads, head_dim, block_size, dtype, *, seed, num_layers=2, layer=1):
+def int8_batch(specs, num_heads, num_kv_heads, head_dim, block_size, dtype, *, seed, num_layers=2, layer=1,
+               layout=None):
     """specs: [(q_len, seq_len)]. The kernel's arguments over the layer views of one engine-layout int8 cache
-    [num_blocks, num_layers, 2, block_size, Hkv, head_dim + 4], filled through quantize_int8_rows_ref; slots past
+    [num_blocks, num_layers, 2, block_size, Hkv, head_dim + 4] (int8_cache_views' layout, the engine's by
+    default), filled through quantize_int8_rows_ref; slots past
     a sequence's length and unowned blocks hold random bytes and NaN scales."""
     gen = torch.Generator().manual_seed(seed)
     nblk = [math.ceil(sl / block_size) for _, sl in specs]
     num_blocks = sum(nblk) + 3
     kv = torch.randint(-128, 128, (num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim + INT8_ROW_PAD),
                        generator=gen, dtype=torch.int8)
-    data, scales = int8_cache_views(kv)
+    data, scales = int8_cache_views(kv, layout)
     scales.fill_(float("nan"))
     perm = torch.randperm(num_blocks, generator=gen)
     block_tables = torch.zeros(len(specs), max(nblk) + 2, dtype=torch.int32)
@@ -42,7 +44,7 @@ def int8_batch(specs, num_heads, num_kv_heads, head_dim, block_size, dtype, *, s
             data[b, layer, :, o] = x_q[t]
             scales[b, layer, :, o] = s[t]
     kv = kv.to(DEVICE)
-    (kc, ks), (vc, vs) = int8_cache_views(kv[:, layer, 0]), int8_cache_views(kv[:, layer, 1])
+    (kc, ks), (vc, vs) = int8_cache_views(kv[:, layer, 0], layout), int8_cache_views(kv[:, layer, 1], layout)
     q_lens = torch.tensor([ql for ql, _ in specs])
     qsl = torch.zeros(len(specs) + 1, dtype=torch.int32)
     qsl[1:] = torch.cumsum(q_lens, 0)
@@ -149,14 +151,14 @@ def test_int8_decode_configs_are_the_sweeps():
 @pytest.mark.parametrize("num_segments,tile_n", [(1, 16), (1, 64), (4, 16)])
 def test_int8_cache_read_from_16_byte_boundaries(dtype, num_segments, tile_n):
     # int8_align: the word walk reads each row from the 16-byte boundary below it plus a 16-byte tail. Four KV heads
-    # of the engine layout (132-byte rows at head_dim 128, 68 at 64) start 0, 1, 2 and 3 words past a boundary, so
+    # of the "row" layout (132-byte rows at head_dim 128, 68 at 64) start 0, 1, 2 and 3 words past a boundary, so
     # every shift of the queries, the tails and the output columns is met; value scales spread as above.
     from kernels.paged_attention import _align16_ok
     specs = [(1, 1), (1, 17), (1, 150), (1, 63), (1, 64)]
     if num_segments == 1:
         specs += [(9, 9), (20, 20 + 33), (5, 5 + 2 * tile_n)]
     for head_dim in (64, 128):
-        args = int8_batch(specs, 16, 4, head_dim, 16, dtype, seed=head_dim + num_segments + tile_n)
+        args = int8_batch(specs, 16, 4, head_dim, 16, dtype, seed=head_dim + num_segments + tile_n, layout="row")
         assert _align16_ok(args["k_cache"]) and _align16_ok(args["v_cache"])
         gen = torch.Generator().manual_seed(head_dim)
         spread = 10.0 ** torch.empty(args["v_scale_cache"].shape).uniform_(-6, 3, generator=gen)
@@ -164,11 +166,40 @@ def test_int8_cache_read_from_16_byte_boundaries(dtype, num_segments, tile_n):
         check(args, config=dict(fp8x4=2, num_segments=num_segments, tile_n=tile_n, block_m=16, int8_align=1))
 
 
+@pytest.mark.parametrize("int8_align", [0, 1])
+@pytest.mark.parametrize("num_segments,tile_n", [(1, 16), (1, 64), (4, 16)])
+def test_int8_block_layout_rows_are_16_byte_aligned(int8_align, num_segments, tile_n):
+    # The "block" layout: a block's values [block_size, Hkv, head_dim], then its scales [Hkv, block_size]. Every
+    # row starts on a 16-byte boundary, so int8_align takes ALIGN 2 (no shift, no tail) and 0 the plain word walk;
+    # both against the reference, value scales spread as above.
+    from kernels.paged_attention import LAST_LAUNCH, _align16_ok, _rows16_ok
+    specs = [(1, 1), (1, 17), (1, 150), (1, 63), (1, 64)]
+    if num_segments == 1:
+        specs += [(9, 9), (20, 20 + 33), (5, 5 + 2 * tile_n)]
+    for head_dim, num_kv_heads in ((64, 4), (128, 2)):
+        args = int8_batch(specs, 4 * num_kv_heads, num_kv_heads, head_dim, 16, torch.float32, layout="block",
+                          seed=head_dim + num_segments + tile_n)
+        assert _rows16_ok(args["k_cache"]) and _rows16_ok(args["v_cache"]) and _align16_ok(args["k_cache"])
+        assert args["k_scale_cache"].stride()[1:] == (1, 16), args["k_scale_cache"].stride()
+        gen = torch.Generator().manual_seed(head_dim)
+        spread = 10.0 ** torch.empty(args["v_scale_cache"].shape).uniform_(-6, 3, generator=gen)
+        args["v_scale_cache"].mul_(spread.to(DEVICE))
+        check(args, config=dict(fp8x4=2, num_segments=num_segments, tile_n=tile_n, block_m=16, int8_align=int8_align))
+        assert LAST_LAUNCH["path"]["align16"] == (2 if int8_align else 0), LAST_LAUNCH["path"]
+        check(args, config=dict(fp8x4=0, num_segments=num_segments, tile_n=tile_n, block_m=16))  # the byte walk
+
+
+def test_int8_row_layout_rows_are_not_16_byte_aligned():
+    from kernels.paged_attention import _rows16_ok
+    args = int8_batch([(1, 40)], 8, 4, 128, 16, torch.float32, layout="row", seed=6)
+    assert not _rows16_ok(args["k_cache"])
+
+
 def test_int8_align_falls_back_where_the_layout_does_not_allow_it():
-    # Two KV heads: 264-byte slots, so a head's rows sit at different distances past a boundary; the launch takes
-    # the plain word walk instead (same result).
+    # The "row" layout, two KV heads: 264-byte slots, so a head's rows sit at different distances past a
+    # boundary; the launch takes the plain word walk instead (same result).
     from kernels.paged_attention import _align16_ok
-    args = int8_batch([(1, 40), (3, 3 + 20)], 8, 2, 128, 16, torch.float32, seed=5)
+    args = int8_batch([(1, 40), (3, 3 + 20)], 8, 2, 128, 16, torch.float32, seed=5, layout="row")
     assert not _align16_ok(args["k_cache"])
     check(args, config=dict(fp8x4=1, tile_n=16, block_m=16, int8_align=1))
 

@@ -12,7 +12,7 @@ import torch
 from engine import LLM, EngineArgs, LLMEngine, SamplingParams
 from engine.block_pool import hash_block_tokens
 from kernels.quant_int8 import int8_cache_views
-from kv_transfer.layout import LAYOUT_NAME_INT8, layout_of
+from kv_transfer.layout import LAYOUT_NAME_INT8, layout_mismatch, layout_of
 from protos.tandem.v1 import common_pb2, decode_pb2, prefill_pb2
 from svc_pair import ARGS, run_pair
 
@@ -33,9 +33,17 @@ async def idle(*stubs):
     return loads
 
 
-def test_int8_layout_names_the_row_format():
+def test_int8_layout_names_the_block_format():
     lay = layout_of(torch.zeros(3, 2, 2, 16, 2, 16 + 4, dtype=torch.int8))
     assert (lay.dtype, lay.layout, lay.head_dim, lay.block_bytes) == ("int8", LAYOUT_NAME_INT8, 16, 2 * 2 * 16 * 2 * 20)
+    assert LAYOUT_NAME_INT8 == "block_layer_kv_token_head_dim_then_scales_head_token"
+    # A process of the earlier row layout (each row's values, then its scale) names its blocks otherwise, with the
+    # same sizes: either side refuses the other by that name alone.
+    old = type(lay)()
+    old.CopyFrom(lay)
+    old.layout = "block_layer_kv_token_head_dim_scale"
+    assert layout_mismatch(lay, old) == ("layout.layout='block_layer_kv_token_head_dim_scale': this decode "
+                                         "instance's KV cache has layout='" + LAYOUT_NAME_INT8 + "'")
 
 
 @pytest.mark.slow
