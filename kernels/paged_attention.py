@@ -790,11 +790,12 @@ PREFILL_NEW_KV = 0
 
 
 # Decodes over an int8 cache, their own settings over the shared ones above, the fastest of bench/int8_attn_sweep.py
-# on the H200 (bench/RESULTS.md, "INT8 KV cache"): unsplit (large batches) int8_align 1 reads the rows from the
-# 16-byte boundary below them with 16-byte loads (_attend_tiles_words' ALIGN; where the cache's strides allow, else
-# the word walk), 64-key tiles, registers capped at 168 (no spills); INT8_DECODE_SPLIT, launches that split the
-# context (small batches): the byte walk with three stages edged out the word walk there.
-INT8_DECODE: dict[str, int] = dict(num_warps=4, num_stages=2, int8_align=1, tile_n=64, maxnreg=168)
+# on the H200 (bench/RESULTS.md, "INT8 KV cache"): unsplit (large batches) int8_align 1 takes the aligned word walk
+# (the engine's block layout: rows 16-byte aligned, ALIGN16 2; a row-layout cache reads from the 16-byte boundary
+# below each row, ALIGN16 1; else the plain word walk), 128-key tiles (64 were best in the row layout, whose
+# 16-byte tails took the registers), registers capped at 168; INT8_DECODE_SPLIT, launches that split the context
+# (small batches): the byte walk with three stages edged out the word walk there (timed in the row layout).
+INT8_DECODE: dict[str, int] = dict(num_warps=4, num_stages=2, int8_align=1, tile_n=128, maxnreg=168)
 INT8_DECODE_SPLIT: dict[str, int] = dict(num_warps=4, num_stages=3, int8_align=0, fp8x4=0)
 
 
