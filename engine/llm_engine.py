@@ -475,11 +475,13 @@ class LLMEngine:
         sched = self.scheduler.schedule()
         unread = [prev] if prev is not None else []
 
-        def read_prev() -> None:
-            """The previous step's tokens, read and applied (once): before this step's grammar masks, which need
-            them accepted into the matchers, or after its launch."""
+        def read_prev(fill=None) -> None:
+            """The previous step's tokens, read and applied (once): after this step's launch, or, when the step has
+            grammar rows, from its sampler (fill: what fills their mask, run once the matchers took the tokens)."""
             if unread:
-                outputs.extend(self._read_step(unread.pop()))
+                outputs.extend(self._read_step(unread.pop(), fill))
+            elif fill is not None:
+                fill()
 
         if not sched.is_empty:
             tables = self.kv.block_tables([req.request_id for req, _ in sched.scheduled])
@@ -519,25 +521,51 @@ class LLMEngine:
             self._forget(req)
         return outputs
 
-    def _read_step(self, launched: _Launched) -> list[StepOutput]:
-        """Reads a launched step's tokens and applies them: append, detokenize, stop checks."""
+    def _read_step(self, launched: _Launched, fill=None) -> list[StepOutput]:
+        """Reads a launched step's tokens and applies them: append, detokenize, stop checks.
+        The constrained rows' tokens go into their matchers on the grammar thread (GrammarManager.step_job), then
+        `fill` (the next step's mask, when the sampler passed it) runs there too, while this thread does the rest
+        of each token's work but the grammar's checks, which wait for the thread."""
         sched, handle = launched.sched, launched.handle
         try:
             sampled = handle.result()
         except Exception:
             log.exception("model step failed; aborting the %d requests of this batch", len(sched.scheduled))
-            return self._abort_batch(sched)
-        outputs = []
+            outputs = self._abort_batch(sched)
+            if fill is not None:
+                fill()  # (its aborted rows' tokens are dropped)
+            return outputs
+        outputs: list[StepOutput | None] = []
         self.scheduler.update_from_output(sched)
+        job = None
         if self.grammars.num_compiles:  # (some request was ever constrained)
-            self._accept_grammar_tokens(handle.requests, sampled.token_ids)
+            job = self._start_grammar_job(handle.requests, sampled.token_ids, fill)
+        elif fill is not None:
+            fill()
+        deferred = []  # (place in outputs, request, token, logprobs): the grammar's checks wait for the job
         for req, token, lp in zip(handle.requests, sampled.token_ids, sampled.logprobs):
             if req.is_finished:  # it stopped on the token before this one (or was aborted): drop this one
+                continue
+            if job is not None and req.grammar is not None and req.grammar.active:
+                self._append_token(req, token, lp, grammar_busy=True)
+                deferred.append((len(outputs), req, token, lp))
+                outputs.append(None)
                 continue
             out = self._append_token(req, token, lp)
             if out.finished:
                 self._forget(req)
             outputs.append(out)
+        if job is not None:
+            try:
+                job.result()
+                failed = False
+            except Exception:  # noqa: BLE001 - xgrammar's; the constrained requests of the step end, not the engine
+                log.exception("structured outputs: the matchers failed; aborting the step's constrained requests")
+                failed = True
+            for place, req, token, lp in deferred:
+                out = outputs[place] = self._grammar_checks(req, token, lp, failed)
+                if out.finished:
+                    self._forget(req)
         # Prefill chunks that sampled nothing still report progress (the prefill service streams their blocks), as
         # of this step: a step launched after it may still be writing the next chunk's KV.
         if all(sched.samples):
@@ -549,9 +577,10 @@ class LLMEngine:
                 outputs.append(out)
         return outputs
 
-    def _accept_grammar_tokens(self, requests: list[Request], token_ids: list[int]) -> None:
-        """The step's tokens into the matchers of the requests that will append them, in one batch on several
-        threads (GrammarManager.accept); _append_token then finds them accepted, and reports a refused one."""
+    def _start_grammar_job(self, requests: list[Request], token_ids: list[int], fill):
+        """Starts the step's tokens into the matchers of the requests that will append them (one batch on several
+        threads: GrammarManager.accept), then `fill`, on the grammar thread; None when there is nothing to do.
+        Until it is done this thread touches no matcher (_append_token's grammar_busy)."""
         grammars, tokens = [], []
         for req, token in zip(requests, token_ids):
             g = req.grammar
@@ -559,8 +588,9 @@ class LLMEngine:
                     and not g.terminated):
                 grammars.append(g)
                 tokens.append(token)
-        if grammars:
-            self.grammars.accept(grammars, tokens)
+        if not grammars and fill is None:
+            return None
+        return self.grammars.step_job(grammars, tokens, fill)
 
     def _record_stats(self, sched, t0: float) -> None:
         self.last_stats = StepStats(len(self.scheduler.running), len(self.scheduler.waiting), self.kv.usage(),
@@ -604,16 +634,12 @@ class LLMEngine:
         self._grammar_waiting = still
         return outputs
 
-    def _append_token(self, req: Request, token: int, logprobs: dict[int, float] | None) -> StepOutput:
+    def _append_token(self, req: Request, token: int, logprobs: dict[int, float] | None,
+                      grammar_busy: bool = False) -> StepOutput | None:
+        """grammar_busy: the request's matcher is taking this token on the grammar thread: everything but the
+        grammar's checks and the stops after them (length), and no output yet: _grammar_checks does the rest."""
         req.output_token_ids.append(token)
-        grammar = req.grammar
-        if grammar is not None and grammar.active and grammar.advance(req.output_token_ids) is not None:
-            # Only a token the mask allowed is sampled: a refused one came from elsewhere (a prefill instance's
-            # first token that another constraint drew). It ends this request, not the batch.
-            log.warning("request %s: token %d is not allowed by its structured_outputs; aborting it",
-                        req.request_id, token)
-            req.kv_hold = False
-            self.scheduler.finish(req, RequestStatus.FINISHED_ABORTED)
+        if not grammar_busy and self._grammar_refused(req, token):
             return self._output(req, [token], logprobs)
         if req.first_token_time is None:
             req.first_token_time = time.monotonic()
@@ -622,17 +648,48 @@ class LLMEngine:
             req.cumulative_logprob += logprobs.get(token, 0.0)
         if self.stream_text or req.sampling_params.stop:
             self._detokenize(req)
-        status = self._check_stop(req, token)
-        if status is not None and not isinstance(req.stop_reason, str):
+        status = self._check_stop_tokens(req, token)
+        if status is None and not grammar_busy:
+            status = self._check_stop_end(req)
+        if status is not None:
+            self._finish_on_token(req, status)
+        return None if grammar_busy else self._output(req, [token], logprobs)
+
+    def _grammar_checks(self, req: Request, token: int, logprobs: dict[int, float] | None,
+                        failed: bool) -> StepOutput:
+        """The rest of _append_token(grammar_busy=True) once the grammar thread is done (failed: it raised)."""
+        if not req.is_finished:
+            if failed:
+                req.kv_hold = False
+                self.scheduler.finish(req, RequestStatus.FINISHED_ABORTED)
+            elif not self._grammar_refused(req, token):
+                status = self._check_stop_end(req)
+                if status is not None:
+                    self._finish_on_token(req, status)
+        return self._output(req, [token], logprobs)
+
+    def _grammar_refused(self, req: Request, token: int) -> bool:
+        """Brings the request's matcher up to its outputs (they are accepted already after a step's batch accept);
+        a token it refuses ends the request (aborted) and gives True."""
+        grammar = req.grammar
+        if grammar is None or not grammar.active or grammar.advance(req.output_token_ids) is None:
+            return False
+        # Only a token the mask allowed is sampled: a refused one came from elsewhere (a prefill instance's first
+        # token that another constraint drew). It ends this request, not the batch.
+        log.warning("request %s: token %d is not allowed by its structured_outputs; aborting it", req.request_id, token)
+        req.kv_hold = False
+        self.scheduler.finish(req, RequestStatus.FINISHED_ABORTED)
+        return True
+
+    def _finish_on_token(self, req: Request, status: RequestStatus) -> None:
+        if not isinstance(req.stop_reason, str):
             # The final text is the whole decode (an incomplete trailing character shows as U+FFFD), unless a stop
             # string cut it.
             skip = req.sampling_params.skip_special_tokens
             req.output_text = self._decode(req.output_token_ids, skip)
-        if status is not None:
-            self.scheduler.finish(req, status)
-            if req.kv_hold:
-                self.held[req.request_id] = req
-        return self._output(req, [token], logprobs)
+        self.scheduler.finish(req, status)
+        if req.kv_hold:
+            self.held[req.request_id] = req
 
     def _resume(self, req: Request, prior_output_token_ids: list[int]) -> None:
         """Gives a new request the outputs it already generated elsewhere, with the state the original had after
@@ -661,6 +718,11 @@ class LLMEngine:
             req.read_offset = len(ids)
 
     def _check_stop(self, req: Request, token: int) -> RequestStatus | None:
+        status = self._check_stop_tokens(req, token)
+        return status if status is not None else self._check_stop_end(req)
+
+    def _check_stop_tokens(self, req: Request, token: int) -> RequestStatus | None:
+        """The stops that come before the grammar's: end-of-sequence, stop tokens and strings (past min_tokens)."""
         p = req.sampling_params
         n_out = len(req.output_token_ids)
         if n_out >= p.min_tokens:
@@ -679,8 +741,13 @@ class LLMEngine:
                         req.output_text = text[: i + len(s)] if p.include_stop_str_in_output else text[:i]
                         req.stop_reason = s
                         return RequestStatus.FINISHED_STOPPED
+        return None
+
+    def _check_stop_end(self, req: Request) -> RequestStatus | None:
+        """The grammar's end, then the length limits."""
         if req.grammar is not None and req.grammar.terminated:  # it accepted the end (even with ignore_eos)
             return RequestStatus.FINISHED_STOPPED
+        n_out = len(req.output_token_ids)
         if n_out >= req.max_tokens or len(req.prompt_token_ids) + n_out >= self.max_model_len:
             return RequestStatus.FINISHED_LENGTH
         return None

@@ -95,26 +95,41 @@ class Sampler:
         return self.sample(logits, states).result()
 
     def sample(self, logits: torch.Tensor, states: Sequence[SamplingState],
-               before_mask: Callable[[], None] | None = None) -> "DeviceSample":
+               before_mask: Callable[[Callable[[], None]], None] | None = None) -> "DeviceSample":
         """Like __call__, but returns as soon as the work is queued on the device.
-        before_mask: called before the grammar rows' bitmask is filled, when there are any: what brings their
-        matchers up to the previous step's tokens under async scheduling (the engine reads that step there, while
-        this step's forward pass runs on the device). A row whose request it finished (its previous token ended it:
-        that step ran one step ahead) is not masked; its token is dropped."""
+        before_mask(fill), when there are grammar rows: runs fill (their bitmask, on the host) once, after their
+        matchers took the previous step's tokens, and returns once it has run: under async scheduling the engine
+        reads that step there, while this step's forward pass runs on the device, and fills on its grammar thread.
+        A row whose matcher has ended (on the previous token: that step ran one step ahead) is not masked; its
+        request is finished and its token is dropped."""
         assert logits.dim() == 2 and logits.shape[0] == len(states), (logits.shape, len(states))
         assert logits.shape[1] == self.vocab_size, (logits.shape, self.vocab_size)
         params = [s.sampling_params for s in states]
         logits = logits.float()
         grammar_rows = [i for i, s in enumerate(states) if getattr(s, "grammar", None) is not None]
+        masked: list[int] = []
         if grammar_rows:
+            filled = []
+            cuda = logits.device.type == "cuda"
+
+            def fill() -> None:
+                rows = [i for i in grammar_rows if not states[i].grammar.terminated]
+                if rows:
+                    grammars = [states[i].grammar for i in rows]
+                    assert all(g.active for g in grammars), "a request is scheduled before its grammar compiled"
+                    self.token_masks.fill(grammars, rows, pin=cuda)
+                masked.extend(rows)
+                filled.append(True)
+
             if before_mask is not None:
-                before_mask()
-            masked = [i for i in grammar_rows if not getattr(states[i], "is_finished", False)]
+                before_mask(fill)
+            else:
+                fill()
+            if not filled:  # (it raised on the grammar thread): never sample a constrained row unmasked
+                raise RuntimeError("structured outputs: the grammar rows' token mask was not filled")
             if masked:
-                grammars = [states[i].grammar for i in masked]
-                assert all(g.active for g in grammars), "a request is scheduled before its grammar compiled"
                 logits = logits.clone()  # (not the runner's buffer: a CUDA graph's output is reused)
-                self.token_masks.apply(logits, grammars, masked)
+                self.token_masks.launch(logits)
         # One pass over the rows for what the batch needs (most steps: plain greedy or plain sampling, no logprobs).
         any_logprobs = any_min_tokens = False
         penalty_rows = []
@@ -135,7 +150,7 @@ class Sampler:
 
         min_tokens_masks = self._min_tokens_masks(states, grammar_rows) if any_min_tokens else []
         if min_tokens_masks or penalty_rows:
-            if not (grammar_rows and masked):
+            if not masked:
                 logits = logits.clone()  # (the masks and penalties go in place; the caller's logits stay)
             for row, ids in min_tokens_masks:
                 logits[row, ids] = float("-inf")

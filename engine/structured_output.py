@@ -164,6 +164,7 @@ class GrammarManager:
         self._cache: OrderedDict[tuple, concurrent.futures.Future] = OrderedDict()
         self._executor: concurrent.futures.ThreadPoolExecutor | None = None
         self._accept_pool: concurrent.futures.ThreadPoolExecutor | None = None  # accept()'s other threads
+        self._step_pool: concurrent.futures.ThreadPoolExecutor | None = None  # step_job's thread
         self.num_compiles = 0  # compiles started (cache misses)
 
     def compiler(self):
@@ -230,11 +231,33 @@ class GrammarManager:
             if ok:
                 g.num_accepted += 1
 
+    def step_job(self, grammars: list[RequestGrammar], tokens: list[int], then=None) -> concurrent.futures.Future:
+        """accept(grammars, tokens), then `then()` (the next step's mask fill), on the grammar thread: the engine
+        thread meanwhile does the rest of the step's tokens (detokenization, stops, outputs)."""
+        if self._step_pool is None:
+            self._step_pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar-step")
+
+        @torch.inference_mode()  # (as the engine thread's step: the mask buffers are inference tensors)
+        def run():
+            # A failed accept still fills the next mask: the engine ends these requests (their rows' tokens are
+            # dropped), and the other rows of the next step must not lose their step for it.
+            failed = None
+            if grammars:
+                try:
+                    self.accept(grammars, tokens)
+                except Exception as e:  # noqa: BLE001 - raised again below, for the engine
+                    failed = e
+            if then is not None:
+                then()
+            if failed is not None:
+                raise failed
+
+        return self._step_pool.submit(run)
+
     def close(self) -> None:
-        if self._executor is not None:
-            self._executor.shutdown(wait=False, cancel_futures=True)
-        if self._accept_pool is not None:
-            self._accept_pool.shutdown(wait=False)
+        for pool in (self._executor, self._step_pool, self._accept_pool):
+            if pool is not None:
+                pool.shutdown(wait=False, cancel_futures=True)
 
 
 # ---- the token bitmask ----------------------------------------------------------------------------------------
@@ -277,21 +300,35 @@ class TokenMasks:
         self._applied = None  # CUDA event: the last kernel that read the device buffers is done
         self._copy_stream = None  # the copies' CUDA stream
         self._device_fresh = False  # the device buffers are new: no copy has gone into them yet
+        self._filled = 0  # rows of the host buffers the last fill() wrote, for launch()
         self._batch_matcher = None
 
     def apply(self, logits: torch.Tensor, grammars: list[RequestGrammar], rows: list[int]) -> None:
         """In place: logits [batch, vocab_size] float get -inf at the tokens grammars[i] forbids, in row rows[i]."""
-        from kernels import apply_token_bitmask
+        self.fill(grammars, rows, pin=logits.device.type == "cuda")
+        self.launch(logits)
 
-        k, cuda = len(rows), logits.device.type == "cuda"
+    def fill(self, grammars: list[RequestGrammar], rows: list[int], pin: bool) -> None:
+        """The host half of apply: the bitmasks of grammars (for rows) into the host buffers (pinned: pin). Any
+        thread may run it, while no other uses these matchers; launch() then masks the logits with them."""
+        k = len(rows)
         if self._copied is not None:
             self._copied.synchronize()  # (done already: the engine read the last constrained step's tokens)
-        host_mask, host_rows = self._buffers("_host", k, torch.device("cpu"), pin=cuda)
+        host_mask, host_rows = self._buffers("_host", k, torch.device("cpu"), pin=pin)
         if self._batch_matcher is None and k > 1:
             self._batch_matcher = _xgr().BatchGrammarMatcher(fill_threads())
         fill_bitmask(grammars, self.vocab_size, out=self._host_view[:k], batch_matcher=self._batch_matcher)
         host_rows[:k] = torch.tensor(rows, dtype=torch.int64)
-        if not cuda:
+        self._filled = k
+
+    def launch(self, logits: torch.Tensor) -> None:
+        """The device half of apply: masks the rows of the last fill() in place (on the engine thread)."""
+        from kernels import apply_token_bitmask
+
+        k, self._filled = self._filled, 0
+        assert k > 0, "launch() without a fill()"
+        host_mask, host_rows = self._host
+        if logits.device.type != "cuda":
             apply_token_bitmask(logits, host_mask[:k], host_rows[:k])
             return
         mask, idx = self._buffers("_device", k, logits.device)

@@ -125,41 +125,40 @@ def test_preemption_and_chunked_prefill_keep_the_tokens(engines):
 
 def test_async_constrained_steps_launch_before_the_previous_is_read(engines):
     """Under async scheduling a constrained step does not wait for the previous step's tokens before its launch:
-    the forward pass is queued first, and the previous step is read (its tokens accepted into the matchers) just
-    before the mask is filled, so the matchers stand after every output token when it is."""
+    the forward pass is queued first, and the previous step is read (its tokens accepted into the matchers, on the
+    grammar thread, then the mask filled there) before the mask is applied, so the matchers stand after every
+    output token when it is."""
     _, asyn = engines
-    events = []
-    runner, sampler = asyn.runner, asyn.runner.sampler
-    orig_forward, orig_read, orig_apply = runner.forward, asyn._read_step, sampler.token_masks.apply
+    events, filled = [], []
+    runner, masks = asyn.runner, asyn.runner.sampler.token_masks
+    orig_forward, orig_read, orig_fill, orig_launch = runner.forward, asyn._read_step, masks.fill, masks.launch
 
     def forward(*a, **kw):
         events.append("forward")
         return orig_forward(*a, **kw)
 
-    def read_step(launched):
+    def read_step(*a, **kw):
         events.append("read")
-        return orig_read(launched)
+        return orig_read(*a, **kw)
 
-    def apply(logits, grammars, rows):
+    def fill(grammars, rows, pin):
         events.append("mask")
-        states = runner_states[0]
-        assert all(g.num_accepted == len(states[r].output_token_ids) for g, r in zip(grammars, rows))
-        return orig_apply(logits, grammars, rows)
+        filled.append(grammars)
+        return orig_fill(grammars, rows, pin)
 
-    runner_states = [None]
-    orig_sample = sampler.sample
+    def launch(logits):
+        by_grammar = {id(r.grammar): r for r in asyn.requests.values() if r.grammar is not None}
+        for g in filled.pop():
+            assert g.num_accepted == len(by_grammar[id(g)].output_token_ids)
+        return orig_launch(logits)
 
-    def sample(logits, states, before_mask=None):
-        runner_states[0] = states
-        return orig_sample(logits, states, before_mask)
-
-    runner.forward, asyn._read_step, sampler.token_masks.apply, sampler.sample = forward, read_step, apply, sample
+    runner.forward, asyn._read_step, masks.fill, masks.launch = forward, read_step, fill, launch
     try:
         params = SamplingParams(n=4, temperature=1.0, seed=3, max_tokens=40,
                                 structured_outputs=S(json=SCHEMA, disable_any_whitespace=True))
         got = run(asyn, [("o", prompt(9), params)])
     finally:
-        del runner.forward, asyn._read_step, sampler.token_masks.apply, sampler.sample
+        del runner.forward, asyn._read_step, masks.fill, masks.launch
     for i in range(4):
         if got[("o", i)][2] == "stop":
             jsonschema.validate(json.loads(got[("o", i)][1]), SCHEMA)
@@ -167,6 +166,34 @@ def test_async_constrained_steps_launch_before_the_previous_is_read(engines):
     # The prefill step (launch, mask), then every step: launch, read the previous, mask (none once every row has
     # finished); the last call reads the last step. Reading before a launch would show as "RF".
     assert re.fullmatch(r"FM(FRM?)+R", steps) and "FRM" * 5 in steps, steps
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_a_failing_matcher_ends_the_constrained_requests_only(monkeypatch, async_scheduling):
+    """xgrammar raising on the grammar thread aborts that step's constrained requests (never samples them
+    unmasked); the unconstrained request in the same batches finishes as it would alone, and no block leaks."""
+    from engine.structured_output import GrammarManager
+
+    engine = make_engine(async_scheduling=async_scheduling)
+    free = ("free", prompt(4), SamplingParams(temperature=1.0, seed=3, max_tokens=16, ignore_eos=True))
+    alone = run(engine, [free])
+    calls = []
+    orig = GrammarManager.accept
+
+    def accept(self, grammars, tokens):
+        calls.append(len(grammars))
+        if len(calls) == 3:
+            raise RuntimeError("matcher broke")
+        return orig(self, grammars, tokens)
+
+    monkeypatch.setattr(GrammarManager, "accept", accept)
+    params = SamplingParams(n=3, temperature=1.0, seed=1, max_tokens=40,
+                            structured_outputs=S(json=SCHEMA, disable_any_whitespace=True))
+    got = run(engine, [("j", prompt(2), params), free])
+    assert [got[("j", i)][2] for i in range(3)] == ["abort"] * 3, got
+    assert got[("free", 0)] == alone[("free", 0)]
+    assert run(engine, [("k", prompt(3), params)])[("k", 0)][2] in ("stop", "length")  # the engine goes on
+    engine.close()
 
 
 def test_resumed_request_continues_the_grammar(engines):

@@ -142,7 +142,7 @@ def test_int8_decode_configs_are_the_sweeps():
     for batch, seq_len in ((256, 640), (64, 4096)):
         cfg = default_config(batch, batch, 4, 7, 128, 1, seq_len, 132, kv_int8=True)
         assert cfg["num_segments"] == 1 and cfg["fp8x4"] == 2 and cfg["int8_align"] == 1, cfg
-        assert cfg["num_stages"] == 2 and cfg["tile_n"] == 64 and cfg["maxnreg"] == 168, cfg
+        assert cfg["num_stages"] == 2 and cfg["tile_n"] == 128 and cfg["maxnreg"] == 168, cfg
     cfg = default_config(1, 1, 4, 7, 128, 1, 640, 132, kv_int8=True)
     assert cfg["num_segments"] > 1 and cfg["fp8x4"] == 0 and cfg["num_stages"] == 3, cfg
 
