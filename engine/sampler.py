@@ -19,11 +19,12 @@ A draw is an exponential race: argmax(probs / q), q ~ Exp(1). Rows without a see
 generator; on the CPU they take an inverse-CDF draw instead, one uniform per row against the running sum of probs
 (the same distribution: torch's CPU exponential_ costs ~30 ns an element, most of a decode step's sampling at
 16 x 49,152; bench/RESULTS.md, "CPU: sampler and small ops").
-A row with a seed draws its q from a CPU generator seeded with `draw_seed(seed, position)`, position being the number
-of tokens in the sequence before the one drawn (prompt + outputs): the draw for a token depends on the
-request's seed and the token's place only, not on how many draws came before it. So a request re-issued as prompt +
-the outputs it already had (a migrated stream), or whose first token another engine drew (the prefill -> decode
-hand-off), draws what an undisturbed run would have; and the same seed gives the same q on the CPU and on a GPU.
+A row with a seed draws its q from a generator on the logits' device seeded with `draw_seed(seed, position)`,
+position being the number of tokens in the sequence before the one drawn (prompt + outputs): the draw for a token
+depends on the request's seed and the token's place only, not on how many draws came before it. So a request
+re-issued as prompt + the outputs it already had (a migrated stream), or whose first token another engine drew (the
+prefill -> decode hand-off), draws what an undisturbed run would have, on engines of the same device type (the CPU's
+generator and CUDA's differ: a CPU engine and a GPU engine draw different, equally distributed, tokens for a seed).
 """
 
 from __future__ import annotations
@@ -83,6 +84,7 @@ class Sampler:
         self.vocab_size = vocab_size
         self.token_masks = TokenMasks(vocab_size)  # structured outputs' bitmask buffers, kept between steps
         self._generator = torch.Generator()  # CPU; re-seeded for every seeded row's draw (draw_seed)
+        self._device_generators: dict[torch.device, torch.Generator] = {}  # the same on other devices
         if eos_token_id is None:
             self.eos_token_ids: list[int] = []
         elif isinstance(eos_token_id, int):
@@ -214,17 +216,25 @@ class Sampler:
         q.exponential_()  # one shared draw for the rows without a seed
         seeded = [i for i, s in enumerate(states) if s.seed is not None]
         if seeded:
-            # Drawn on the CPU whatever the logits' device (same q everywhere), then copied in one transfer.
-            draws = torch.empty(len(seeded), q.shape[1])  # [S, V]
-            gen = self._generator
-            for j, i in enumerate(seeded):
+            # Each seeded row draws on the logits' device from a generator seeded for its token (vLLM keeps a device
+            # generator per request): one launch a row. (Drawn on the CPU and copied, the noise cost a vocabulary of
+            # floats a row and step on the host, ~5 ms a row at 152k: seconds a step at large batches.)
+            gen = self._device_generator(device)
+            for i in seeded:
                 s = states[i]
                 gen.manual_seed(draw_seed(s.seed, s.num_computed_tokens))
-                draws[j].exponential_(generator=gen)
-            q.index_copy_(0, _tensor(seeded, torch.int64, device), to_device_nowait(draws, device))
+                q[i].exponential_(generator=gen)
         # Exp(1) can round to 0 on some backends; 0 / 0 would be NaN and win the argmax.
         q.clamp_(min=torch.finfo(torch.float32).tiny)
         return (probs / q).argmax(dim=-1)
+
+    def _device_generator(self, device: torch.device) -> torch.Generator:
+        """A generator on `device`, reseeded for every seeded row's draw. (A launch reads its generator's seed and
+        offset when it is queued, so one object serves every row.)"""
+        gen = self._device_generators.get(device)
+        if gen is None:
+            gen = self._device_generators[device] = torch.Generator(device=device)
+        return gen
 
     def _sample_cpu(self, probs: torch.Tensor, states: Sequence[SamplingState]) -> torch.Tensor:
         """_sample's draw on the CPU, from probs [R, V]: the seeded rows' exponential race exactly as on a GPU (the

@@ -66,38 +66,62 @@ def test_sampler_does_not_modify_the_callers_logits():
 
 # ---- seeded draws ------------------------------------------------------------------------------------------
 
-def draw_sequence(seed: int, steps: int = 20, others: int = 0) -> list[int]:
+# The CPU's draws (an inverse CDF for unseeded rows, a CPU generator for seeded ones), and a GPU's (a device generator
+# reseeded per row).
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="no GPU"))]
+
+
+def draw_sequence(seed: int, steps: int = 20, others: int = 0, device: str = "cpu") -> list[int]:
     """One seeded request drawing `steps` tokens from flat logits, batched with `others` unseeded rows."""
     sampler = Sampler(1000, None)
     state = State(SamplingParams(seed=seed))
     batch = [State(SamplingParams()) for _ in range(others)] + [state]
     tokens = []
     for _ in range(steps):
-        tokens.append(sampler(torch.zeros(len(batch), 1000), batch).token_ids[-1])
+        tokens.append(sampler(torch.zeros(len(batch), 1000, device=device), batch).token_ids[-1])
         state.output_token_ids.append(tokens[-1])
     return tokens
 
 
-def test_seeded_draws_are_reproducible_and_differ_across_seeds():
-    a = draw_sequence(seed=1)
-    assert a == draw_sequence(seed=1)
-    assert a != draw_sequence(seed=2)
+@pytest.mark.parametrize("device", DEVICES)
+def test_seeded_draws_are_reproducible_and_differ_across_seeds(device):
+    a = draw_sequence(seed=1, device=device)
+    assert a == draw_sequence(seed=1, device=device)
+    assert a != draw_sequence(seed=2, device=device)
     assert len(set(a)) > 10  # really drawn, not a constant
 
 
-def test_seeded_draws_do_not_depend_on_the_rest_of_the_batch():
+@pytest.mark.parametrize("device", DEVICES)
+def test_seeded_draws_do_not_depend_on_the_rest_of_the_batch(device):
     torch.manual_seed(123)
-    alone = draw_sequence(seed=7)
+    alone = draw_sequence(seed=7, device=device)
     torch.manual_seed(456)
-    batched = draw_sequence(seed=7, others=3)
+    batched = draw_sequence(seed=7, others=3, device=device)
     assert alone == batched
 
 
-def test_a_seeded_draw_depends_on_the_seed_and_the_position_only():
+@pytest.mark.parametrize("device", DEVICES)
+def test_seeded_draws_follow_the_distribution(device):
+    """Over many seeds, a seeded row's token follows probs (four tokens of 0.1, 0.2, 0.3, 0.4): each frequency
+    within 5 standard deviations of its expectation."""
+    probs = [0.1, 0.2, 0.3, 0.4]
+    logits = probs_logits(probs).to(device).expand(64, 4).contiguous()
+    sampler, counts, n = Sampler(4, None), [0] * 4, 0
+    for batch in range(32):
+        states = [State(SamplingParams(seed=batch * 64 + i)) for i in range(64)]
+        for t in sampler(logits, states).token_ids:
+            counts[t] += 1
+            n += 1
+    for c, p in zip(counts, probs):
+        assert abs(c - n * p) < 5 * math.sqrt(n * p * (1 - p)), (counts, n)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_seeded_draw_depends_on_the_seed_and_the_position_only(device):
     """The token after prompt [1, 2] + outputs [3] is drawn as after prompt [1, 2, 3]: what a request re-issued as
     prompt + its outputs so far draws; and a draw does not depend on the draws before it."""
     sampler = Sampler(1000, None)
-    logits = torch.zeros(1, 1000)
+    logits = torch.zeros(1, 1000, device=device)
     torch.manual_seed(0)
     a = sampler(logits, [State(SamplingParams(seed=5), prompt_token_ids=[1, 2], output_token_ids=[3])]).token_ids
     torch.manual_seed(1)
