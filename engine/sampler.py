@@ -237,8 +237,8 @@ class Sampler:
         return gen
 
     def _sample_cpu(self, probs: torch.Tensor, states: Sequence[SamplingState]) -> torch.Tensor:
-        """_sample's draw on the CPU, from probs [R, V]: the seeded rows' exponential race exactly as on a GPU (the
-        same q, so the same token), an inverse-CDF draw for the others."""
+        """_sample's draw on the CPU, from probs [R, V]: the seeded rows' exponential race as on a GPU (q from the
+        CPU's generator seeded the same way), an inverse-CDF draw for the others."""
         seeded = [i for i, s in enumerate(states) if s.seed is not None]
         if not seeded:
             return inverse_cdf_draw(probs)
