@@ -2,7 +2,8 @@
 
 1. `launch_commands(ns)` turns the flags into one `tandem <role> ...` command line per process (compose.yaml runs
    the same lines; tests/test_compose.py checks that). Engine flags are passed to every worker, and the model
-   flags to the router, so all of them agree on the model and its context length.
+   flags (router/server.py's MODEL_FLAGS: --model, --tokenizer, ...) to the router, so all of them agree on the
+   model, its tokenizer and its context length.
 2. Workers start first, then the router; each child is in its own process group and gets SIGTERM if this process
    dies without cleaning up (PR_SET_PDEATHSIG).
 3. It polls the router's `/health` until it answers 200 (a prefill and a decode instance are serving), then prints
@@ -45,7 +46,7 @@ from engine.cpu_placement import host_cores, split_cores
 from kv_transfer.registry import CHOICES as KV_CHOICES
 from router.grpc_server import DEFAULT_MAX_MESSAGE_BYTES, MAX_MESSAGE_FLAG
 from router.admission import admission_flags
-from router.server import OPTIONAL_ROUTER_FLAGS, add_router_args
+from router.server import MODEL_FLAGS, OPTIONAL_ROUTER_FLAGS, add_router_args
 from serving.auth import ENV_API_KEY, add_api_key_args
 from serving.config import WorkerConfig
 from serving.metrics import DEFAULT_PREFIX, set_prefix
@@ -271,7 +272,7 @@ def launch_commands(ns: argparse.Namespace, address=None, num_gpus: int = 0,
     cmds["router"] = ["tandem", "router", "--host", ns.host, "--grpc-port", str(ns.grpc_port),
                       "--http-port", str(ns.http_port), "--prefill", addrs("prefill"), "--decode", addrs("decode"),
                       "--policy", ns.policy, *_router_only_flags(ns), *admission_flags(ns), *every,
-                      *_engine_flags(ns, ("model", "served_model_name", "max_model_len"))]
+                      *_engine_flags(ns, MODEL_FLAGS)]
     return cmds
 
 

@@ -62,6 +62,9 @@ class RouterConfig:
     """round_robin | least_loaded | cache_aware (see router/instances.py)."""
     model: str = EngineArgs.model
     """The model spec the instances serve (for the tokenizer and the context length)."""
+    tokenizer: str | None = EngineArgs.tokenizer
+    """Tokenizer directory used instead of the model's (--tokenizer): must be the one the instances were given, as
+    they detokenize the ids this router tokenizes (nothing on the wire says which they loaded)."""
     served_model_name: str | None = EngineArgs.served_model_name
     """Name clients use (default: the model's own name)."""
     max_model_len: int | None = EngineArgs.max_model_len
@@ -127,12 +130,12 @@ class DisaggregatedBackend(Backend):
 
     @classmethod
     async def create(cls, cfg: RouterConfig) -> "DisaggregatedBackend":
-        """Loads the model's tokenizer and config (no weights), resolves the names among the addresses and opens
-        the channels; start() polls them."""
+        """Loads the model's tokenizer (cfg.tokenizer's when given) and config (no weights), resolves the names among
+        the addresses and opens the channels; start() polls them."""
         from engine.loader import load_tokenizer, resolve_model
 
         resolved = await asyncio.to_thread(resolve_model, cfg.model)
-        tokenizer = await asyncio.to_thread(load_tokenizer, resolved)
+        tokenizer = await asyncio.to_thread(load_tokenizer, resolved, cfg.tokenizer)
         limit = _max_model_len(resolved.config)
         if cfg.max_model_len is not None and not 1 <= cfg.max_model_len <= limit:
             raise ValueError(f"max_model_len={cfg.max_model_len}: must be in [1, {limit}] (the model's context)")

@@ -15,7 +15,7 @@ single RouterCore.
 
 With --colocated there are no instances: the core runs over one engine of its own for both phases
 (router/colocated.py), taking every engine flag (--dtype, --device, --kv-cache-memory, ...); without it, only the
-model flags (--model, --served-model-name, --max-model-len) apply and any other engine flag is refused.
+model flags (--model, --tokenizer, --served-model-name, --max-model-len) apply and any other engine flag is refused.
 """
 from __future__ import annotations
 
@@ -124,13 +124,15 @@ def build_parser() -> argparse.ArgumentParser:
                         f"(default: {RouterLimits.max_sub_requests})")
     add_tls_args(p)
     add_api_key_args(p)
-    # --model (for the tokenizer), --served-model-name and --max-model-len (must match the workers') always apply.
+    # --model and --tokenizer (for the tokenizer), --served-model-name and --max-model-len (must match the workers')
+    # always apply.
     add_engine_args(p)
     return p
 
 
-# The engine flags a router without --colocated uses: it tokenizes and checks lengths, it runs no model.
-MODEL_FLAGS = ("model", "served_model_name", "max_model_len")
+# The engine flags a router without --colocated uses: it tokenizes and checks lengths, it runs no model. `tandem up`
+# passes these to the router (and every engine flag to the workers), so both tokenize with the same vocabulary.
+MODEL_FLAGS = ("model", "tokenizer", "served_model_name", "max_model_len")
 
 
 def engine_only_flags(ns: argparse.Namespace) -> list[str]:
@@ -189,7 +191,7 @@ async def serve(ns: argparse.Namespace, prefill: list[str], decode: list[str], t
             await core.start()
         else:
             core = await RouterCore.create(RouterConfig(
-                prefill_addrs=prefill, decode_addrs=decode, policy=ns.policy, model=ns.model,
+                prefill_addrs=prefill, decode_addrs=decode, policy=ns.policy, model=ns.model, tokenizer=ns.tokenizer,
                 served_model_name=ns.served_model_name, max_model_len=ns.max_model_len, tls=tls,
                 migration_limit=ns.migration_limit, migration_timeout_s=ns.migration_timeout,
                 discovery=DiscoveryConfig.from_cli_args(ns)), limits, admission)

@@ -139,3 +139,25 @@ def smollm2_dir() -> Path:
     resolved = resolve_model("smollm2")
     assert resolved.weights_dir is not None
     return resolved.weights_dir
+
+
+@pytest.fixture(scope="session")
+def other_tokenizer_dir(tmp_path_factory) -> Path:
+    """A --tokenizer directory unlike random:tiny's synthetic tokenizer: "ab" is one token (256), "</s>" is 257
+    (its eos), and its chat template writes `<role>content`; 258 tokens, within the model's vocab_size of 512."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    from engine.tokenizer import _bytes_to_unicode
+
+    vocab = {ch: i for i, ch in enumerate(_bytes_to_unicode())}
+    vocab.update({"ab": 256, "</s>": 257})
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[("a", "b")]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens(["</s>"])
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="</s>", clean_up_tokenization_spaces=False)
+    fast.chat_template = "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% endfor %}"
+    out = tmp_path_factory.mktemp("other-tokenizer")
+    fast.save_pretrained(out)
+    return out

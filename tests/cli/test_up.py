@@ -87,6 +87,28 @@ def test_migration_flags_go_to_the_router_only_and_only_when_given():
     assert not any("--on-worker-exit" in cmd for cmd in commands("--on-worker-exit", "stop").values())
 
 
+def test_the_tokenizer_flag_goes_to_every_role_so_they_share_one_vocabulary():
+    """--tokenizer DIR: each worker detokenizes with it and the router tokenizes and renders chats with it, so
+    `tandem up` passes it to all of them (the router among its model flags), colocated too; never when not given."""
+    from decode_svc.server import build_parser as decode_parser
+    from prefill_svc.server import build_parser as prefill_parser
+    from router.server import build_parser as router_parser
+    from router.server import engine_only_flags
+
+    parsers = {"prefill": prefill_parser(), "decode": decode_parser(), "router": router_parser()}
+    cmds = commands("--prefill", "2", "--model", "random:tiny", "--tokenizer", "/tok", "--max-model-len", "64")
+    assert list(cmds) == ["prefill-0", "prefill-1", "decode-0", "router"]
+    for name, cmd in cmds.items():
+        assert cmd[cmd.index("--tokenizer"):][:2] == ["--tokenizer", "/tok"], name
+        ns = parsers[cmd[1]].parse_args(cmd[2:])
+        assert ns.tokenizer == "/tok" and ns.model == "random:tiny", name
+    assert cmds["router"][-6:] == ["--model", "random:tiny", "--max-model-len", "64", "--tokenizer", "/tok"]
+    assert engine_only_flags(router_parser().parse_args(cmds["router"][2:])) == []  # a model flag, not refused
+    colocated = commands("--colocated", "--tokenizer", "/tok")["router"]
+    assert colocated[colocated.index("--tokenizer"):][:2] == ["--tokenizer", "/tok"]
+    assert not any("--tokenizer" in cmd for cmd in commands().values())
+
+
 def test_each_command_parses_with_its_roles_own_parser():
     from decode_svc.server import build_parser as decode_parser
     from prefill_svc.server import build_parser as prefill_parser

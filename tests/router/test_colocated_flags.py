@@ -51,3 +51,19 @@ def test_a_router_without_colocated_refuses_engine_flags(capsys):
     with pytest.raises(SystemExit):
         router_main(["--colocated", "--decode", "b:2"])
     assert "--decode: --colocated runs its own engine" in capsys.readouterr().err
+
+
+def test_a_colocated_router_tokenizes_with_the_tokenizer_flag(other_tokenizer_dir):
+    """`tandem router --colocated --tokenizer DIR`: the router's tokenizer is its engine's, which is DIR's."""
+    import asyncio
+
+    from engine.args import EngineArgs
+    from router.colocated import ColocatedBackend
+
+    ns = router_parser().parse_args(["--colocated", "--model", "random:tiny", "--device", "cpu",
+                                     "--kv-cache-memory", "0.02", "--tokenizer", str(other_tokenizer_dir)])
+    backend = asyncio.run(ColocatedBackend.from_engine_args(EngineArgs.from_cli_args(ns)))
+    try:
+        assert backend.tokenizer("abc")["input_ids"] == [256, 99] and backend.vocab_size == 512
+    finally:
+        backend.engine.close()

@@ -72,6 +72,30 @@ def test_models_tokenizer_and_limits():
     assert models == ["tiny"] and toks == [97, 98] and mml == 64 and eos == "<|im_end|>"
 
 
+def test_tokenizer_flag_replaces_the_models_tokenizer(other_tokenizer_dir):
+    """--tokenizer: the router tokenizes prompts, renders chats and detokenizes with that directory's tokenizer (the
+    one the workers were given), not random:tiny's synthetic one; the model still bounds the token ids."""
+    from router.chat_template import Chat, prompt_ids
+
+    async def check(core):
+        chat = await prompt_ids(core, Chat([{"role": "user", "content": "abc"}]))
+        return (await core.tokenize("abc"), chat, core.tokenizer.decode([256]), core.tokenizer.eos_token,
+                core.vocab_size)
+
+    toks, chat, text, eos, vocab = run_with_core(check, tokenizer=str(other_tokenizer_dir))
+    assert toks == [256, 99] and text == "ab" and eos == "</s>" and vocab == 512
+    assert chat == [ord(c) for c in "<user>"] + [256, 99]
+    assert run_with_core(lambda core: core.tokenize("abc")) == [97, 98, 99]  # without it: the model's own
+
+
+def test_tokenizer_flag_refuses_a_tokenizer_larger_than_the_model(tmp_path):
+    from engine.tokenizer import synthetic_tokenizer
+
+    synthetic_tokenizer(600).save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match=r"600 tokens, more than the vocab_size 512"):
+        run_with_core(lambda core: None, tokenizer=str(tmp_path))
+
+
 def test_config_rejects_bad_policy_and_context():
     with pytest.raises(ValueError, match="policy"):
         asyncio.run(RouterCore.create(RouterConfig([closed_port()], [closed_port()], policy="random",
