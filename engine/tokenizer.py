@@ -7,10 +7,14 @@ Built in code from a `tokenizers` model, so no file comes from a hub. Token ids:
     the rest, up to vocab_size filler tokens "<fN>" that decode to printable ASCII and are never produced by encoding
 
 Encoding then decoding any UTF-8 text gives it back exactly (no normalizer, no merges, byte-level decoder).
+
+`tokenizer_fingerprint` (any tokenizer, not only these) is what the workers report in GetLoad and the router compares
+with its own: the router tokenizes what the workers detokenize, so both must have loaded the same vocabulary.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 from functools import lru_cache
 from pathlib import Path
@@ -94,3 +98,23 @@ def is_synthetic(tokenizer_dir) -> bool:
 def load_synthetic(tokenizer_dir) -> PreTrainedTokenizerFast:
     """Load a saved synthetic tokenizer exactly as saved (bypassing AutoTokenizer's choice of class)."""
     return PreTrainedTokenizerFast.from_pretrained(str(tokenizer_dir), local_files_only=True)
+
+
+FINGERPRINT_VERSION = "v1"
+
+
+def tokenizer_fingerprint(tokenizer) -> str:
+    """A short stable hash of what makes token ids mean the same text: every token and its id (added tokens
+    included), and the special tokens with their roles. "v1:" + 16 hex digits of a SHA-256. Computed once at
+    startup (a 150k-token vocabulary takes a fraction of a second); the same tokenizer files give the same value in
+    every process (the synthetic tokenizer of a `random:` model is built from its vocab_size alone), a tokenizer
+    that maps any token differently another one. The chat template and the normalizer are left out: only the
+    router, which renders and encodes, uses them; the ids it sends mean the same text to any worker with this
+    fingerprint."""
+    h = hashlib.sha256()
+    vocab = sorted((i, t) for t, i in tokenizer.get_vocab().items())
+    h.update("\0".join(f"{i}\1{t}" for i, t in vocab).encode("utf-8", "surrogatepass"))
+    roles = sorted((role, str(tok)) for role, tok in tokenizer.special_tokens_map.items())
+    special = sorted(str(t) for t in tokenizer.all_special_tokens)
+    h.update(json.dumps({"roles": roles, "special": special}, ensure_ascii=False).encode("utf-8", "surrogatepass"))
+    return f"{FINGERPRINT_VERSION}:{h.hexdigest()[:16]}"

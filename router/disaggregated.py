@@ -36,10 +36,11 @@ import grpc
 from engine.args import EngineArgs
 from engine.config import SchedulerConfig
 from engine.sampling_params import SamplingParams
+from engine.tokenizer import tokenizer_fingerprint
 from engine.utils import cdiv
 from protos.tandem.v1 import decode_pb2, prefill_pb2
 from router.backend import Backend, NoRoom, RequestError, invalid_argument
-from router.instances import Instance, InstancePool
+from router.instances import Expected, Instance, InstancePool
 from router.migration import Lost, Migration, Stream, lost_or_error
 from serving import tracing
 from serving.config import KvTransferConfig
@@ -64,7 +65,8 @@ class RouterConfig:
     """The model spec the instances serve (for the tokenizer and the context length)."""
     tokenizer: str | None = EngineArgs.tokenizer
     """Tokenizer directory used instead of the model's (--tokenizer): must be the one the instances were given, as
-    they detokenize the ids this router tokenizes (nothing on the wire says which they loaded)."""
+    they detokenize the ids this router tokenizes (an instance whose tokenizer differs gets no requests:
+    router/instances.py, "Identity")."""
     served_model_name: str | None = EngineArgs.served_model_name
     """Name clients use (default: the model's own name)."""
     max_model_len: int | None = EngineArgs.max_model_len
@@ -121,9 +123,11 @@ class DisaggregatedBackend(Backend):
         super().__init__(tokenizer, served_name, max_model_len, vocab_size)
         self.cfg = cfg
         metrics = Metrics(served_name, "router")
+        # What every instance must serve too (router/instances.py, "Identity"): the tokenizer is hashed once, here.
+        expected = Expected(served_name, vocab_size, tokenizer_fingerprint(tokenizer), max_model_len)
         self.prefill, self.decode = (
             InstancePool(role, list(addrs), cfg.policy, cfg.poll_interval_s, tls=cfg.tls, discovery=cfg.discovery,
-                         resolver=cfg.resolver, metrics=metrics)
+                         resolver=cfg.resolver, metrics=metrics, expected=expected)
             for role, addrs in (("prefill", cfg.prefill_addrs), ("decode", cfg.decode_addrs)))
         self.migration = Migration(cfg.migration_limit, cfg.migration_timeout_s, metrics,
                                    self.decode.wait_healthy, lambda: bool(self.decode.healthy()))

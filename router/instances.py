@@ -6,7 +6,16 @@ An instance that answers NOT_SERVING (draining) only stops getting new requests;
 polls in a row without answering at all is lost: the streams this router has on it are told (`Instance.streams`)
 and move elsewhere (router/migration.py). A restarted instance is back in rotation at the first poll after it
 answers (the channels' reconnect backoff is capped below the poll interval: serving/rpc.py). Each change of an
-instance's state (up, unreachable, not serving) is logged once, the first poll's included.
+instance's state (up, unreachable, not serving, mismatched) is logged once, the first poll's included.
+
+Identity (`Expected`): the router tokenizes the prompts and the workers detokenize the ids, so each GetLoad is also
+compared with what this router serves: the served model name, the model's vocab_size, the tokenizer's fingerprint
+(engine/tokenizer.py: its vocabulary and special tokens) and max_model_len. An instance that differs in any is
+mismatched: out of the rotation, as an unhealthy one (no request goes there), with an error naming its address,
+the field, both values and the flag to fix (said again every DOWN_LOG_EVERY_S while it lasts, and at once when the
+difference changes), and tandem:router_instances{state="mismatched"}; it is back at the first poll that matches
+(the worker restarted with the right flags). A field an older instance does not report (0 or "") is not checked,
+said once per instance.
 
 Discovery (serving/discovery.py): an entry whose host is a name stands for one instance per address it resolves to,
 looked up again every `discovery.refresh_interval_s`. An address that appears joins as a new instance, in rotation
@@ -62,6 +71,51 @@ LOST_AFTER_POLLS = 2
 # An instance that stays down (or never answered) is logged again this often, not at every poll.
 
 
+@dataclass(frozen=True)
+class Expected:
+    """What this router serves, which every instance's GetLoad must report too (a zero or empty field here: not
+    checked)."""
+    model: str = ""  # served model name
+    vocab_size: int = 0  # the model's (the logits' width)
+    tokenizer_fingerprint: str = ""  # engine.tokenizer.tokenizer_fingerprint of the router's tokenizer
+    max_model_len: int = 0
+
+
+# The flag that sets each field, on the router and the workers alike (the fix when they differ).
+FIX_FLAGS = {"model": "--served-model-name (or --model)", "vocab_size": "--model",
+             "tokenizer_fingerprint": "--tokenizer (or --model)", "max_model_len": "--max-model-len"}
+
+
+@dataclass(frozen=True)
+class Mismatch:
+    field: str
+    theirs: object
+    ours: object
+
+    def __str__(self) -> str:
+        return (f"its {self.field} is {self.theirs!r}, this router's {self.ours!r} (give the router and the "
+                f"workers the same {FIX_FLAGS[self.field]})")
+
+
+def compare(expected: Expected, load: common_pb2.InstanceLoad) -> tuple[list[Mismatch], list[str]]:
+    """The fields in which `load` differs from `expected`, and those it does not report (0 or "": an older
+    instance; a fingerprint of another FINGERPRINT_VERSION counts as not reported): those are not checked."""
+    from engine.tokenizer import FINGERPRINT_VERSION
+
+    found, unreported = [], []
+    for name in FIX_FLAGS:
+        ours, theirs = getattr(expected, name), getattr(load, name)
+        if not ours:
+            continue
+        if name == "tokenizer_fingerprint" and theirs and not theirs.startswith(FINGERPRINT_VERSION + ":"):
+            theirs = ""
+        if not theirs:
+            unreported.append(name)
+        elif theirs != ours:
+            found.append(Mismatch(name, theirs, ours))
+    return found, unreported
+
+
 @dataclass(eq=False)
 class Instance:
     role: str
@@ -77,9 +131,11 @@ class Instance:
     last_error: str = ""
     failed_polls: int = 0  # polls in a row that got no answer
     entry: str = ""  # the --prefill/--decode entry it came from (a name, or the address itself)
-    state: str = ""  # what the log said last: "up", "unreachable", "not serving" ("": nothing yet)
+    state: str = ""  # what the log said last: "up", "unreachable", "not serving", "mismatched" ("": nothing yet)
     leaving: bool = False  # its address vanished from DNS: out of rotation, kept while calls are open there
     reported_at: float = 0.0  # monotonic: when its state was last logged
+    mismatch: str = ""  # how its last GetLoad differs from what this router serves ("": it does not)
+    unreported_said: bool = False  # the fields it does not report were logged
     # This router's streams on the instance: each callback is called (with why) when the instance is lost.
     streams: set[Callable[[str], None]] = field(default_factory=set)
     prefixes: PrefixIndex = field(default_factory=lambda: PrefixIndex(DEFAULT_INDEX_BLOCKS))  # cache_aware
@@ -111,6 +167,7 @@ class InstancePool:
     discovery: DiscoveryConfig = field(default_factory=DiscoveryConfig)
     resolver: Resolver | None = None  # how names resolve (default: the discovery config's)
     metrics: Metrics | None = None  # tandem:router_instances, when given
+    expected: Expected | None = None  # what every instance must serve (None: not checked)
     # How long the channel of an instance that left DNS waits for the calls still open on it, once this router
     # tracks none there (gRPC closes it as soon as they end): a prefill stream's tail (to TransferDone), a
     # reservation whose stream is about to start. Past it they are cancelled.
@@ -181,8 +238,9 @@ class InstancePool:
         if self.metrics is None:
             return
         up = sum(i.healthy for i in self.instances)
-        self.metrics.set_router_instances(self.role, healthy=up, unhealthy=len(self.instances) - up,
-                                          leaving=len(self.leaving))
+        mismatched = sum(not i.healthy and bool(i.mismatch) for i in self.instances)
+        self.metrics.set_router_instances(self.role, healthy=up, unhealthy=len(self.instances) - up - mismatched,
+                                          mismatched=mismatched, leaving=len(self.leaving))
 
     async def start(self) -> None:
         """Resolves the names (unless `resolve` did), polls every instance once, then both go on in the
@@ -231,6 +289,9 @@ class InstancePool:
         where = f"{self.role} {inst.address}" + (f" ({inst.entry})" if inst.entry != inst.address else "")
         if state == "up":
             log.info("%s is up", where)
+        elif state == "mismatched":
+            log.error("%s serves another model or tokenizer than this router, so it gets no requests until a poll "
+                      "finds it matching: %s", where, detail)
         else:
             log.warning("%s is %s: %s", where, state, detail)
 
@@ -245,7 +306,7 @@ class InstancePool:
             msg = e.code().name if unanswered else str(e)
             polls = inst.failed_polls + 1 if unanswered else 1
             self._report(inst, "unreachable" if unanswered else "not serving", f"{msg} ({polls} polls in a row)")
-            inst.healthy, inst.last_error = False, msg
+            inst.healthy, inst.last_error, inst.mismatch = False, msg, ""
             inst.failed_polls = inst.failed_polls + 1 if unanswered else 0
             if inst.failed_polls >= LOST_AFTER_POLLS and inst.streams:
                 log.warning("%s %s: %d polls unanswered (%s); moving its %d stream(s)", self.role, inst.address,
@@ -253,8 +314,10 @@ class InstancePool:
                 for lost in list(inst.streams):
                     lost(f"{inst.failed_polls} health polls unanswered ({msg})")
             return
+        if self._mismatched(inst):
+            return
         self._report(inst, "up")
-        inst.healthy, inst.last_error, inst.refused, inst.failed_polls = True, "", False, 0
+        inst.healthy, inst.last_error, inst.mismatch, inst.refused, inst.failed_polls = True, "", "", False, 0
         if inst.leaving:
             return
         self.ever_healthy = True
@@ -262,6 +325,25 @@ class InstancePool:
         for w in waiters:
             if not w.done():
                 w.set_result(None)
+
+    def _mismatched(self, inst: Instance) -> bool:
+        """Whether inst's fresh GetLoad differs from what this router serves; if so it leaves the rotation (it
+        answered: its streams stay where they are), said once per change of the difference."""
+        if self.expected is None:
+            return False
+        found, unreported = compare(self.expected, inst.load)
+        if unreported and not inst.unreported_said:
+            inst.unreported_said = True
+            log.warning("%s %s does not report its %s (an older Tandem?): not checked against this router's",
+                        self.role, inst.address, ", ".join(unreported))
+        if not found:
+            return False
+        detail = "; ".join(map(str, found))
+        if detail != inst.mismatch:
+            inst.state = ""  # a new difference is said at once
+        self._report(inst, "mismatched", detail)
+        inst.healthy, inst.last_error, inst.mismatch, inst.failed_polls = False, "mismatched: " + detail, detail, 0
+        return True
 
     def mark_down(self, inst: Instance, reason: str) -> None:
         if inst.healthy:

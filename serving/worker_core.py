@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 
+from engine.tokenizer import tokenizer_fingerprint
 from protos.tandem.v1 import common_pb2
 from serving.config import KvTransferConfig
 from serving.engine_thread import EngineThread
@@ -32,6 +33,8 @@ class WorkerCore:
         self.model_name = engine.model_name
         self.max_model_len = engine.max_model_len
         self.block_size = engine.config.cache.block_size
+        # What the router checks against its own (router/instances.py): hashed once, here.
+        self.tokenizer_fingerprint = tokenizer_fingerprint(engine.tokenizer)
         self._reqs: dict[str, object] = {}  # event loop only: the requests in flight here, by id
         self.worker: EngineThread | None = None
 
@@ -55,7 +58,8 @@ class WorkerCore:
             num_requests_waiting=self._waiting(st), num_queued_tokens=self._queued_tokens(st),
             num_used_blocks=st.num_used_blocks, num_total_blocks=st.num_total_blocks,
             kv_cache_usage=st.kv_cache_usage, block_size=self.block_size, max_model_len=self.max_model_len,
-            num_tracked_requests=len(self._reqs))
+            num_tracked_requests=len(self._reqs), vocab_size=self.vocab_size,
+            tokenizer_fingerprint=self.tokenizer_fingerprint)
 
     # ---- checks of what a caller sends (another Tandem process is checked like a client) ---------------------
     def check_request_id(self, request_id: str) -> None:

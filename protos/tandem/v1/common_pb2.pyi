@@ -121,7 +121,7 @@ class GetLoadRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class InstanceLoad(_message.Message):
-    __slots__ = ("role", "model", "num_requests_running", "num_requests_waiting", "num_queued_tokens", "num_used_blocks", "num_total_blocks", "kv_cache_usage", "block_size", "max_model_len", "num_tracked_requests")
+    __slots__ = ("role", "model", "num_requests_running", "num_requests_waiting", "num_queued_tokens", "num_used_blocks", "num_total_blocks", "kv_cache_usage", "block_size", "max_model_len", "num_tracked_requests", "vocab_size", "tokenizer_fingerprint")
     ROLE_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     NUM_REQUESTS_RUNNING_FIELD_NUMBER: _ClassVar[int]
@@ -133,6 +133,8 @@ class InstanceLoad(_message.Message):
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
     MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
     NUM_TRACKED_REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
+    TOKENIZER_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     role: str
     model: str
     num_requests_running: int
@@ -144,4 +146,6 @@ class InstanceLoad(_message.Message):
     block_size: int
     max_model_len: int
     num_tracked_requests: int
-    def __init__(self, role: _Optional[str] = ..., model: _Optional[str] = ..., num_requests_running: _Optional[int] = ..., num_requests_waiting: _Optional[int] = ..., num_queued_tokens: _Optional[int] = ..., num_used_blocks: _Optional[int] = ..., num_total_blocks: _Optional[int] = ..., kv_cache_usage: _Optional[float] = ..., block_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., num_tracked_requests: _Optional[int] = ...) -> None: ...
+    vocab_size: int
+    tokenizer_fingerprint: str
+    def __init__(self, role: _Optional[str] = ..., model: _Optional[str] = ..., num_requests_running: _Optional[int] = ..., num_requests_waiting: _Optional[int] = ..., num_queued_tokens: _Optional[int] = ..., num_used_blocks: _Optional[int] = ..., num_total_blocks: _Optional[int] = ..., kv_cache_usage: _Optional[float] = ..., block_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., num_tracked_requests: _Optional[int] = ..., vocab_size: _Optional[int] = ..., tokenizer_fingerprint: _Optional[str] = ...) -> None: ...
