@@ -9,8 +9,9 @@ answers (the channels' reconnect backoff is capped below the poll interval: serv
 instance's state (up, unreachable, not serving, mismatched) is logged once, the first poll's included.
 
 Identity (`Expected`): the router tokenizes the prompts and the workers detokenize the ids, so each GetLoad is also
-compared with what this router serves: the served model name, the model's vocab_size, the tokenizer's fingerprint
-(engine/tokenizer.py: its vocabulary and special tokens) and max_model_len. An instance that differs in any is
+compared with what this router serves: the model's vocab_size and the tokenizer's fingerprint (engine/tokenizer.py:
+its vocabulary and special tokens), which decide what the ids mean, and the served model name and max_model_len,
+which are only said (a warning once per change). An instance that differs in the first two is
 mismatched: out of the rotation, as an unhealthy one (no request goes there), with an error naming its address,
 the field, both values and the flag to fix (said again every DOWN_LOG_EVERY_S while it lasts, and at once when the
 difference changes), and tandem:router_instances{state="mismatched"}; it is back at the first poll that matches
@@ -81,6 +82,10 @@ class Expected:
     max_model_len: int = 0
 
 
+# The fields that decide what the token ids mean: an instance that differs in one gets no requests. The others
+# (the served name, max_model_len) are said, not enforced: a worker with a shorter context refuses a longer request
+# itself, and a name set on the router alone (what clients see) is a common, harmless setup.
+MUST_MATCH = ("vocab_size", "tokenizer_fingerprint")
 # The flag that sets each field, on the router and the workers alike (the fix when they differ).
 FIX_FLAGS = {"model": "--served-model-name (or --model)", "vocab_size": "--model",
              "tokenizer_fingerprint": "--tokenizer (or --model)", "max_model_len": "--max-model-len"}
@@ -136,6 +141,7 @@ class Instance:
     reported_at: float = 0.0  # monotonic: when its state was last logged
     mismatch: str = ""  # how its last GetLoad differs from what this router serves ("": it does not)
     unreported_said: bool = False  # the fields it does not report were logged
+    soft_mismatch: str = ""  # how it differs in the fields not in MUST_MATCH (said once per change)
     # This router's streams on the instance: each callback is called (with why) when the instance is lost.
     streams: set[Callable[[str], None]] = field(default_factory=set)
     prefixes: PrefixIndex = field(default_factory=lambda: PrefixIndex(DEFAULT_INDEX_BLOCKS))  # cache_aware
@@ -336,6 +342,13 @@ class InstancePool:
             inst.unreported_said = True
             log.warning("%s %s does not report its %s (an older Tandem?): not checked against this router's",
                         self.role, inst.address, ", ".join(unreported))
+        soft = "; ".join(str(m) for m in found if m.field not in MUST_MATCH)
+        if soft != inst.soft_mismatch:
+            inst.soft_mismatch = soft
+            if soft:
+                log.warning("%s %s differs from this router (requests still go there): %s", self.role,
+                            inst.address, soft)
+        found = [m for m in found if m.field in MUST_MATCH]
         if not found:
             return False
         detail = "; ".join(map(str, found))
