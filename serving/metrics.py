@@ -226,8 +226,8 @@ _ENGINE_COUNTERS = {"prefix_cache_queries": "prefix_cache_queries", "prefix_cach
 router_instances = Family(
     Gauge, "router_instances",
     "Router: the prefill or decode instances it knows (instance_role), by state (healthy: in rotation and "
-    "answering; unhealthy: in rotation, not answering or not serving; mismatched: answering, but serving another "
-    "model, vocabulary, tokenizer or max_model_len than the router, so not routed to; leaving: gone from DNS, calls "
+    "answering; unhealthy: in rotation, not answering or not serving; mismatched: answering, but with another "
+    "vocabulary or tokenizer than the router, so not routed to; leaving: gone from DNS, calls "
     "still open there).", LABELS + ("instance_role", "state"), roles=("router",))
 
 FINISHED_REASONS = ("stop", "length", "abort")

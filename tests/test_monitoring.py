@@ -81,17 +81,17 @@ needs_promtool = pytest.mark.skipif(PROMTOOL is None, reason="promtool is not in
 def test_alert_rules_pass_promtool_check_and_their_unit_tests():
     check = subprocess.run([PROMTOOL, "check", "rules", "alerts.yml"], cwd=MONITORING, capture_output=True,
                            text=True, timeout=60)
-    assert check.returncode == 0 and "SUCCESS: 5 rules found" in check.stdout, check.stdout + check.stderr
+    assert check.returncode == 0 and "SUCCESS: 6 rules found" in check.stdout, check.stdout + check.stderr
     unit = subprocess.run([PROMTOOL, "test", "rules", "alerts_test.yml"], cwd=MONITORING, capture_output=True,
                           text=True, timeout=60)
     assert unit.returncode == 0 and "SUCCESS" in unit.stdout, unit.stdout + unit.stderr
 
 
-def test_the_five_alerts_each_have_a_duration_severity_and_summary():
+def test_the_six_alerts_each_have_a_duration_severity_and_summary():
     (group,) = yaml.safe_load((MONITORING / "alerts.yml").read_text())["groups"]
     rules = {r["alert"]: r for r in group["rules"]}
-    assert sorted(rules) == ["TandemHighTimeToFirstToken", "TandemInstanceDown", "TandemKvCacheNearlyFull",
-                             "TandemKvTransferFailures", "TandemQueueBacklog"]
+    assert sorted(rules) == ["TandemHighTimeToFirstToken", "TandemInstanceDown", "TandemInstanceMismatched",
+                             "TandemKvCacheNearlyFull", "TandemKvTransferFailures", "TandemQueueBacklog"]
     for name, rule in rules.items():
         assert rule["for"] and rule["labels"]["severity"] in ("warning", "critical"), name
         assert rule["annotations"]["summary"] and rule["annotations"]["description"], name
@@ -106,7 +106,7 @@ def test_every_prometheus_config_loads_the_alert_rules(config):
     assert yaml.safe_load((MONITORING / config).read_text())["rule_files"] == ["alerts.yml"]
     r = subprocess.run([PROMTOOL, "check", "config", config], cwd=MONITORING, capture_output=True,
                        text=True, timeout=60)
-    assert r.returncode == 0 and "SUCCESS: 5 rules found" in r.stdout, r.stdout + r.stderr
+    assert r.returncode == 0 and "SUCCESS: 6 rules found" in r.stdout, r.stdout + r.stderr
 
 
 def test_compose_mounts_the_alert_rules_beside_prometheus_yml():

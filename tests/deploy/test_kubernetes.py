@@ -457,6 +457,9 @@ _SERIES = [
     ('tandem:kv_cache_usage_perc{role="decode", namespace="a", pod="tandem-decode-0"}', "0.9x20"),
     ('tandem:kv_cache_usage_perc{role="decode", namespace="a", pod="tandem-decode-1"}', "0.5x20"),
     ('tandem:kv_transfer_failures_total{role="prefill", namespace="a", pod="tandem-prefill-0"}', "0+1x20"),
+    ('tandem:router_instances{role="router", namespace="a", pod="r", instance_role="decode", state="mismatched"}',
+     "1x20"),
+    ('tandem:router_instances{role="router", namespace="a", pod="r", instance_role="decode", state="healthy"}', "3x20"),
 ]
 _FIRING = {  # alert -> the labels it fires with at 18 min, and its summary then
     "TandemInstanceDown": ({"job": "tandem-decode", "namespace": "a", "pod": "tandem-decode-1",
@@ -467,6 +470,8 @@ _FIRING = {  # alert -> the labels it fires with at 18 min, and its summary then
     "TandemKvCacheNearlyFull": ({"namespace": "a", "pod": "tandem-decode-0"}, "KV cache of tandem-decode-0 is 90% full"),
     "TandemKvTransferFailures": ({"namespace": "a", "pod": "tandem-prefill-0"},
                                  "KV transfers failing on tandem-prefill-0"),
+    "TandemInstanceMismatched": ({"namespace": "a", "pod": "r", "instance_role": "decode"},
+                                 "router r routes nothing to 1 mismatched decode worker(s)"),
 }
 
 
