@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import logging
 
+import grpc
 import pytest
 from prometheus_client import REGISTRY
 
@@ -93,6 +94,17 @@ def _gauge(state: str) -> float | None:
                                                                  "instance_role": "decode", "state": state})
 
 
+async def _serve_decode(fake) -> tuple[grpc.aio.Server, str]:
+    """A started gRPC server on 127.0.0.1 serving `fake` as the Decode service (health SERVING), and its address."""
+    server = new_server()
+    decode_pb2_grpc.add_DecodeServicer_to_server(fake, server)
+    hs = add_health_and_reflection(server, [DECODE])
+    port = add_port(server, "127.0.0.1:0")
+    await server.start()
+    await set_serving(hs, [DECODE], True)
+    return server, f"127.0.0.1:{port}"
+
+
 def _errors(caplog) -> list[str]:
     return [r.getMessage() for r in caplog.records
             if r.levelno == logging.ERROR and r.name == "tandem.router.instances"]
@@ -103,13 +115,7 @@ def test_a_mismatched_instance_leaves_the_rotation_until_it_matches_again(caplog
 
     async def go():
         fake = _Decode()
-        server = new_server()
-        decode_pb2_grpc.add_DecodeServicer_to_server(fake, server)
-        hs = add_health_and_reflection(server, [DECODE])
-        port = add_port(server, "127.0.0.1:0")
-        await server.start()
-        await set_serving(hs, [DECODE], True)
-        address = f"127.0.0.1:{port}"
+        server, address = await _serve_decode(fake)
         pool = InstancePool("decode", [address], poll_timeout_s=5.0, metrics=Metrics("identity", "router"),
                             expected=OURS)
         seen = {}
@@ -153,13 +159,8 @@ def test_an_older_instance_that_reports_no_identity_is_used_and_said_once(caplog
     async def go():
         fake = _Decode()
         fake.load = _load(vocab_size=0, tokenizer_fingerprint="")
-        server = new_server()
-        decode_pb2_grpc.add_DecodeServicer_to_server(fake, server)
-        hs = add_health_and_reflection(server, [DECODE])
-        port = add_port(server, "127.0.0.1:0")
-        await server.start()
-        await set_serving(hs, [DECODE], True)
-        pool = InstancePool("decode", [f"127.0.0.1:{port}"], poll_timeout_s=5.0, expected=OURS)
+        server, address = await _serve_decode(fake)
+        pool = InstancePool("decode", [address], poll_timeout_s=5.0, expected=OURS)
         try:
             await pool.poll_once()
             await pool.poll_once()
