@@ -25,7 +25,10 @@ NUM_MALFORMED = 50
 MAX_CONCURRENT = 64
 MAX_QUEUED = 64
 WAIT_S = 8.0
-MARGIN_S = 10.0  # reading 550 requests takes the router seconds on a busy 2-core machine; the wait starts after
+# The wait starts when the router reads a request, and reading 550 of them takes it seconds on a busy 2-core machine
+# (20 s has been seen in CI): every bound below counts from the time the router had read the whole burst, which the
+# last malformed request's 400 tells. The margin is for a prefill and a first token on that machine.
+MARGIN_S = 10.0
 PROMPT_TOKENS = 32  # 2 blocks of 16
 MAX_TOKENS = 64  # 6 blocks at the end: 64 decode blocks hold 10 such requests, the watermark admits about 12
 FLAGS = ["--model", "random:tiny", "--max-model-len", "256", "--num-gpu-blocks-override", "64",
@@ -102,9 +105,10 @@ def test_500_requests_at_once_are_each_served_or_refused_429_within_the_wait():
         assert len(full) + len(late) == len(refused), {r["error"][:120] for r in refused}
         for r in refused:
             assert r["status"] == 429 and int(r["retry_after"]) >= 1, r
-            assert r["at"] <= WAIT_S + MARGIN_S, r
+            assert r["at"] <= last_read + WAIT_S + MARGIN_S, (r, last_read)
         for r in served:
-            assert r["at"] <= WAIT_S + MARGIN_S, r  # the first token (the stream starts with it)
+            # r["at"] is the first token: the stream starts with it
+            assert r["at"] <= last_read + WAIT_S + MARGIN_S, (r, last_read)
             assert r["chunks"] == MAX_TOKENS, r
         # A full queue is refused at once, never after waiting for room: the refusal names the queue bound, not the
         # wait, and each came before a queued request could have reached the wait limit (WAIT_S after it was read,
