@@ -55,6 +55,9 @@ def main(argv=None) -> int:
     p.add_argument("--bandwidth", type=float, default=4.26e12)
     p.add_argument("--flops", type=float, default=781e12)
     p.add_argument("--kv-cache-dtype", default="auto")
+    p.add_argument("--quantization", default=None, choices=["fp8"], help="weights (issue 19's workloads: fp8)")
+    p.add_argument("--max-num-seqs", type=int, default=None,
+                   help="the engine's batch limit (default: --batch); CUDA graphs are captured up to it")
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
 
@@ -65,8 +68,9 @@ def main(argv=None) -> int:
     max_tokens = 8 * steps + 64  # every request decodes through all three modes' runs
     per_prefill = max(1, args.prefill_tokens // args.input_len)
     llm = LLM(args.model, dtype=args.dtype, max_model_len=args.input_len + max_tokens + 16,
-              max_num_seqs=max(args.batch, per_prefill), max_num_batched_tokens=args.prefill_tokens,
-              enable_prefix_caching=False, kv_cache_dtype=args.kv_cache_dtype)
+              max_num_seqs=args.max_num_seqs or max(args.batch, per_prefill),
+              max_num_batched_tokens=args.prefill_tokens, enable_prefix_caching=False,
+              kv_cache_dtype=args.kv_cache_dtype, quantization=args.quantization)
     eng = llm.engine
     cfg = eng.runner.hf_config
     g = torch.Generator().manual_seed(0)
@@ -187,7 +191,8 @@ def main(argv=None) -> int:
     for k, v in results["async"]["top_kernels_ms"].items():
         print(f"  {v:7.3f} ms  {k[:110]}")
     if args.json:
-        write_json(args.json, dict(model=args.model, batch=args.batch, input_len=args.input_len, mean_context=ctx,
+        write_json(args.json, dict(model=args.model, quantization=args.quantization,
+                                   kv_cache_dtype=args.kv_cache_dtype, batch=args.batch, input_len=args.input_len, mean_context=ctx,
                                    floor_ms=floor_ms, results=results, prefill=prefill, commit=git_commit()["sha"],
                                    date=time.strftime("%Y-%m-%d")))
     return 0
