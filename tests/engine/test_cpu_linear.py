@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from engine.cpu_linear import PACK_MAX_ROWS, pack, pack_linears, packing_ok
+from engine.cpu_linear import PACK_MAX_ROWS, pack, pack_linears, pack_max_rows, packing_ok
 from engine.loader import build_model, resolve_model
 from engine.model import Linear
 
@@ -26,6 +26,16 @@ def test_packed_matches_linear(rows, bias):
             lin.bias.copy_(b)
     pack(lin)
     torch.testing.assert_close(lin(x), F.linear(x, w, b), atol=1e-4, rtol=1e-5)
+
+
+def test_pack_max_rows_by_vendor_and_instruction_set():
+    assert pack_max_rows("AuthenticAMD", "AVX512") > 1 << 40  # every product: oneDNN's AVX-512 beats MKL's AVX2 there
+    assert pack_max_rows("AuthenticAMD", "AVX2") == PACK_MAX_ROWS
+    assert pack_max_rows("GenuineIntel", "AVX512") == PACK_MAX_ROWS  # MKL runs AVX-512 on Intel: not measured faster
+    assert pack_max_rows("", "DEFAULT") == PACK_MAX_ROWS
+    lin = Linear(8, 8)
+    pack(lin, max_rows=5)
+    assert lin.packed_max_rows == 5
 
 
 @pytest.mark.parametrize("tied", [False, True])
