@@ -365,6 +365,17 @@ def apply_top_k_top_p(logits: torch.Tensor, top_k: list[int], top_p: list[float]
 
     # top_p > 1 means off: a sum of probabilities may round to >= 1 before the tail ends.
     p = _tensor([p if on else 2.0 for p, on in zip(top_p, p_on)], torch.float32, device)  # [R]
+    if device.type == "cpu":
+        max_k = max((k for k, on in zip(top_k, k_on) if on), default=0)
+        return _top_k_top_p_partial(logits, k, p, _tensor(k_on, torch.bool, device), max_k)
+    return _top_k_top_p_sorted(logits, k, p)
+
+
+TOP_P_CANDIDATES = 256  # the CPU's top-p looks for its cut among this many of a row's largest logits first
+
+
+def _top_k_top_p_sorted(logits: torch.Tensor, k: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+    """apply_top_k_top_p's top-k then top-p by a full sort of each row: k [R] (vocab: off), p [R] (2.0: off)."""
     sorted_logits, sorted_idx = logits.sort(dim=-1, descending=True)  # [R, V]
     kth = sorted_logits.gather(1, (k - 1).unsqueeze(1))  # [R, 1]
     sorted_logits = sorted_logits.masked_fill(sorted_logits < kth, float("-inf"))
@@ -372,6 +383,37 @@ def apply_top_k_top_p(logits: torch.Tensor, top_k: list[int], top_p: list[float]
     mass_before = torch.cumsum(sorted_probs, dim=-1) - sorted_probs  # probability of the tokens ranked above
     sorted_logits = sorted_logits.masked_fill(mass_before >= p.unsqueeze(1), float("-inf"))
     return torch.empty_like(logits).scatter_(1, sorted_idx, sorted_logits)
+
+
+def _top_k_top_p_partial(logits: torch.Tensor, k: torch.Tensor, p: torch.Tensor, k_on: torch.Tensor, max_k: int,
+                         candidates: int = TOP_P_CANDIDATES) -> torch.Tensor:
+    """_top_k_top_p_sorted's result from a partial top-`candidates` of each row instead of a full sort (on one CPU
+    core a sort of 16 x 49,152 logits costs more than the rest of a decode step's sampling many times over).
+
+    A trained model's distribution puts top_p's mass (0.9, 0.95) in a few dozen tokens: when a row's largest
+    `candidates` logits hold at least p of its (top-k renormalized) probability, the cut lies among them and the
+    smallest prefix reaching p is found there; tokens past them have at least that mass ranked above and are dropped,
+    as the sort would drop them. Rows whose candidates fall short (a flat distribution) take the full sort."""
+    vocab = logits.shape[1]
+    c = max(candidates, max_k)  # top-k's k-th largest must be among the candidates
+    if c * 4 >= vocab:
+        return _top_k_top_p_sorted(logits, k, p)
+    vals, idx = logits.topk(c, dim=-1)  # [R, c], descending
+    kth = vals.gather(1, (k.clamp(max=c) - 1).unsqueeze(1))  # [R, 1]: the k-th largest (k <= c where top-k is on)
+    kth = torch.where(k_on.unsqueeze(1), kth, float("-inf"))
+    masked = logits.masked_fill(logits < kth, float("-inf"))  # [R, V]: top-k's mask (ties at the boundary kept)
+    probs = torch.softmax(masked, dim=-1).gather(1, idx)  # [R, c]: the candidates' renormalized probabilities
+    mass_before = torch.cumsum(probs, dim=-1) - probs
+    found = (mass_before[:, -1] + probs[:, -1]) >= p  # [R]: the cut lies among the candidates
+    cand = vals.masked_fill((vals < kth) | (mass_before >= p.unsqueeze(1)), float("-inf"))
+    out = torch.full_like(logits, float("-inf")).scatter_(1, idx, cand)
+    off = p > 1.0  # top-p off: top-k's mask alone, whatever the candidates hold
+    out = torch.where(off.unsqueeze(1), masked, out)
+    short = ~(found | off)
+    if bool(short.any()):
+        rows = short.nonzero().squeeze(1)
+        out[rows] = _top_k_top_p_sorted(logits[rows], k[rows], p[rows])
+    return out
 
 
 def inverse_cdf_draw(probs: torch.Tensor) -> torch.Tensor:

@@ -325,3 +325,30 @@ def test_inverse_cdf_draw_never_draws_a_zero_probability_token():
     assert set(tokens[:, 0].tolist()) == {1, 3} and set(tokens[:, 1].tolist()) == {4}
     assert set(tokens[:, 2].tolist()) == {0}
     assert abs((tokens[:, 0] == 1).double().mean().item() - 2 / 3) < 5 * (2 / 9 / n) ** 0.5
+
+
+@pytest.mark.parametrize("scale", [8.0, 3.0, 0.01])  # peaked (a trained model's), moderate, flat (the full sort)
+def test_cpu_top_p_by_candidates_equals_the_full_sort(scale, monkeypatch):
+    import engine.sampler as sampler
+    from engine.sampler import TOP_P_CANDIDATES, _top_k_top_p_sorted
+
+    sorted_rows = []
+    monkeypatch.setattr(sampler, "_top_k_top_p_sorted",
+                        lambda x, k, p: sorted_rows.append(x.shape[0]) or _top_k_top_p_sorted(x, k, p))
+
+    g = torch.Generator().manual_seed(int(scale * 100))
+    rows, vocab = 12, 8 * TOP_P_CANDIDATES
+    logits = torch.randn(rows, vocab, generator=g) * scale
+    logits[3, 5:9] = logits[3].max()  # ties at the top
+    top_k = [0, 0, 50, 0, -1, 300, 0, 2, 0, 0, 0, 0]
+    top_p = [0.9, 0.5, 0.8, 0.95, 0.99, 0.7, 1.0, 0.9, 0.1, 0.999, 0.3, 0.6]
+    out = apply_top_k_top_p(logits, top_k, top_p)
+    k = torch.tensor([t if 0 < t < vocab else vocab for t in top_k])
+    p = torch.tensor([t if t < 1.0 else 2.0 for t in top_p])
+    ref = _top_k_top_p_sorted(logits, k, p)
+    assert torch.equal(out.isinf(), ref.isinf())
+    assert torch.equal(out[~out.isinf()], ref[~ref.isinf()])
+    if scale == 8.0:  # peaked: every row's cut lies among the candidates, nothing is sorted
+        assert sorted_rows == []
+    elif scale == 0.01:  # flat: 300 candidates (row 5's top-k) hold ~15% of a row; the rows with no top-k and a
+        assert sorted_rows == [7]  # top_p above that take the full sort, they alone (not row 8's 0.1)
