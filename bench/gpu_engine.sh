@@ -5,7 +5,7 @@
 # (KV transfer paths), ttft (idle disaggregated stack, through bench/gpu_serve.sh), build (the engine's model build
 # on CUDA: build_model's tests, fp8 checkpoints, and the build's peak GPU memory against the final model's size),
 # w4 (4-bit AWQ weights against bf16), swap (a preempting workload, swap vs recompute), hosttier (8k-prefix TTFT
-# from the host KV tier)
+# from the host KV tier), trtprofile (issue 19: profiles of TensorRT-LLM's workloads' decode and prompt steps)
 # Env: NP/OL/IL (throughput prompts, output and input length), BACKENDS ("tandem hf"), MNS (max_num_seqs list,
 # e.g. "256 512"), MBT (max_num_batched_tokens), VARIANTS (engine flag sets for latency and perf, separated by
 # ";", e.g. VARIANTS=";--kv-cache-dtype fp8;--quantization fp8 --kv-cache-dtype fp8": "" is the bf16 default).
@@ -89,6 +89,17 @@ print(f'build: model {size / 2**30:.2f} GiB, peak allocated {torch.cuda.max_memo
         timeout ${PROFILE_TIMEOUT:-300} python3 bench/profile_decode.py $M --batch $b --input-len 512 \
           --steps ${PROFILE_STEPS:-30} --prefill-tokens ${PREFILL_TOKENS:-8192} \
           --json "$OUT/profile-$b.json" 2>&1 | tee "$OUT/profile-$b.log" | grep -v "^ *$" | tail -${PROFILE_LINES:-40}
+      done ;;
+    trtprofile)  # issue 19: TensorRT-LLM's workloads' steps, Llama-3-8B shape, fp8 weights, per KV dtype: decode at
+      # batch ~980 with 128-token prompts (128/128's steady state) and a prompt step of 4 x 2048 tokens (2048/128's)
+      for kv in ${KV:-fp8 auto}; do
+        timeout ${PROFILE_TIMEOUT:-300} python3 bench/profile_decode.py --model random:llama-3-8b --quantization fp8 \
+          --kv-cache-dtype $kv --batch ${TRT_BATCH:-980} --max-num-seqs 1024 --input-len 128 --steps 20 \
+          --prefill-tokens 8192 --json "$OUT/trt-decode-$kv.json" 2>&1 | tee "$OUT/trt-decode-$kv.log" \
+          | grep -v "^ *$" | tail -${PROFILE_LINES:-40}
+        timeout ${PROFILE_TIMEOUT:-300} python3 bench/profile_decode.py --model random:llama-3-8b --quantization fp8 \
+          --kv-cache-dtype $kv --batch 4 --input-len 2048 --steps 5 --prefill-tokens 8192 \
+          --json "$OUT/trt-prefill-$kv.json" 2>&1 | tee "$OUT/trt-prefill-$kv.log" | grep -A12 "prefill step"
       done ;;
   esac
   echo "== stage $stage: $((SECONDS - t0)) s"
