@@ -237,26 +237,17 @@ class Sampler:
         return gen
 
     def _sample_cpu(self, probs: torch.Tensor, states: Sequence[SamplingState]) -> torch.Tensor:
-        """_sample's draw on the CPU, from probs [R, V]: the seeded rows' exponential race as on a GPU (q from the
-        CPU's generator seeded the same way), an inverse-CDF draw for the others."""
-        seeded = [i for i, s in enumerate(states) if s.seed is not None]
-        if not seeded:
-            return inverse_cdf_draw(probs)
-        token_ids = torch.empty(len(states), dtype=torch.int64)
-        unseeded = [i for i, s in enumerate(states) if s.seed is None]
-        if unseeded:
-            rows = torch.tensor(unseeded)
-            token_ids[rows] = inverse_cdf_draw(probs[rows])
-        draws = torch.empty(len(seeded), probs.shape[1])  # [S, V]
+        """_sample's draw on the CPU, from probs [R, V]: an inverse-CDF draw per row, its uniform from the global
+        generator, or for a seeded row from the CPU generator seeded with draw_seed(seed, position): a function of
+        the seed and the token's position alone, whatever the batch. (The exponential race a GPU runs would draw a
+        vocabulary of noise a row: ~1 ms a row and step at 49k tokens on one core.)"""
+        u = torch.rand(len(states), 1, dtype=torch.float64)
         gen = self._generator
-        for j, i in enumerate(seeded):
-            s = states[i]
-            gen.manual_seed(draw_seed(s.seed, s.num_computed_tokens))
-            draws[j].exponential_(generator=gen)
-        draws.clamp_(min=torch.finfo(torch.float32).tiny)  # (as in _sample)
-        rows = torch.tensor(seeded)
-        token_ids[rows] = (probs[rows] / draws).argmax(dim=-1)
-        return token_ids
+        for i, s in enumerate(states):
+            if s.seed is not None:
+                gen.manual_seed(draw_seed(s.seed, s.num_computed_tokens))
+                u[i, 0] = torch.rand((), dtype=torch.float64, generator=gen)
+        return inverse_cdf_draw(probs, u)
 
 
 class DeviceSample:
@@ -416,16 +407,19 @@ def _top_k_top_p_partial(logits: torch.Tensor, k: torch.Tensor, p: torch.Tensor,
     return out
 
 
-def inverse_cdf_draw(probs: torch.Tensor) -> torch.Tensor:
+def inverse_cdf_draw(probs: torch.Tensor, u: torch.Tensor | None = None) -> torch.Tensor:
     """One token per row of probs [R, V] (non-negative, not necessarily normalized), drawn with probability
-    proportional to probs from one uniform per row of the global generator; returns [R] int64.
+    proportional to probs from one uniform per row (u [R, 1] float64 in [0, 1); default: the global generator's);
+    returns [R] int64.
 
     The running sum is float64, so each token's share of it is its float32 probability to ~1e-16. A token of
     probability 0 adds nothing to the sum and is never drawn: searchsorted(right=True) returns the first index whose
     sum exceeds u, and u stays below the row's total."""
     cdf = probs.cumsum(dim=-1, dtype=torch.float64)  # [R, V], non-decreasing
     total = cdf[:, -1:]  # [R, 1]
-    u = torch.rand(total.shape, dtype=torch.float64, device=probs.device).mul_(total)  # [R, 1] in [0, total]
+    if u is None:
+        u = torch.rand(total.shape, dtype=torch.float64, device=probs.device)
+    u = u * total  # [R, 1] in [0, total]
     u = torch.minimum(u, torch.nextafter(total, torch.zeros_like(total)))  # rand * total can round up to total
     return torch.searchsorted(cdf, u, right=True).squeeze(1)
 

@@ -66,7 +66,7 @@ def test_sampler_does_not_modify_the_callers_logits():
 
 # ---- seeded draws ------------------------------------------------------------------------------------------
 
-# The CPU's draws (an inverse CDF for unseeded rows, a CPU generator for seeded ones), and a GPU's (a device generator
+# The CPU's draws (an inverse CDF; a seeded row's uniform from a CPU generator), and a GPU's (a device generator
 # reseeded per row).
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="no GPU"))]
 
