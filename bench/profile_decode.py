@@ -44,6 +44,41 @@ def kind_of(name: str) -> str:
     return "other"
 
 
+def host_trace(eng, run, steps: int, path: str, ProfilerActivity, profile, graphs) -> None:
+    """Async steps with graphs, the engine's phases marked: a Chrome trace of 4 steps (where the device idles and
+    what the host does meanwhile), then a cProfile of `steps` steps (the host's work by function, per step)."""
+    import cProfile
+    import io
+    import pstats
+
+    from torch.profiler import record_function
+
+    eng.async_scheduling, eng.runner.graphs = True, graphs
+    phases = [(eng.scheduler, "schedule"), (eng.runner, "execute"), (eng, "_read_step"), (eng.runner.sampler, "sample")]
+    for obj, name in phases:
+        def marked(*a, _fn=getattr(obj, name), _name=name, **k):
+            with record_function(f"engine.{_name}"):
+                return _fn(*a, **k)
+        setattr(obj, name, marked)
+    try:
+        run(3)
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            run(4)
+        prof.export_chrome_trace(path)
+        print(f"\ntrace of 4 async steps: {path}")
+        pr = cProfile.Profile()
+        pr.enable()
+        run(steps)
+        pr.disable()
+        buf = io.StringIO()
+        pstats.Stats(pr, stream=buf).sort_stats("tottime").print_stats(30)
+        print(f"cProfile of {steps} async steps (divide by {steps} for a step):")
+        print(buf.getvalue())
+    finally:
+        for obj, name in phases:
+            delattr(obj, name)
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="random:qwen2.5-7b")
@@ -59,14 +94,20 @@ def main(argv=None) -> int:
     p.add_argument("--max-num-seqs", type=int, default=None,
                    help="the engine's batch limit (default: --batch); CUDA graphs are captured up to it")
     p.add_argument("--json", default=None)
+    p.add_argument("--trace", default=None,
+                   help="also write a Chrome trace (CPU ops, CUDA runtime calls, kernels, the engine's phases) of a "
+                        "few async steps here, and print a cProfile of the host's work per step")
     args = p.parse_args(argv)
 
     from engine import LLM, SamplingParams
     from engine import model_runner
 
     steps = args.steps
-    max_tokens = 8 * steps + 64  # every request decodes through all three modes' runs
     per_prefill = max(1, args.prefill_tokens // args.input_len)
+    # Every request decodes through the fill (the first prompts decode while the last are prefilled) and all three
+    # modes' runs.
+    fill_steps = -(-args.batch * args.input_len // args.prefill_tokens)
+    max_tokens = 8 * steps + 64 + fill_steps
     llm = LLM(args.model, dtype=args.dtype, max_model_len=args.input_len + max_tokens + 16,
               max_num_seqs=args.max_num_seqs or max(args.batch, per_prefill),
               max_num_batched_tokens=args.prefill_tokens, enable_prefix_caching=False,
@@ -164,12 +205,16 @@ def main(argv=None) -> int:
             wall_ms=wall * 1e3, host_busy_ms=host * 1e3, gpu_ms=gpu, gpu_idle_pct=100 * max(0.0, 1 - gpu / (wall * 1e3)),
             by_kind_ms=by_kind, top_kernels_ms=top)
 
+    if args.trace:
+        host_trace(eng, run, steps, args.trace, ProfilerActivity, profile, graphs)
+
     # The floor: weights + the batch's KV once over the bandwidth; the GEMM FLOPs over the matmul rate.
     weight_bytes = sum(t.numel() * t.element_size() for t in eng.runner.model.parameters())
     assert len(eng.scheduler.running) == args.batch, "requests finished before the last measured step"
     kv_bytes = eng.runner.kv_bytes_per_block / eng.runner.block_size * ctx * args.batch
     embed = cfg.vocab_size * cfg.hidden_size
-    gemm_flops = 2 * args.batch * (weight_bytes / eng.runner.model.model.embed_tokens.weight.element_size() - embed)
+    params = sum(t.numel() for t in eng.runner.model.parameters())  # (fp8 weights: 1 byte each, so count values)
+    gemm_flops = 2 * args.batch * (params - embed)
     floor_ms = max((weight_bytes + kv_bytes) / args.bandwidth, gemm_flops / args.flops) * 1e3
 
     print(f"\nmodel {args.model} {eng.runner.dtype}, batch {args.batch}, mean context {ctx:.0f} tokens")
