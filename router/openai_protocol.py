@@ -185,8 +185,6 @@ class NamedToolChoice(_Body):
 
 class ChatCompletionRequest(SamplingRequest):
     messages: list[ChatMessage] = Field(min_length=1)
-    continue_final_message: bool = False
-    """vLLM's extension: leave the last message open for the model to continue (needs add_generation_prompt false)."""
     chat_template_kwargs: dict[str, Any] | None = None
     """vLLM's extension: extra variables for the chat template (e.g. {"enable_thinking": false})."""
     max_completion_tokens: int | None = None

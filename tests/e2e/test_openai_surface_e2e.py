@@ -4,7 +4,10 @@ return_token_ids against the tokenizer, chat echo and continue_final_message; st
 gRPC API too."""
 from __future__ import annotations
 
+import re
+
 import grpc
+import httpx
 import openai
 import pytest
 
@@ -43,6 +46,27 @@ def test_models_retrieve_and_not_found_as_the_sdk_reads_them(client):
     with pytest.raises(openai.BadRequestError, match="stream_options: only with stream=true"):
         client.completions.create(model="random:tiny", prompt="hi", max_tokens=2,
                                   stream_options={"include_usage": True})
+    with pytest.raises(openai.APIStatusError, match="method not allowed") as e:
+        client.get("/chat/completions", cast_to=object)
+    assert e.value.status_code == 405 and e.value.body["code"] == "method_not_allowed"
+    with pytest.raises(openai.BadRequestError) as e:  # (FastAPI's 422 for a wrong type, in OpenAI's shape)
+        client.completions.create(model="random:tiny", prompt="hi", max_tokens=2, temperature="hot")
+    assert e.value.body["param"] == "temperature" and e.value.body["type"] == "invalid_request_error"
+
+
+def test_ping_answers_as_health(stack):
+    for method in ("GET", "POST"):
+        r = httpx.request(method, stack.http + "/ping", timeout=30)
+        assert r.status_code == 200 and r.json() == {"status": "ok"}
+
+
+def test_add_generation_prompt_false_leaves_the_assistant_header_out(client, tokenizer):
+    messages = [{"role": "user", "content": "Say something."}]
+    for add in (True, False):
+        r = client.chat.completions.create(model="random:tiny", messages=messages, max_tokens=1,
+                                           extra_body={"return_token_ids": True, "add_generation_prompt": add})
+        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add)
+        assert r.model_extra["prompt_token_ids"] == tokenizer(text, add_special_tokens=False)["input_ids"], add
 
 
 def test_a_repeated_prompt_is_served_from_the_prefix_cache(client):
@@ -104,3 +128,28 @@ def test_grpc_generate_reports_stop_reason_and_cached_tokens(stack):
         req.params.stop_token_ids.append(ids[1])
         last = list(stub.Generate(req, timeout=120))[-1]
     assert last.delta.stop_reason == str(ids[1]) and last.usage.cached_prompt_tokens > 0
+
+
+def test_grpc_structured_outputs_and_continue_final_message(stack, tokenizer):
+    regex = r"[a-c]{3}-\d{2}"
+    with grpc.insecure_channel(stack.grpc) as channel:
+        stub = generate_pb2_grpc.GenerateStub(channel)
+        req = generate_pb2.GenerateRequest(model="random:tiny", prompt="id:", params=common_pb2.SamplingParams(
+            n=20, seed=7, temperature=1.0, max_tokens=12,
+            structured_outputs=common_pb2.StructuredOutputs(regex=regex)))
+        texts: dict[int, str] = {}
+        for r in stub.Generate(req, timeout=120):
+            texts[r.index] = texts.get(r.index, "") + r.delta.text
+        assert len(texts) == 20 and all(re.fullmatch(regex, t) for t in texts.values()), texts
+        messages = [generate_pb2.ChatMessage(role="user", content="Tell a story."),
+                    generate_pb2.ChatMessage(role="assistant", content="Once upon")]
+        chat = generate_pb2.ChatRequest(model="random:tiny", messages=messages, continue_final_message=True,
+                                        params=common_pb2.SamplingParams(temperature=0, max_tokens=3,
+                                                                         ignore_eos=True))
+        ids = [t for r in stub.Chat(chat, timeout=120) for t in r.delta.token_ids]
+    http = httpx.post(stack.http + "/v1/chat/completions", timeout=120, json={
+        "messages": [{"role": m.role, "content": m.content} for m in messages], "continue_final_message": True,
+        "add_generation_prompt": False, "temperature": 0, "max_tokens": 3, "ignore_eos": True,
+        "return_token_ids": True}).json()
+    assert ids == http["choices"][0]["token_ids"] and len(ids) == 3  # the open turn, continued
+    assert tokenizer.decode(http["prompt_token_ids"]).rstrip().endswith("Once upon")

@@ -5,6 +5,7 @@ gives the same tokens through the disaggregated stack (the prefill draws the fir
 decode continues it) and `--colocated` (one engine)."""
 from __future__ import annotations
 
+import json
 import re
 from typing import Annotated, Literal
 
@@ -66,7 +67,7 @@ def test_parse_validates_and_matches_colocated(disaggregated, colocated):
     assert len({tuple(t) for t in got["disaggregated"]}) == 3  # completion i draws with seed + i
 
 
-def test_regex_choice_and_json_object_hold_for_seeded_samples(disaggregated):
+def test_regex_and_choice_hold_for_100_seeded_samples(disaggregated):
     c = client(disaggregated)
     regex = c.completions.create(model="random:tiny", prompt="id:", n=50, seed=7, temperature=1.0, max_tokens=12,
                                  extra_body={"guided_regex": REGEX})
@@ -77,9 +78,29 @@ def test_regex_choice_and_json_object_hold_for_seeded_samples(disaggregated):
     assert all(re.fullmatch(REGEX, ch.text) for ch in regex2.choices)
     assert len(set(texts + [ch.text for ch in regex2.choices])) > 50
     choice = c.chat.completions.create(model="random:tiny", messages=[{"role": "user", "content": "Colour?"}],
-                                       n=20, seed=3, temperature=1.0, max_tokens=8,
+                                       n=100, seed=3, temperature=1.0, max_tokens=8,
                                        extra_body={"guided_choice": ["red", "green", "blue"]})
-    assert {ch.message.content for ch in choice.choices} <= {"red", "green", "blue"}
+    colours = [ch.message.content for ch in choice.choices]
+    assert len(colours) == 100 and all(ch.finish_reason == "stop" for ch in choice.choices)
+    assert set(colours) == {"red", "green", "blue"}, colours  # (100 draws: each of the three comes up)
+
+def test_guided_json_and_guided_grammar_hold_for_seeded_samples(disaggregated):
+    c = client(disaggregated)
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}, "n": {"type": "integer", "minimum": 0,
+                                                                               "maximum": 9}},
+              "required": ["ok", "n"], "additionalProperties": False}
+    r = c.completions.create(model="random:tiny", prompt="json:", n=20, seed=5, temperature=1.0, max_tokens=40,
+                             extra_body={"guided_json": schema, "structured_outputs": {"disable_any_whitespace": True}})
+    for ch in r.choices:
+        assert ch.finish_reason == "stop", ch
+        value = json.loads(ch.text)
+        assert set(value) == {"ok", "n"} and isinstance(value["ok"], bool) and 0 <= value["n"] <= 9, value
+    grammar = 'root ::= ("yes" | "no") "-" [0-9] [0-9]'
+    r = c.completions.create(model="random:tiny", prompt="answer:", n=50, seed=9, temperature=1.0, max_tokens=12,
+                             extra_body={"guided_grammar": grammar})
+    texts = [ch.text for ch in r.choices]
+    assert all(re.fullmatch(r"(yes|no)-\d\d", t) for t in texts), texts
+    assert {t.split("-")[0] for t in texts} == {"yes", "no"}
 
 
 def test_bad_constraints_are_400_naming_the_field(disaggregated):

@@ -252,6 +252,26 @@ def test_a_full_tool_loop_with_a_named_choice(client, stream):
         {"id": call.id, "type": "function", "function": {"name": call.function.name,
                                                          "arguments": call.function.arguments}}]},
         {"role": "tool", "tool_call_id": call.id, "content": "sunny, 21 C"}]
-    answer = client.chat.completions.create(model="qwen", messages=messages, tools=[WEATHER], tool_choice="none",
-                                            max_tokens=8, extra_body={"ignore_eos": True})
+    kw = dict(model="qwen", messages=messages, tools=[WEATHER], tool_choice="none", max_tokens=8,
+              extra_body={"ignore_eos": True})
+    if stream:
+        answer = assembled(client.chat.completions.create(**kw, stream=True))
+    else:
+        answer = client.chat.completions.create(**kw)
     assert answer.choices[0].message.content and answer.choices[0].finish_reason == "length"
+    assert not answer.choices[0].message.tool_calls
+
+
+@pytest.mark.skipif(not HAVE_GRAMMAR, reason="needs structured outputs")
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_named_choice_always_calls_that_tool(client, stream):
+    """Of two tools, the named one: in every one of 8 seeded samples, one call with arguments that parse."""
+    named = {"type": "function", "function": {"name": "get_time"}}
+    kw = dict(model="qwen", messages=ASK, tools=[FORECAST, CLOCK], tool_choice=named, n=8, seed=21,
+              temperature=1.0, max_tokens=60)
+    r = assembled(client.chat.completions.create(**kw, stream=True)) if stream else client.chat.completions.create(**kw)
+    assert len(r.choices) == 8
+    for choice in r.choices:
+        (call,) = choice.message.tool_calls
+        assert call.function.name == "get_time" and choice.finish_reason == "tool_calls", choice
+        assert set(json.loads(call.function.arguments)) == {"zone", "hour24"}
