@@ -19,22 +19,7 @@ mkdir -p "$OUT"
 MODEL_DIR=$("$PY" -c "from engine.loader import resolve_model; print(resolve_model('smollm2').weights_dir)")
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
 
-wait_ready() {  # URL LOG
-  for _ in $(seq 1 900); do curl -sf "$1" >/dev/null && return 0; sleep 1; done
-  echo "not ready: $1 (see $2)" >&2; return 1
-}
-
-client() {  # NAME PORT SEED
-  echo "$1 seed $3 load before: $(uptime)" | tee -a "$OUT/load.txt"
-  VLLM_TARGET_DEVICE=cpu "$VENV/bin/vllm" bench serve --backend openai --base-url "http://127.0.0.1:$2" \
-    --model "$MODEL_DIR" --served-model-name smollm2 --dataset-name random --random-input-len 128 \
-    --random-output-len 32 --num-prompts 16 --request-rate inf --ignore-eos --seed "$3" \
-    --percentile-metrics ttft,tpot,itl,e2el --metric-percentiles 50,99 \
-    --save-result --result-dir "$OUT" --result-filename "$1-seed$3.json" > "$OUT/$1-seed$3.log" 2>&1
-  echo "$1 seed $3 load after: $(uptime)" | tee -a "$OUT/load.txt"
-}
-
-stop() { kill -INT "$1" 2>/dev/null || true; wait "$1" 2>/dev/null || true; }
+source bench/cpu_client.sh
 
 for round in $(seq 1 "$ROUNDS"); do
   seed=$((round * 100))
@@ -48,13 +33,4 @@ for round in $(seq 1 "$ROUNDS"); do
     stop $pid
   done
 done
-"$PY" - "$OUT" <<'PY'
-import json, pathlib, sys
-rows = []
-for f in sorted(pathlib.Path(sys.argv[1]).glob("*-seed*.json")):
-    d = json.loads(f.read_text())
-    rows.append(f"| {f.stem} | {d['completed']} | {d['request_throughput']:.2f} | {d['output_throughput']:.1f} | "
-                f"{d['median_ttft_ms']:.0f} / {d['p99_ttft_ms']:.0f} | {d['median_itl_ms']:.0f} / {d['p99_itl_ms']:.0f} |")
-print("| run | ok | req/s | out tok/s | TTFT p50 / p99 (ms) | ITL p50 / p99 (ms) |\n|---|---|---|---|---|---|")
-print("\n".join(rows))
-PY
+summary

@@ -17,13 +17,19 @@ from dataclasses import MISSING, dataclass, fields
 
 import torch
 
-from engine.config import (_DTYPES, DTYPE_ALIASES, KV_CACHE_DTYPES, QUANTIZATION_METHODS, CacheConfig, DeviceConfig,
-                           EngineConfig, ModelConfig, ParallelConfig, SchedulerConfig)
+from engine.config import (_DTYPES, DTYPE_ALIASES, KV_CACHE_DTYPES, PREFILL_CPU_MAX_NUM_BATCHED_TOKENS,
+                           QUANTIZATION_METHODS, CacheConfig, DeviceConfig, EngineConfig, ModelConfig, ParallelConfig,
+                           SchedulerConfig)
 
 _COMPONENTS = (ModelConfig, CacheConfig, SchedulerConfig, DeviceConfig, ParallelConfig)
 # The fields whose values are a fixed set (argparse lists them in --help and refuses the rest).
 _CHOICES = {"dtype": ("auto", *_DTYPES, *DTYPE_ALIASES), "kv_cache_dtype": KV_CACHE_DTYPES,
             "quantization": QUANTIZATION_METHODS}
+# The fields whose default depends on the engine's role and device: EngineArgs leaves them None, "not given", so that
+# a worker can put its role's default in (serving/worker.py); create_engine_config gives the rest their component's.
+# The value is the default --help shows.
+_ROLE_DEFAULTS = {"max_num_batched_tokens": f"{SchedulerConfig.max_num_batched_tokens}; "
+                                            f"{PREFILL_CPU_MAX_NUM_BATCHED_TOKENS} for a prefill worker on the CPU"}
 
 
 @dataclass
@@ -46,7 +52,7 @@ class EngineArgs:
     num_gpu_blocks_override: int | None = CacheConfig.num_gpu_blocks_override
     swap_space: float = CacheConfig.swap_space
     max_num_seqs: int = SchedulerConfig.max_num_seqs
-    max_num_batched_tokens: int = SchedulerConfig.max_num_batched_tokens
+    max_num_batched_tokens: int | None = None  # (not given: _ROLE_DEFAULTS)
     async_scheduling: bool | None = SchedulerConfig.async_scheduling
     new_token_ratio: float = SchedulerConfig.new_token_ratio
     preemption_mode: str = SchedulerConfig.preemption_mode
@@ -60,8 +66,12 @@ class EngineArgs:
     master_port: int = ParallelConfig.master_port
 
     def create_engine_config(self) -> EngineConfig:
+        def value(f):
+            given = getattr(self, f.name)
+            return f.default if given is None and f.name in _ROLE_DEFAULTS else given
+
         def build(cls):
-            return cls(**{f.name: getattr(self, f.name) for f in fields(cls)})
+            return cls(**{f.name: value(f) for f in fields(cls)})
 
         config = EngineConfig(model=build(ModelConfig), cache=build(CacheConfig), scheduler=build(SchedulerConfig),
                               device=build(DeviceConfig), parallel=build(ParallelConfig))
@@ -153,6 +163,6 @@ def add_engine_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                 continue
             kind = {"int": int, "float": float, "int | None": int, "float | None": float}.get(str(f.type), str)
             group.add_argument(flag, type=_checked(cls, f.name, kind), default=default, choices=_CHOICES.get(f.name),
-                               help=f"{help_text} (default: {default})")
+                               help=f"{help_text} (default: {_ROLE_DEFAULTS.get(f.name, default)})")
     add_vllm_compat_args(group)
     return parser

@@ -104,6 +104,14 @@ class CacheConfig:
 
 
 PREEMPTION_MODES = ("auto", "swap", "recompute")
+# The step budget of a prefill worker on the CPU where --max-num-batched-tokens is not given (its WorkerRole in
+# prefill_svc/server.py names it). A prefill request ends at its first token, and that token and the request's KV
+# reach the decode worker only when the step that finishes the prompt ends. On the CPU a step's time grows with its
+# tokens, so one step of SchedulerConfig's budget that holds a whole burst of prompts keeps every one of them, and
+# the decode worker on its own cores, waiting for the last. Steps of a few prompts each finish the first ones early:
+# decode works on them while prefill goes on with the rest. Much smaller steps would read the weights for too few
+# tokens each; on a GPU a step's time grows far slower than its tokens and the larger budget stays.
+PREFILL_CPU_MAX_NUM_BATCHED_TOKENS = 512
 
 
 @dataclass

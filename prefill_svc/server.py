@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 
+from engine.config import PREFILL_CPU_MAX_NUM_BATCHED_TOKENS
 from kv_transfer.registry import CHOICES
 from kv_transfer.sender import tensor_parallel_refusal
 from prefill_svc.core import PrefillCore
@@ -55,6 +56,7 @@ ROLE = worker.WorkerRole(
     add_args=add_args,
     core_kwargs=_core_kwargs,
     decodes=False,
+    cpu_max_num_batched_tokens=PREFILL_CPU_MAX_NUM_BATCHED_TOKENS,  # (engine/config.py says why)
 )
 
 

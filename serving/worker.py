@@ -16,6 +16,7 @@ from functools import partial
 import uvloop
 
 from engine.args import EngineArgs, add_engine_args
+from engine.config import DeviceConfig
 from serving.config import KvTransferConfig, WorkerConfig
 from serving.logs import add_log_args, configure as configure_logging
 from serving.metrics import Metrics, add_metrics_args, set_prefix, start_metrics_server
@@ -35,6 +36,7 @@ class WorkerRole:
     add_args: Callable[[argparse.ArgumentParser], None] | None = None  # the role's own flags
     core_kwargs: Callable[[argparse.Namespace], dict] | None = None  # those flags -> make_core keyword arguments
     decodes: bool = True  # False (prefill): every engine request ends at its first token, no decode step runs
+    cpu_max_num_batched_tokens: int | None = None  # on the CPU, without --max-num-batched-tokens (None: the engine's)
 
 
 def build_parser(role: WorkerRole, prog: str | None = None) -> argparse.ArgumentParser:
@@ -59,6 +61,15 @@ def build_parser(role: WorkerRole, prog: str | None = None) -> argparse.Argument
         role.add_args(p)
     add_engine_args(p)
     return p
+
+
+def engine_args(role: WorkerRole, ns: argparse.Namespace) -> EngineArgs:
+    """The engine flags of `ns`, with `role`'s own defaults where a flag was not given."""
+    args = EngineArgs.from_cli_args(ns)
+    on_cpu = DeviceConfig(device=args.device).device == "cpu"
+    if args.max_num_batched_tokens is None and on_cpu and role.cpu_max_num_batched_tokens is not None:
+        args = replace(args, max_num_batched_tokens=role.cpu_max_num_batched_tokens)
+    return args
 
 
 async def serve(role: WorkerRole, engine, host: str, port: int, kv_timeout_s: float,
@@ -126,7 +137,7 @@ def main(role: WorkerRole, argv: list[str] | None = None) -> int:
         from engine.tp_node import run_node
 
         try:
-            return run_node(EngineArgs.from_cli_args(ns).create_engine_config())
+            return run_node(engine_args(role, ns).create_engine_config())
         except ValueError as e:
             print(f"tandem {role.name}: {e}", file=sys.stderr)
             return 1
@@ -135,7 +146,7 @@ def main(role: WorkerRole, argv: list[str] | None = None) -> int:
 
     # A prefill worker's decode CUDA graphs would never replay: it captures only the prompt steps' graphs.
     try:
-        engine = LLMEngine.from_engine_args(EngineArgs.from_cli_args(ns), decode_graphs=role.decodes)
+        engine = LLMEngine.from_engine_args(engine_args(role, ns), decode_graphs=role.decodes)
     except ValueError as e:  # what only loading tells: the checkpoint's format, the device, the memory
         print(f"tandem {role.name}: {e}", file=sys.stderr)
         return 1

@@ -61,6 +61,18 @@ def test_the_grpc_message_limit_goes_to_the_router_only_and_only_when_given():
         assert router_parser().parse_args(cmds["router"][2:]).max_grpc_message_bytes == 1000
 
 
+def test_the_step_budget_goes_to_the_workers_only_when_given():
+    """Not given, each worker picks its role's own (a prefill worker on the CPU a smaller one: tests/serving/
+    test_worker.py); given, even as the engine's default, every engine gets it."""
+    assert not any("--max-num-batched-tokens" in cmd for argv in ([], ["--colocated"])
+                   for cmd in commands(*argv).values())
+    cmds = commands("--max-num-batched-tokens", "2048")
+    assert [name for name, cmd in cmds.items() if "--max-num-batched-tokens" in cmd] == ["prefill-0", "decode-0"]
+    assert all(cmds[name][cmds[name].index("--max-num-batched-tokens") + 1] == "2048" for name in cmds
+               if name != "router")
+    assert "--max-num-batched-tokens" in commands("--colocated", "--max-num-batched-tokens", "2048")["router"]
+
+
 def test_binding_every_interface_still_dials_loopback():
     cmds = commands("--host", "0.0.0.0")
     assert cmds["prefill-0"][2:4] == ["--host", "0.0.0.0"]
