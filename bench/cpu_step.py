@@ -17,7 +17,11 @@ To compare two commits on a noisy machine, run the two trees' copies of this scr
 compare medians of medians; or, closer, --ab-baseline DIR: in this one engine, step by step, A runs the sampler of
 DIR/engine/sampler.py and the float32 CPU norms of DIR/kernels/cpu_ops.py with rotary + KV write through
 kernels.rotary's reference (what a tree before this branch's CPU rotary path ran), B this tree's; --steps steps
-each, alternating, reporting each one's step median and the three pieces' ms per step.
+each, alternating, reporting each one's step median and the three pieces' ms per step. --ab-attention R: R rounds
+of --steps decode steps with attention through the torch path (kernels/paged_attention_cpu.py's gathered copies
+and SDPA) and --steps through the C kernel that reads the cache in place, A B B A ... so that a drift of the
+machine's load or of the sequences' lengths falls on both, reporting each one's step median and attention ms per
+step.
 """
 from __future__ import annotations
 
@@ -179,6 +183,39 @@ def ab_steps(eng, baseline: Path, steps: int) -> dict:
     return {name: {k: statistics.median(v) for k, v in r.items()} for name, r in out.items()}
 
 
+def ab_attention(eng, steps: int, rounds: int) -> dict:
+    """--ab-attention: A (the torch path) and B (the C kernel) in alternating runs of `steps` decode steps."""
+    import kernels
+    from kernels.cpu_native import load_library
+
+    assert load_library("paged_decode_attention") is not None, "the C kernel did not build (see the log)"
+    dispatch, native_ok = kernels.paged_attention, kernels.native_attention_cpu_ok
+    spent = [0.0]
+
+    def timed(*a, **kw):
+        t0 = time.perf_counter()
+        try:
+            return dispatch(*a, **kw)
+        finally:
+            spent[0] += time.perf_counter() - t0
+
+    out = {name: dict(step_ms=[], attention_ms=[]) for name in "AB"}
+    kernels.paged_attention = timed
+    try:
+        for r in range(rounds):
+            for name in ("AB" if r % 2 == 0 else "BA"):
+                kernels.native_attention_cpu_ok = (lambda *a: False) if name == "A" else native_ok
+                for _ in range(steps):
+                    spent[0] = 0.0
+                    t0 = time.perf_counter()
+                    eng.step()
+                    out[name]["step_ms"].append((time.perf_counter() - t0) * 1e3)
+                    out[name]["attention_ms"].append(spent[0] * 1e3)
+    finally:
+        kernels.paged_attention, kernels.native_attention_cpu_ok = dispatch, native_ok
+    return {name: {k: statistics.median(v) for k, v in r.items()} for name, r in out.items()}
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="smollm2")
@@ -192,6 +229,8 @@ def main(argv=None) -> int:
     p.add_argument("--vocab", type=int, default=49152)
     p.add_argument("--time-ops", action="store_true")
     p.add_argument("--ab-baseline", default=None, metavar="DIR", help="a baseline tree: A/B step by step")
+    p.add_argument("--ab-attention", type=int, default=0, metavar="ROUNDS",
+                   help="A/B the torch and C decode attention, ROUNDS x --steps steps each")
     p.add_argument("--profile", action="store_true")
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
@@ -211,7 +250,7 @@ def main(argv=None) -> int:
                                        date=time.strftime("%Y-%m-%d %H:%M")))
         return 0
 
-    max_tokens = 6 * args.steps + 32
+    max_tokens = (6 + 2 * args.ab_attention) * args.steps + 32
     llm = LLM(args.model, dtype="float32", device="cpu", cpu_threads=args.cpu_threads,
               max_model_len=args.input_len + max_tokens + 16, max_num_seqs=args.batch, enable_prefix_caching=False)
     eng = llm.engine
@@ -250,6 +289,7 @@ def main(argv=None) -> int:
 
     op_ms = time_ops(eng, args.steps) if args.time_ops else None
     ab = ab_steps(eng, Path(args.ab_baseline), args.steps) if args.ab_baseline else None
+    ab_attn = ab_attention(eng, args.steps, args.ab_attention) if args.ab_attention else None
     profile = None
     if args.profile:
         from torch.profiler import ProfilerActivity
@@ -284,6 +324,11 @@ def main(argv=None) -> int:
         print("A/B step by step (medians, ms): A = " + args.ab_baseline + ", B = this tree")
         for name, r in ab.items():
             print(f"  {name}: " + ", ".join(f"{k} {v:.2f}" for k, v in r.items()))
+    if ab_attn:
+        print(f"A/B decode attention, {args.ab_attention} rounds of {args.steps} steps each (medians, ms): "
+              "A = torch (gathered copies + SDPA), B = C kernel (cache read in place)")
+        for name, r in ab_attn.items():
+            print(f"  {name}: " + ", ".join(f"{k} {v:.2f}" for k, v in r.items()))
     if profile:
         print("top-level CPU ops, ms per step (calls per step):")
         for name, (ms, n) in profile.items():
@@ -291,8 +336,8 @@ def main(argv=None) -> int:
     if args.json:
         write_json(args.json, dict(model=args.model, batch=args.batch, input_len=args.input_len,
                                    temperature=args.temperature, threads=torch.get_num_threads(), step_ms=step,
-                                   forward_ms=fwd, sampler_ms=sampler, op_ms=op_ms, ab=ab, profile=profile,
-                                   machine=machine_info(),
+                                   forward_ms=fwd, sampler_ms=sampler, op_ms=op_ms, ab=ab, ab_attention=ab_attn,
+                                   profile=profile, machine=machine_info(),
                                    commit=git_commit()["sha"], date=time.strftime("%Y-%m-%d %H:%M")))
     return 0
 

@@ -18,7 +18,8 @@ from kernels.cpu_ops import (cpu_fast, fused_add_rms_norm_cpu, rms_norm_cpu, rot
 from kernels.kv_write import write_kv_ref, write_kv_triton
 from kernels.norm import fused_add_rms_norm_ref, fused_add_rms_norm_triton, rms_norm_ref, rms_norm_triton
 from kernels.paged_attention import paged_attention_ref, paged_attention_torch, paged_attention_triton
-from kernels.paged_attention_cpu import decode_attention_cpu_ok, paged_decode_attention_cpu
+from kernels.paged_attention_cpu import (decode_attention_cpu_ok, native_attention_cpu_ok, paged_attention_cpu_native,
+                                        paged_decode_attention_cpu)
 from kernels.rotary import (rotary_embedding_ref, rotary_embedding_triton, rotary_embedding_write_kv_ref,
                             rotary_embedding_write_kv_triton)
 from kernels.token_bitmask import apply_token_bitmask_ref, apply_token_bitmask_triton
@@ -33,6 +34,9 @@ def paged_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc
         return paged_attention_triton(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, max_query_len,
                                       max_seq_len, scale, k_scale, v_scale, k=k, v=v, k_scale_cache=k_scale_cache,
                                       v_scale_cache=v_scale_cache)
+    if native_attention_cpu_ok(q, k_cache, v_cache, k_scale, v_scale, k_scale_cache):
+        return paged_attention_cpu_native(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc,
+                                          max_query_len, max_seq_len, scale)
     if decode_attention_cpu_ok(q, k_cache, max_query_len, seq_lens.shape[0], k_scale, v_scale, k_scale_cache):
         return paged_decode_attention_cpu(q, k_cache, v_cache, block_tables, seq_lens, max_seq_len, scale)
     return paged_attention_torch(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, max_query_len,

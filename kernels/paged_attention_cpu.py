@@ -1,24 +1,36 @@
-"""Decode attention over the paged KV cache on the CPU: one query per sequence, a float cache (the model's dtype).
+"""Paged attention on the CPU: decodes read the cache in place (a C kernel), or through gathered copies (torch).
 
-The CPU engine's decode steps spend their attention time moving K/V, not in the dot products: at SmolLM2's shape
-(batch 16, ~150 cached tokens, 3 KV heads) paged_attention_torch's gather by a [num_seqs, blocks] index, the
-masking of stale slots in the strided gathered copies and SDPA took ~2.5 ms a layer, this ~1 ms (bench/RESULTS.md,
-"CPU: Tandem beside vLLM"). The steps:
-  1. `index_select` copies each sequence's blocks, whole and in table order, into [num_seqs, blocks * block_size,
-     num_kv_heads, head_dim]: one contiguous copy of block_size * num_kv_heads * head_dim values per block;
-  2. the rows past each sequence's length (its last block's tail, the table's padding blocks) may hold anything, NaN
-     too, and a masked weight of 0 times NaN is NaN: those rows alone are zeroed (`index_fill_` of their row ids),
-     in K and in V;
-  3. SDPA with grouped-query heads attends each query to its own sequence's rows under a key mask [S, 1, 1, L].
-The result equals paged_attention_ref's (tests/kernels/test_paged_attention_cpu.py). Prefill chunks, mixed steps and
-fp8/int8 caches take paged_attention_torch: their cost is in the GEMMs around them.
+The CPU engine's decode steps spend their attention time moving K/V, not in the dot products. Two paths:
+- `paged_attention_cpu_native`, where kernels/csrc/paged_decode_attention.c compiles (kernels/cpu_native.py) and
+  the step is float32 or bfloat16 with unit scales: each one-query row (a decode, or a one-token prompt chunk)
+  attends straight from the paged cache, one (sequence, KV head) at a time with all the group's query heads
+  together, reading each K/V row once and no slot past seq_len. In a mixed step only the prompt chunks go to
+  paged_attention_torch, as a smaller batch: its padded [num_seqs, max_query_len] query grid then holds no decode
+  rows. A decode row gets the same bits in any batch, so sync and async scheduling agree to the last bit.
+- `paged_decode_attention_cpu` (no C kernel, or float16) for decode-only steps: 1. `index_select` copies each
+  sequence's blocks, whole and in table order, into [num_seqs, blocks * block_size, num_kv_heads, head_dim]; 2. the
+  rows past each sequence's length may hold anything, NaN too, and a masked weight of 0 times NaN is NaN: those
+  rows alone are zeroed (`index_fill_` of their row ids); 3. SDPA with grouped-query heads attends each query to
+  its own sequence's rows under a key mask [S, 1, 1, L]. It gives paged_attention_torch's bits, so its mixed steps
+  agree with its decode-only ones.
+Both equal paged_attention_ref's result (tests/kernels/test_paged_attention_cpu.py); the timings are in
+bench/RESULTS.md ("CPU: decode attention read in place"). fp8/int8 caches take paged_attention_torch.
 """
 from __future__ import annotations
+
+import ctypes
+import functools
 
 import torch
 import torch.nn.functional as F
 
 from kernels._checks import FLOAT_DTYPES
+from kernels.cpu_native import load_library
+from kernels.paged_attention import paged_attention_torch
+
+NATIVE_DTYPES = {torch.float32: 0, torch.bfloat16: 1}  # the C kernel's dtype codes
+# The C kernel keeps a work item's queries and accumulators ([group, head_dim] floats each) on its thread's stack.
+MAX_GROUP_ELEMS = 8192
 
 
 def decode_attention_cpu_ok(q: torch.Tensor, k_cache: torch.Tensor, max_query_len: int, num_seqs: int,
@@ -61,3 +73,103 @@ def paged_decode_attention_cpu(
     out = F.scaled_dot_product_attention(q[:, :, None, :], k.transpose(1, 2), v.transpose(1, 2),
                                          attn_mask=~stale[:, None, None, :], scale=scale, enable_gqa=True)
     return out[:, :, 0, :]  # [S, H, D]
+
+
+@functools.cache
+def _native_kernel():
+    """The C kernel's entry point, or None (no compiler, a failed build, TANDEM_CPU_NATIVE=0)."""
+    lib = load_library("paged_decode_attention")
+    if lib is None:
+        return None
+    fn = lib.paged_decode_attention
+    p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+    fn.argtypes = [p, i64, i64,  # out, its token and head strides
+                   p, i64, i64,  # q
+                   p, i64, i64, i64,  # k_cache, its block, slot and head strides
+                   p, i64, i64, i64,  # v_cache
+                   p, i64, i64, i64,  # block_tables, row stride, max_blocks, num_blocks
+                   p, p,  # seq_lens, query_start_loc
+                   i32, i32, i32, i32, i32,  # num_seqs, num_heads, num_kv_heads, head_dim, block_size
+                   ctypes.c_float, i32, i32]  # scale, dtype code, threads
+    fn.restype = i32
+    return fn
+
+
+def native_attention_cpu_ok(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, k_scale: float,
+                            v_scale: float, k_scale_cache: torch.Tensor | None) -> bool:
+    """Whether paged_attention_cpu_native computes this call: CPU tensors of one float32 or bfloat16 dtype, unit
+    scales, rows with a contiguous last dim, and the C kernel built."""
+    if not (q.device.type == "cpu" and q.dtype in NATIVE_DTYPES and k_cache.dtype == v_cache.dtype == q.dtype
+            and k_scale_cache is None and k_scale == 1.0 and v_scale == 1.0):
+        return False
+    if q.dim() != 3 or k_cache.dim() != 4 or v_cache.shape != k_cache.shape or q.shape[2] != k_cache.shape[3]:
+        return False
+    num_heads, num_kv_heads, head_dim = q.shape[1], k_cache.shape[2], q.shape[2]
+    return (num_heads % num_kv_heads == 0 and num_heads // num_kv_heads * head_dim <= MAX_GROUP_ELEMS
+            and q.stride(2) == 1 and k_cache.stride(3) == 1 and v_cache.stride(3) == 1
+            and _native_kernel() is not None)
+
+
+def _int32(t: torch.Tensor) -> torch.Tensor:
+    """t as int32 with a contiguous last dim (the engine's tables already are: no copy)."""
+    return t if t.dtype == torch.int32 and t.stride(-1) == 1 else t.to(torch.int32).contiguous()
+
+
+def paged_decode_attention_native(
+    q: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+    k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim] (a strided view)
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,  # [num_seqs, max_blocks] int32
+    seq_lens: torch.Tensor,  # [num_seqs] int32
+    query_start_loc: torch.Tensor,  # [num_seqs + 1] int32
+    scale: float,
+    out: torch.Tensor,  # [num_tokens, num_heads, head_dim], q's dtype, last dim contiguous
+) -> torch.Tensor:
+    """Writes out's row of every sequence with exactly one query (the others' rows are left as they are), by the
+    C kernel; the caller has checked native_attention_cpu_ok. Raises ValueError for a seq_len or block id the
+    cache or the table cannot hold (the kernel checks them: a wrong one would read outside the cache)."""
+    num_seqs, (num_blocks, block_size, num_kv_heads, head_dim) = seq_lens.shape[0], k_cache.shape
+    bt, sl, qsl = _int32(block_tables), _int32(seq_lens), _int32(query_start_loc)
+    assert out.dtype == q.dtype and out.shape == q.shape and out.stride(2) == 1, (out.dtype, out.shape)
+    bad = _native_kernel()(
+        out.data_ptr(), out.stride(0), out.stride(1),
+        q.data_ptr(), q.stride(0), q.stride(1),
+        k_cache.data_ptr(), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.data_ptr(), v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        bt.data_ptr(), bt.stride(0), bt.shape[1], num_blocks,
+        sl.data_ptr(), qsl.data_ptr(),
+        num_seqs, q.shape[1], num_kv_heads, head_dim, block_size,
+        scale, NATIVE_DTYPES[q.dtype], torch.get_num_threads())
+    if bad:
+        i = bad - 1
+        raise ValueError(f"sequence {i}: seq_len={int(sl[i])} with block table {bt[i].tolist()} reads past the "
+                         f"table ({bt.shape[1]} blocks of {block_size}) or the cache ({num_blocks} blocks)")
+    return out
+
+
+def paged_attention_cpu_native(
+    q: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+    k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim] (a strided view)
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,  # [num_seqs, max_blocks] int32
+    seq_lens: torch.Tensor,  # [num_seqs] int32
+    query_start_loc: torch.Tensor,  # [num_seqs + 1] int32
+    max_query_len: int,
+    max_seq_len: int,
+    scale: float,
+) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
+    """paged_attention_torch's contract: one-query rows by the C kernel, prompt chunks by paged_attention_torch
+    over those sequences alone."""
+    out = torch.empty(q.shape, dtype=q.dtype)
+    paged_decode_attention_native(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, out)
+    if max_query_len == 1 and q.shape[0] == seq_lens.shape[0]:  # every sequence has one query: all done
+        return out
+    q_lens = query_start_loc[1:] - query_start_loc[:-1]  # [S]
+    chunked = q_lens != 1  # [S]: the sequences the kernel left
+    chunks = chunked.nonzero().view(-1)
+    rows = chunked.repeat_interleave(q_lens)  # [T]: their query rows
+    chunk_qsl = torch.zeros(chunks.shape[0] + 1, dtype=torch.int32)
+    chunk_qsl[1:] = q_lens[chunks].cumsum(0)
+    out[rows] = paged_attention_torch(q[rows], k_cache, v_cache, block_tables[chunks], seq_lens[chunks], chunk_qsl,
+                                      max_query_len, max_seq_len, scale)
+    return out
