@@ -154,6 +154,15 @@ def time_us(fn, smoke: bool) -> float:
     return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median") * 1e3
 
 
+def launch_checked(args: dict, ref: torch.Tensor, config: dict) -> tuple[torch.Tensor, float, bool]:
+    """One launch of `config` into a NaN-filled output: (out, its relative error against ref, whether it is finite
+    and within TOL). Raises what the launch raised (an out-of-resources config is the caller's data point)."""
+    out = torch.full_like(args["q"], float("nan"))
+    paged_attention_triton(**args, out=out, config=config)
+    err = ((out.float() - ref).norm() / ref.norm()).item()
+    return out, err, bool(torch.isfinite(out).all()) and err < TOL
+
+
 def path() -> str:
     """The 8-bit walk the last launch took: bytes, words (fp8x4 1 or 2), +align1 / +align2 (int8_align's)."""
     p = LAST_LAUNCH.get("path") or {}
@@ -225,15 +234,12 @@ def main(argv: list[str] | None = None) -> int:
         args = build(kv, seq_lens, max_seq_len, device, num_layers)
         ref = paged_attention_ref(**args).float()
         for override, full in cands:
-            out = torch.full_like(args["q"], float("nan"))
             try:
-                paged_attention_triton(**args, out=out, config=full)
+                out, err, ok = launch_checked(args, ref, full)
             except Exception as e:  # noqa: BLE001 (an out-of-resources config is a data point)
                 print(f"{b:5d} {kv:10s} {label(override, full):58s} {type(e).__name__}: {str(e)[:80]}", flush=True)
                 continue
             walk = path()
-            err = ((out.float() - ref).norm() / ref.norm()).item()
-            ok = bool(torch.isfinite(out).all()) and err < TOL
             wrong += not ok
             us = float("nan")
             if time.time() - t_start < a.budget:
