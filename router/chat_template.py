@@ -109,8 +109,10 @@ def render(tokenizer, messages: list[dict], *, tools: list[dict] | None = None, 
 @dataclass(frozen=True)
 class Chat:
     """A chat as the gRPC Chat RPC receives it."""
-    messages: list[dict[str, str]]
-    """{"role": ..., "content": ...}, oldest first."""
+    messages: list[dict]
+    """As `template_messages` makes them, oldest first."""
+    tools: list[dict] | None = None
+    """OpenAI's tool dicts, for the template to render."""
     add_generation_prompt: bool = True
     """Open an assistant turn after the messages."""
     continue_final_message: bool = False
@@ -137,7 +139,8 @@ async def prompt_ids(core: RouterCore, chat: Chat) -> list[int]:
     """`chat`'s prompt token ids, checked against --max-prompt-bytes and tokenized by the core (off the event loop
     when long). The template already put in the special tokens it wants: none are added."""
     try:
-        text = render(core.tokenizer, chat.messages, add_generation_prompt=chat.add_generation_prompt,
+        text = render(core.tokenizer, chat.messages, tools=chat.tools,
+                      add_generation_prompt=chat.add_generation_prompt,
                       continue_final_message=chat.continue_final_message,
                       chat_template_kwargs=chat.chat_template_kwargs)
     except ChatTemplateError as e:

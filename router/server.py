@@ -200,7 +200,7 @@ async def serve(ns: argparse.Namespace, prefill: list[str], decode: list[str], t
         raise
     try:
         grpc_server = await start_grpc_server(core, f"{ns.host}:{ns.grpc_port}", tls, api_key,
-                                              ns.max_grpc_message_bytes)
+                                              ns.max_grpc_message_bytes, tools)
         open_paths = [p.strip() for p in ns.api_key_open_paths.split(",") if p.strip()]
         # TLS on the public HTTP API with the process's certificate; clients are not asked for one.
         ssl = {} if tls is None else {"ssl_certfile": tls.cert, "ssl_keyfile": tls.key}

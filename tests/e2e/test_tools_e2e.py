@@ -275,3 +275,127 @@ def test_a_named_choice_always_calls_that_tool(client, stream):
         (call,) = choice.message.tool_calls
         assert call.function.name == "get_time" and choice.finish_reason == "tool_calls", choice
         assert set(json.loads(call.function.arguments)) == {"zone", "hour24"}
+
+
+# ---------------------------------------------------------------------------------------------------- gRPC Chat
+def grpc_tools(tools: list[dict]):
+    from protos.tandem.v1 import generate_pb2
+
+    return [generate_pb2.Tool(name=t["function"]["name"], description=t["function"].get("description", ""),
+                              parameters_json=json.dumps(t["function"]["parameters"]),
+                              strict=t["function"].get("strict", False)) for t in tools]
+
+
+def grpc_messages(messages: list[dict]):
+    from protos.tandem.v1 import generate_pb2
+
+    return [generate_pb2.ChatMessage(role=m["role"], content=m.get("content") or "",
+                                     tool_call_id=m.get("tool_call_id", ""),
+                                     tool_calls=[generate_pb2.ToolCall(id=c["id"], name=c["function"]["name"],
+                                                                       arguments=c["function"]["arguments"])
+                                                 for c in m.get("tool_calls", ())]) for m in messages]
+
+
+def grpc_chat(stack, **fields) -> dict:
+    """One gRPC Chat call, its responses put together as a client does: per completion index the token ids,
+    content, calls (first entry: id and name; later entries append arguments), finish reason; and the prompt ids."""
+    import asyncio
+
+    import grpc
+
+    from protos.tandem.v1 import generate_pb2, generate_pb2_grpc
+
+    async def call():
+        async with grpc.aio.insecure_channel(stack.grpc) as ch:
+            return [r async for r in generate_pb2_grpc.GenerateStub(ch).Chat(generate_pb2.ChatRequest(**fields),
+                                                                              timeout=120)]
+
+    out: dict = {}
+    for r in asyncio.run(call()):
+        c = out.setdefault(r.index, {"token_ids": [], "content": "", "calls": [], "finish": None, "prompt": None})
+        if r.prompt_token_ids:
+            assert c["prompt"] is None, "prompt_token_ids twice for one completion"
+            c["prompt"] = list(r.prompt_token_ids)
+        c["token_ids"] += r.delta.token_ids
+        c["content"] += r.content if r.HasField("content") else r.delta.text
+        for tc in r.tool_calls:
+            if tc.id:
+                assert tc.index == len(c["calls"]) and tc.name, tc
+                c["calls"].append({"id": tc.id, "name": tc.name, "arguments": tc.arguments})
+            else:
+                assert not tc.name and tc.index < len(c["calls"]), tc
+                c["calls"][tc.index]["arguments"] += tc.arguments
+        if r.delta.finish_reason:
+            c["finish"] = r.delta.finish_reason
+    return out
+
+
+@pytest.mark.skipif(not HAVE_GRAMMAR, reason="needs structured outputs")
+@pytest.mark.parametrize("case", ["required", "required-one", "named", "auto-hermes"])
+def test_grpc_chat_makes_the_http_endpoints_calls(stack, client, case):
+    """The same messages, tools, tool choice and seed through gRPC Chat and POST /v1/chat/completions: the same
+    prompt tokens, output tokens, content and calls (arguments to the character), FINISH_REASON_TOOL_CALLS."""
+    from protos.tandem.v1 import common_pb2, generate_pb2
+
+    tools = [FORECAST, CLOCK]
+    http_kw: dict = dict(model="qwen", messages=ASK, tools=tools, temperature=1.0, seed=5, max_tokens=400,
+                         extra_body={"return_token_ids": True})
+    grpc_kw: dict = dict(messages=grpc_messages(ASK), tools=grpc_tools(tools), return_prompt_token_ids=True)
+    so = None
+    if case.startswith("required"):
+        http_kw["tool_choice"] = "required"
+        grpc_kw["tool_choice"] = generate_pb2.ToolChoice(mode="required")
+        if case == "required-one":
+            http_kw["parallel_tool_calls"] = grpc_kw["parallel_tool_calls"] = False
+    elif case == "named":
+        http_kw["tool_choice"] = {"type": "function", "function": {"name": "get_forecast"}}
+        grpc_kw["tool_choice"] = generate_pb2.ToolChoice(function="get_forecast")
+    else:  # auto: the model's text read by the hermes parser (a regex makes random weights write two calls)
+        http_kw["extra_body"]["guided_regex"] = HERMES_CALLS
+        so = common_pb2.StructuredOutputs(regex=HERMES_CALLS)
+    grpc_kw["params"] = common_pb2.SamplingParams(temperature=1.0, seed=5, max_tokens=400, structured_outputs=so)
+    want = client.chat.completions.create(**http_kw)
+    got = grpc_chat(stack, **grpc_kw)
+    (choice,) = want.choices
+    g = got[0]
+    assert g["prompt"] == want.model_extra["prompt_token_ids"]
+    assert g["token_ids"] == choice.model_extra["token_ids"]
+    # Parallel required calls run until max_tokens with random weights (the last call cut short): both say so.
+    finish = {"tool_calls": common_pb2.FINISH_REASON_TOOL_CALLS, "length": common_pb2.FINISH_REASON_LENGTH}
+    assert g["finish"] == finish[choice.finish_reason]
+    assert choice.finish_reason == "tool_calls" or case == "required"
+    calls = [(c.function.name, c.function.arguments) for c in choice.message.tool_calls]
+    assert [(c["name"], c["arguments"]) for c in g["calls"]] == calls
+    assert all(c["id"].startswith("call_") for c in g["calls"])
+    assert g["content"] == (choice.message.content or "")
+    if case == "auto-hermes":
+        assert [name for name, _ in calls] == ["get_forecast", "get_time"] and g["content"]
+    elif case in ("named", "required-one"):
+        assert len(calls) == 1
+
+
+@pytest.mark.skipif(not HAVE_GRAMMAR, reason="needs structured outputs")
+def test_a_full_tool_loop_over_grpc(stack, client):
+    """Call (a named choice), the tool's result as a tool turn, the answer, over gRPC Chat alone; each turn's prompt
+    is the HTTP endpoint's rendering of the same messages (the call's turn and the tool's result in it)."""
+    from protos.tandem.v1 import common_pb2, generate_pb2
+
+    params = common_pb2.SamplingParams(temperature=0, max_tokens=48)
+    first = grpc_chat(stack, messages=grpc_messages(ASK), tools=grpc_tools([WEATHER]), params=params,
+                      tool_choice=generate_pb2.ToolChoice(function="get_weather"), return_prompt_token_ids=True)[0]
+    (call,) = first["calls"]
+    assert call["name"] == "get_weather" and json.loads(call["arguments"])["city"] in ("Paris", "Oslo", "Lima")
+    assert first["finish"] == common_pb2.FINISH_REASON_TOOL_CALLS and first["content"] == ""
+    loop = ASK + [{"role": "assistant", "content": None, "tool_calls": [
+        {"id": call["id"], "type": "function", "function": {"name": call["name"], "arguments": call["arguments"]}}]},
+        {"role": "tool", "tool_call_id": call["id"], "content": "sunny, 21 C"}]
+    answer = grpc_chat(stack, messages=grpc_messages(loop), tools=grpc_tools([WEATHER]),
+                       tool_choice=generate_pb2.ToolChoice(mode="none"), return_prompt_token_ids=True,
+                       params=common_pb2.SamplingParams(max_tokens=8, ignore_eos=True, temperature=0))[0]
+    assert answer["content"] and not answer["calls"] and answer["finish"] == common_pb2.FINISH_REASON_LENGTH
+    http = client.chat.completions.create(model="qwen", messages=loop, tools=[WEATHER], tool_choice="none",
+                                          max_tokens=8, temperature=0,
+                                          extra_body={"ignore_eos": True, "return_token_ids": True})
+    assert answer["prompt"] == http.model_extra["prompt_token_ids"]
+    assert answer["token_ids"] == http.choices[0].model_extra["token_ids"]
+    assert len(answer["prompt"]) > len(first["prompt"]) + 20  # (the call and the result are in it)

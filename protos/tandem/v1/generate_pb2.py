@@ -16,7 +16,7 @@ _sym_db = _symbol_database.Default()
 from protos.tandem.v1 import common_pb2 as tandem_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18tandem/v1/generate.proto\x12\ttandem.v1\x1a\x16tandem/v1/common.proto\"\x8d\x01\n\x0fGenerateRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0e\n\x06prompt\x18\x02 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x03 \x03(\x05\x12)\n\x06params\x18\x04 \x01(\x0b\x32\x19.tandem.v1.SamplingParams\x12\x16\n\x0ereturn_timings\x18\x05 \x01(\x08\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"\xf2\x01\n\x0b\x43hatRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12(\n\x08messages\x18\x02 \x03(\x0b\x32\x16.tandem.v1.ChatMessage\x12)\n\x06params\x18\x03 \x01(\x0b\x32\x19.tandem.v1.SamplingParams\x12\"\n\x15\x61\x64\x64_generation_prompt\x18\x04 \x01(\x08H\x00\x88\x01\x01\x12\x1e\n\x16\x63ontinue_final_message\x18\x05 \x01(\x08\x12!\n\x19\x63hat_template_kwargs_json\x18\x06 \x01(\tB\x18\n\x16_add_generation_prompt\"\xa8\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05index\x18\x02 \x01(\r\x12$\n\x05\x64\x65lta\x18\x03 \x01(\x0b\x32\x15.tandem.v1.TokenDelta\x12\x1f\n\x05usage\x18\x04 \x01(\x0b\x32\x10.tandem.v1.Usage\x12*\n\x07timings\x18\x05 \x01(\x0b\x32\x19.tandem.v1.RequestTimings\"W\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x03 \x01(\r\".\n\x0fTokenizeRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\"%\n\x10TokenizeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\"\x13\n\x11ListModelsRequest\";\n\x12ListModelsResponse\x12\x0e\n\x06models\x18\x01 \x03(\t\x12\x15\n\rmax_model_len\x18\x02 \x01(\r\"\x88\x01\n\x0eRequestTimings\x12\x0f\n\x07queue_s\x18\x01 \x01(\x01\x12\x11\n\tprefill_s\x18\x02 \x01(\x01\x12\x15\n\rkv_transfer_s\x18\x03 \x01(\x01\x12\x15\n\rfirst_token_s\x18\x04 \x01(\x01\x12\x12\n\nmean_itl_s\x18\x05 \x01(\x01\x12\x10\n\x08\x64\x65\x63ode_s\x18\x06 \x01(\x01\x32\xa0\x02\n\x08Generate\x12\x45\n\x08Generate\x12\x1a.tandem.v1.GenerateRequest\x1a\x1b.tandem.v1.GenerateResponse0\x01\x12=\n\x04\x43hat\x12\x16.tandem.v1.ChatRequest\x1a\x1b.tandem.v1.GenerateResponse0\x01\x12\x43\n\x08Tokenize\x12\x1a.tandem.v1.TokenizeRequest\x1a\x1b.tandem.v1.TokenizeResponse\x12I\n\nListModels\x12\x1c.tandem.v1.ListModelsRequest\x1a\x1d.tandem.v1.ListModelsResponseBI\n\rdev.tandem.v1P\x01Z6github.com/tandem-llm/tandem/protos/tandem/v1;tandemv1b\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18tandem/v1/generate.proto\x12\ttandem.v1\x1a\x16tandem/v1/common.proto\"\xae\x01\n\x0fGenerateRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0e\n\x06prompt\x18\x02 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x03 \x03(\x05\x12)\n\x06params\x18\x04 \x01(\x0b\x32\x19.tandem.v1.SamplingParams\x12\x16\n\x0ereturn_timings\x18\x05 \x01(\x08\x12\x1f\n\x17return_prompt_token_ids\x18\x06 \x01(\x08\"y\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\x12\'\n\ntool_calls\x18\x03 \x03(\x0b\x32\x13.tandem.v1.ToolCall\x12\x14\n\x0ctool_call_id\x18\x04 \x01(\t\x12\x0c\n\x04name\x18\x05 \x01(\t\"R\n\x04Tool\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x13\n\x0b\x64\x65scription\x18\x02 \x01(\t\x12\x17\n\x0fparameters_json\x18\x03 \x01(\t\x12\x0e\n\x06strict\x18\x04 \x01(\x08\":\n\nToolChoice\x12\x0e\n\x04mode\x18\x01 \x01(\tH\x00\x12\x12\n\x08\x66unction\x18\x02 \x01(\tH\x00\x42\x08\n\x06\x63hoice\"7\n\x08ToolCall\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x11\n\targuments\x18\x03 \x01(\t\"K\n\rToolCallDelta\x12\r\n\x05index\x18\x01 \x01(\r\x12\n\n\x02id\x18\x02 \x01(\t\x12\x0c\n\x04name\x18\x03 \x01(\t\x12\x11\n\targuments\x18\x04 \x01(\t\"\xb1\x03\n\x0b\x43hatRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12(\n\x08messages\x18\x02 \x03(\x0b\x32\x16.tandem.v1.ChatMessage\x12)\n\x06params\x18\x03 \x01(\x0b\x32\x19.tandem.v1.SamplingParams\x12\"\n\x15\x61\x64\x64_generation_prompt\x18\x04 \x01(\x08H\x00\x88\x01\x01\x12\x1e\n\x16\x63ontinue_final_message\x18\x05 \x01(\x08\x12!\n\x19\x63hat_template_kwargs_json\x18\x06 \x01(\t\x12\x1e\n\x05tools\x18\x07 \x03(\x0b\x32\x0f.tandem.v1.Tool\x12*\n\x0btool_choice\x18\x08 \x01(\x0b\x32\x15.tandem.v1.ToolChoice\x12 \n\x13parallel_tool_calls\x18\t \x01(\x08H\x01\x88\x01\x01\x12\x16\n\x0ereturn_timings\x18\n \x01(\x08\x12\x1f\n\x17return_prompt_token_ids\x18\x0b \x01(\x08\x42\x18\n\x16_add_generation_promptB\x16\n\x14_parallel_tool_calls\"\x92\x02\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05index\x18\x02 \x01(\r\x12$\n\x05\x64\x65lta\x18\x03 \x01(\x0b\x32\x15.tandem.v1.TokenDelta\x12\x1f\n\x05usage\x18\x04 \x01(\x0b\x32\x10.tandem.v1.Usage\x12*\n\x07timings\x18\x05 \x01(\x0b\x32\x19.tandem.v1.RequestTimings\x12\x18\n\x10prompt_token_ids\x18\x06 \x03(\x05\x12\x14\n\x07\x63ontent\x18\x07 \x01(\tH\x00\x88\x01\x01\x12,\n\ntool_calls\x18\x08 \x03(\x0b\x32\x18.tandem.v1.ToolCallDeltaB\n\n\x08_content\"W\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x03 \x01(\r\".\n\x0fTokenizeRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\"%\n\x10TokenizeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\"\x13\n\x11ListModelsRequest\";\n\x12ListModelsResponse\x12\x0e\n\x06models\x18\x01 \x03(\t\x12\x15\n\rmax_model_len\x18\x02 \x01(\r\"\x88\x01\n\x0eRequestTimings\x12\x0f\n\x07queue_s\x18\x01 \x01(\x01\x12\x11\n\tprefill_s\x18\x02 \x01(\x01\x12\x15\n\rkv_transfer_s\x18\x03 \x01(\x01\x12\x15\n\rfirst_token_s\x18\x04 \x01(\x01\x12\x12\n\nmean_itl_s\x18\x05 \x01(\x01\x12\x10\n\x08\x64\x65\x63ode_s\x18\x06 \x01(\x01\x32\xa0\x02\n\x08Generate\x12\x45\n\x08Generate\x12\x1a.tandem.v1.GenerateRequest\x1a\x1b.tandem.v1.GenerateResponse0\x01\x12=\n\x04\x43hat\x12\x16.tandem.v1.ChatRequest\x1a\x1b.tandem.v1.GenerateResponse0\x01\x12\x43\n\x08Tokenize\x12\x1a.tandem.v1.TokenizeRequest\x1a\x1b.tandem.v1.TokenizeResponse\x12I\n\nListModels\x12\x1c.tandem.v1.ListModelsRequest\x1a\x1d.tandem.v1.ListModelsResponseBI\n\rdev.tandem.v1P\x01Z6github.com/tandem-llm/tandem/protos/tandem/v1;tandemv1b\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -25,25 +25,33 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['DESCRIPTOR']._loaded_options = None
   _globals['DESCRIPTOR']._serialized_options = b'\n\rdev.tandem.v1P\001Z6github.com/tandem-llm/tandem/protos/tandem/v1;tandemv1'
   _globals['_GENERATEREQUEST']._serialized_start=64
-  _globals['_GENERATEREQUEST']._serialized_end=205
-  _globals['_CHATMESSAGE']._serialized_start=207
-  _globals['_CHATMESSAGE']._serialized_end=251
-  _globals['_CHATREQUEST']._serialized_start=254
-  _globals['_CHATREQUEST']._serialized_end=496
-  _globals['_GENERATERESPONSE']._serialized_start=499
-  _globals['_GENERATERESPONSE']._serialized_end=667
-  _globals['_USAGE']._serialized_start=669
-  _globals['_USAGE']._serialized_end=756
-  _globals['_TOKENIZEREQUEST']._serialized_start=758
-  _globals['_TOKENIZEREQUEST']._serialized_end=804
-  _globals['_TOKENIZERESPONSE']._serialized_start=806
-  _globals['_TOKENIZERESPONSE']._serialized_end=843
-  _globals['_LISTMODELSREQUEST']._serialized_start=845
-  _globals['_LISTMODELSREQUEST']._serialized_end=864
-  _globals['_LISTMODELSRESPONSE']._serialized_start=866
-  _globals['_LISTMODELSRESPONSE']._serialized_end=925
-  _globals['_REQUESTTIMINGS']._serialized_start=928
-  _globals['_REQUESTTIMINGS']._serialized_end=1064
-  _globals['_GENERATE']._serialized_start=1067
-  _globals['_GENERATE']._serialized_end=1355
+  _globals['_GENERATEREQUEST']._serialized_end=238
+  _globals['_CHATMESSAGE']._serialized_start=240
+  _globals['_CHATMESSAGE']._serialized_end=361
+  _globals['_TOOL']._serialized_start=363
+  _globals['_TOOL']._serialized_end=445
+  _globals['_TOOLCHOICE']._serialized_start=447
+  _globals['_TOOLCHOICE']._serialized_end=505
+  _globals['_TOOLCALL']._serialized_start=507
+  _globals['_TOOLCALL']._serialized_end=562
+  _globals['_TOOLCALLDELTA']._serialized_start=564
+  _globals['_TOOLCALLDELTA']._serialized_end=639
+  _globals['_CHATREQUEST']._serialized_start=642
+  _globals['_CHATREQUEST']._serialized_end=1075
+  _globals['_GENERATERESPONSE']._serialized_start=1078
+  _globals['_GENERATERESPONSE']._serialized_end=1352
+  _globals['_USAGE']._serialized_start=1354
+  _globals['_USAGE']._serialized_end=1441
+  _globals['_TOKENIZEREQUEST']._serialized_start=1443
+  _globals['_TOKENIZEREQUEST']._serialized_end=1489
+  _globals['_TOKENIZERESPONSE']._serialized_start=1491
+  _globals['_TOKENIZERESPONSE']._serialized_end=1528
+  _globals['_LISTMODELSREQUEST']._serialized_start=1530
+  _globals['_LISTMODELSREQUEST']._serialized_end=1549
+  _globals['_LISTMODELSRESPONSE']._serialized_start=1551
+  _globals['_LISTMODELSRESPONSE']._serialized_end=1610
+  _globals['_REQUESTTIMINGS']._serialized_start=1613
+  _globals['_REQUESTTIMINGS']._serialized_end=1749
+  _globals['_GENERATE']._serialized_start=1752
+  _globals['_GENERATE']._serialized_end=2040
 # @@protoc_insertion_point(module_scope)
