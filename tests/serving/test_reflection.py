@@ -71,7 +71,8 @@ def test_v1_and_v1alpha_list_and_describe_the_same():
     assert v1_services == alpha_services == sorted([SERVICE, "grpc.health.v1.Health", reflection.V1_SERVICE,
                                                     reflection.V1ALPHA_SERVICE])
     assert (input_type, input_fields) == ("tandem.v1.GenerateRequest",
-                                          ["model", "prompt", "prompt_token_ids", "params", "return_timings"])
+                                          ["model", "prompt", "prompt_token_ids", "params", "return_timings",
+                                           "return_prompt_token_ids"])
     files = {}
     for raw in found.file_descriptor_response.file_descriptor_proto:
         fdp = descriptor_pb2.FileDescriptorProto.FromString(raw)
