@@ -1,9 +1,11 @@
 """Steps replayed as CUDA graphs, so the host launches one graph instead of ~20 kernels per layer.
 
-Decode steps (every request adds one token and samples) replay a graph per padded batch size: the inputs go into
-static buffers, padding rows write no KV (slot -1) and attend to one stale slot whose output is dropped. Attention
-is captured with max_seq_len = max_model_len, which only steers the kernel's launch shape; each row still stops at
-its own seq_len.
+Decode steps (every request adds one token and samples) replay a graph per (padded batch size, context bound): the
+inputs go into static buffers, padding rows write no KV (slot -1) and attend to one stale slot whose output is
+dropped. Attention is captured with max_seq_len = the bound, which only steers the kernel's launch shape (each row
+still stops at its own seq_len): max_model_len, and a short bound (kernels/paged_attention.py
+decode_graph_lengths) at the batch sizes where the kernel launches differently for short contexts. A step replays
+the smallest bound at least its longest context.
 
 Steps with prompt tokens (prefill chunks, maybe with decodes: vLLM's full graphs for mixed batches) replay a graph
 per (padded token count, sequence rows). The attention kernel maps its programs to sequences on the device (from
@@ -24,6 +26,8 @@ import torch
 
 from engine.model import AttentionMetadata
 from engine.utils import cdiv
+from kernels._checks import FP8_DTYPE, sm_count
+from kernels.paged_attention import decode_graph_lengths
 
 log = logging.getLogger(__name__)
 
@@ -77,28 +81,39 @@ class DecodeGraphs:
         self.block_tables = torch.zeros(B, max_blocks, dtype=torch.int32, device=dev)
         self.seq_lens = torch.ones(B, dtype=torch.int32, device=dev)
         self.query_start_loc = torch.arange(B + 1, dtype=torch.int32, device=dev)
-        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        kv = runner.kv_layers[0]
+        _, _, num_kv_heads, head_dim = kv.k_cache.shape
+        cfg = runner.hf_config
+        queries_per_kv = cfg.num_attention_heads // getattr(cfg, "num_key_value_heads", cfg.num_attention_heads)
+        shape = (num_kv_heads, queries_per_kv, head_dim, sm_count(dev, 4), runner.dtype.itemsize,
+                 kv.k_cache.dtype == FP8_DTYPE, kv.k_scale_cache is not None)
+        self.lengths = {b: decode_graph_lengths(max_model_len, b, *shape) for b in self.sizes}
+        self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
         # Every graph writes its logits into one buffer (a kept output per graph would hold ~5 GB at 7B scale).
         self.logits = torch.empty(B, runner.hf_config.vocab_size, dtype=runner.dtype, device=dev)
+        keys = [(b, n) for b in reversed(self.sizes) for n in reversed(self.lengths[b])]
         with torch.inference_mode():
-            self.pool = _capture(self.graphs, list(reversed(self.sizes)), self._forward, pool, "decode")
+            self.pool = _capture(self.graphs, keys, self._forward, pool, "decode")
 
-    def _meta(self, b: int) -> AttentionMetadata:
+    def _meta(self, b: int, max_seq_len: int) -> AttentionMetadata:
         return AttentionMetadata(self.slot_mapping[:b], self.block_tables[:b], self.seq_lens[:b],
-                                 self.query_start_loc[: b + 1], 1, self.max_model_len)
+                                 self.query_start_loc[: b + 1], 1, max_seq_len)
 
-    def _forward(self, b: int) -> None:
+    def _forward(self, key: tuple[int, int]) -> None:
+        b, max_seq_len = key
         model = self.runner.model
-        hidden = model(self.input_ids[:b], self.positions[:b], self.runner.kv_layers, self._meta(b))
+        hidden = model(self.input_ids[:b], self.positions[:b], self.runner.kv_layers, self._meta(b, max_seq_len))
         self.logits[:b].copy_(model.compute_logits(hidden))
 
     def can_run(self, num_seqs: int) -> bool:
         return num_seqs <= self.max_batch
 
-    def run(self, input_ids, positions, slot_mapping, block_tables, seq_lens) -> torch.Tensor:
-        """Inputs of n decode rows (device tensors); returns logits [n, vocab]."""
+    def run(self, input_ids, positions, slot_mapping, block_tables, seq_lens, max_seq_len: int) -> torch.Tensor:
+        """Inputs of n decode rows (device tensors) whose longest context is max_seq_len keys (a host int, this
+        step's: every tensor-parallel rank has the same, so all replay the same graph); returns logits [n, vocab]."""
         n = input_ids.shape[0]
         b = next(s for s in self.sizes if s >= n)
+        bound = next((m for m in self.lengths[b] if m >= max_seq_len), self.lengths[b][-1])
         self.input_ids[:n].copy_(input_ids)
         self.positions[:n].copy_(positions)
         self.slot_mapping[:n].copy_(slot_mapping)
@@ -106,7 +121,7 @@ class DecodeGraphs:
         self.block_tables[:n, : block_tables.shape[1]].copy_(block_tables)
         self.seq_lens[:n].copy_(seq_lens)
         self.seq_lens[n:b].fill_(1)
-        self.graphs[b].replay()
+        self.graphs[b, bound].replay()
         return self.logits[:n]
 
 

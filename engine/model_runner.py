@@ -478,7 +478,8 @@ class ModelRunner:
         if kind == PREFILL_GRAPH:
             return self.prefill_graphs.run((t, s), inputs.input_ids, inputs.positions, m, inputs.logits_indices)
         if kind == DECODE_GRAPH:
-            return self.graphs.run(inputs.input_ids, inputs.positions, m.slot_mapping, m.block_tables, m.seq_lens)
+            return self.graphs.run(inputs.input_ids, inputs.positions, m.slot_mapping, m.block_tables, m.seq_lens,
+                                   m.max_seq_len)
         hidden = self.model(inputs.input_ids, inputs.positions, self.kv_layers, m)
         if logits and inputs.logits_indices.shape[0]:
             return self.model.compute_logits(hidden[inputs.logits_indices])

@@ -799,6 +799,25 @@ INT8_DECODE: dict[str, int] = dict(num_warps=4, num_stages=2, int8_align=1, tile
 INT8_DECODE_SPLIT: dict[str, int] = dict(num_warps=4, num_stages=3, int8_align=0, fp8x4=0)
 
 
+# The longest context (keys) the decode launch counts as short: see default_config.
+SHORT_DECODE_CONTEXT = 512
+
+
+def decode_graph_lengths(max_model_len: int, num_seqs: int, num_kv_heads: int, queries_per_kv: int, head_dim: int,
+                         num_sms: int, q_bytes: int = 2, kv_fp8: bool = False, kv_int8: bool = False
+                         ) -> tuple[int, ...]:
+    """The max_seq_len values a decode CUDA graph of num_seqs rows is captured for, shortest first (a step replays
+    the first at least its longest context): SHORT_DECODE_CONTEXT too where its launch differs from
+    max_model_len's. The launch shape is all max_seq_len steers; each row still stops at its own length."""
+    if max_model_len <= SHORT_DECODE_CONTEXT:
+        return (max_model_len,)
+    shape = (num_seqs, num_seqs, num_kv_heads, queries_per_kv, head_dim, 1)
+    flags = (num_sms, q_bytes, kv_fp8, kv_int8)
+    if default_config(*shape, SHORT_DECODE_CONTEXT, *flags) == default_config(*shape, max_model_len, *flags):
+        return (max_model_len,)
+    return (SHORT_DECODE_CONTEXT, max_model_len)
+
+
 def default_config(
     num_tokens: int, num_seqs: int, num_kv_heads: int, queries_per_kv: int, head_dim: int, max_query_len: int,
     max_seq_len: int, num_sms: int, q_bytes: int = 2, kv_fp8: bool = False, kv_int8: bool = False,
@@ -824,7 +843,14 @@ def default_config(
         # An int8 cache always: its rows (head_dim + 4 bytes) are only word-aligned, so its byte loads could not be
         # vectorized and the byte walk spilled (bench/RESULTS.md, "INT8 KV cache").
         fp8x4 = 2 if kv_int8 or (kv_fp8 and num_seqs * num_kv_heads * num_segments >= 4 * num_sms) else 0
-        cfg = dict(block_m=min_m, tile_n=tile_n, num_segments=num_segments, num_warps=4,
+        # Short contexts at full occupancy: 32-key tiles and 2 warps. A 128-key tile walks up to 127 masked keys
+        # past a ~200-token context, and smaller programs keep more of them resident per SM (H200 sweep at
+        # TensorRT-LLM's 128/128 workload, bench/RESULTS.md). The decode CUDA graphs are captured for this length
+        # too (engine/cuda_graphs.py), so a step of short sequences gets this launch under a graph as well.
+        num_warps = 4
+        if num_segments == 1 and max_seq_len <= SHORT_DECODE_CONTEXT and not kv_int8:
+            tile_n, num_warps = 32, 2
+        cfg = dict(block_m=min_m, tile_n=tile_n, num_segments=num_segments, num_warps=num_warps,
                    num_stages=2 if kv_fp8 else 3, fp8_via_fp16=1, new_kv=0, maxnreg=0, fp8x4=fp8x4, int8_align=0)
         if kv_int8:
             cfg.update(INT8_DECODE_SPLIT if num_segments > 1 else INT8_DECODE)
@@ -851,8 +877,12 @@ def _prefill_config(block_m: int, head_dim: int, q_bytes: int = 2, kv_fp8: bool 
     # shared memory each) overlap one's softmax with the other's matmuls, for a few spilled registers (measured:
     # bench/RESULTS.md). Not measured with an fp8 cache (its compile spills too: bench/RESULTS.md).
     capped = block_m == 128 and q_bytes == 2 and not kv_fp8 and head_dim <= 128
-    return dict(block_m=block_m, tile_n=64 if head_dim <= 128 else 32, num_segments=1,
-                num_warps={256: 16, 128: 8}.get(block_m, 4), num_stages=2 if block_m >= 64 else 3, fp8_via_fp16=1,
+    # From the H200 sweep at Llama-3-8B shapes (bench/RESULTS.md): an fp8 cache at 128 rows ran faster on 4 warps
+    # than on 8, and 64-row tiles (what short prompts in many sequences choose) faster walking 32-key tiles.
+    tile_n = 32 if head_dim > 128 or block_m == 64 else 64
+    warps = 4 if kv_fp8 and block_m == 128 else {256: 16, 128: 8}.get(block_m, 4)
+    return dict(block_m=block_m, tile_n=tile_n, num_segments=1,
+                num_warps=warps, num_stages=2 if block_m >= 64 else 3, fp8_via_fp16=1,
                 new_kv=PREFILL_NEW_KV, maxnreg=128 if capped else 0, fp8x4=0, int8_align=0)
 
 

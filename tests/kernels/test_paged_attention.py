@@ -12,8 +12,9 @@ import pytest
 import torch
 
 from kernels import paged_attention
-from kernels.paged_attention import (PREFILL_CANDIDATES, PREFILL_MAX_BLOCK_M, PREFILL_NEW_KV, default_config,
-                                     paged_attention_ref, paged_attention_triton)
+from kernels.paged_attention import (PREFILL_CANDIDATES, PREFILL_MAX_BLOCK_M, PREFILL_NEW_KV, SHORT_DECODE_CONTEXT,
+                                     decode_graph_lengths, default_config, paged_attention_ref,
+                                     paged_attention_triton)
 
 ON_CUDA = torch.cuda.is_available()
 DEVICE = "cuda" if ON_CUDA else "cpu"
@@ -264,6 +265,49 @@ def test_default_config_splits_only_small_long_decodes():
     assert default_config(1, 1, 4, 7, 128, 1, 64, 132)["num_segments"] == 1
     # many decodes beside one chunk: smaller row tiles waste less on the decodes
     assert default_config(2048 + 255, 256, 4, 7, 128, 2048, 6144, 132)["block_m"] == 64
+
+
+def test_default_config_short_decodes_and_small_prefill_tiles():
+    # Llama-3-8B's attention (8 KV heads, 4 queries each) at TensorRT-LLM's 128/128 batch: short contexts at full
+    # occupancy take 32-key tiles on 2 warps; long ones, small batches (split) and an int8 cache keep theirs.
+    shape = (980, 980, 8, 4, 128, 1)
+    for kv_fp8 in (False, True):
+        short = default_config(*shape, 512, 132, kv_fp8=kv_fp8)
+        long = default_config(*shape, 2048, 132, kv_fp8=kv_fp8)
+        assert (short["tile_n"], short["num_warps"], long["tile_n"], long["num_warps"]) == (32, 2, 128, 4)
+        assert short["fp8x4"] == long["fp8x4"] == (2 if kv_fp8 else 0)
+    assert default_config(*shape, 513, 132)["tile_n"] == 128
+    assert default_config(980, 980, 8, 4, 128, 1, 512, 132, kv_int8=True)["tile_n"] == 128
+    assert default_config(4, 4, 8, 4, 128, 1, 512, 132)["num_segments"] > 1
+    assert default_config(4, 4, 8, 4, 128, 1, 512, 132)["tile_n"] == 64
+    # prefill: an fp8 cache's 128-row tiles on 4 warps; 64-row tiles walk 32 keys at a time
+    fp8_chunk = default_config(8192, 4, 8, 4, 128, 2048, 2048, 132, q_bytes=4, kv_fp8=True)
+    assert (fp8_chunk["block_m"], fp8_chunk["num_warps"]) == (128, 4)
+    assert default_config(8192, 4, 8, 4, 128, 2048, 2048, 132, q_bytes=4)["num_warps"] == 8
+    small = default_config(64 * 128, 64, 8, 4, 128, 128, 128, 132)
+    assert (small["block_m"], small["tile_n"]) == (64, 32)
+
+
+def test_decode_graph_lengths_add_the_short_bound_where_the_launch_differs():
+    # (max_model_len, num_seqs, num_kv_heads, queries_per_kv, head_dim, num_sms, q_bytes, kv_fp8, kv_int8)
+    assert decode_graph_lengths(2064, 512, 8, 4, 128, 132) == (SHORT_DECODE_CONTEXT, 2064)
+    assert decode_graph_lengths(2064, 1, 8, 4, 128, 132) == (SHORT_DECODE_CONTEXT, 2064)  # fewer segments
+    assert decode_graph_lengths(SHORT_DECODE_CONTEXT, 512, 8, 4, 128, 132) == (SHORT_DECODE_CONTEXT,)
+    assert decode_graph_lengths(2064, 512, 8, 4, 128, 132, kv_int8=True) == (2064,)
+
+
+def test_launch_for_a_longer_bound_gives_the_same_output():
+    # What a decode graph relies on: max_seq_len only shapes the launch (here past the short bound: other tiles
+    # and warps, so another summation order); rows stop at their own seq_len.
+    args = make_batch([(1, 5), (1, 40), (1, 33), (1, 17)], 8, 2, 64, 16, torch.float32, seed=11)
+    bound = 2 * SHORT_DECODE_CONTEXT
+    tables = torch.nn.functional.pad(args["block_tables"], (0, bound // 16 - args["block_tables"].shape[1]))
+    bigger = dict(args, max_seq_len=bound, block_tables=tables)
+    shape = (4, 4, 2, 4, 64, 1)
+    assert default_config(*shape, args["max_seq_len"], 4)["tile_n"] != default_config(*shape, bound, 4)["tile_n"]
+    ref = paged_attention_ref(**args)
+    torch.testing.assert_close(paged_attention_triton(**args), ref, rtol=2e-5, atol=2e-5)
+    torch.testing.assert_close(paged_attention_triton(**bigger), ref, rtol=2e-5, atol=2e-5)
 
 
 def test_bad_arguments_name_the_argument():
