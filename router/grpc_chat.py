@@ -7,7 +7,8 @@ template code (router/chat_template.py) and the same tool-choice rules and gramm
 messages, tools and seed give the same tokens and the same calls on both APIs.
 
 The proto's empty strings are OpenAI's absent fields (proto3 has no null for a plain string): an empty
-tool_call_id or name is not sent to the template, as the HTTP endpoint leaves out a field the client left out.
+tool_call_id or name is not sent to the template, as the HTTP endpoint leaves out a field the client left out; empty
+arguments are the HTTP body's default, "{}".
 """
 from __future__ import annotations
 
@@ -26,6 +27,17 @@ _MODES = ("none", "auto", "required")
 
 def _invalid(field: str, message: str) -> RequestError:
     return RequestError("invalid_argument", field.split(".")[0], f"{field}: {message}")
+
+
+def _json_object(text: str, field: str, what: str) -> dict:
+    """text, which `field` holds, as the JSON object it must be (`what`: which object, for the message)."""
+    try:
+        value = json.loads(text)
+    except ValueError as e:
+        raise _invalid(field, f"not JSON ({e})") from None
+    if not isinstance(value, dict):
+        raise _invalid(field, f"must be a JSON object ({what})")
+    return value
 
 
 def _validated(model, value: dict, where: str, renames: dict[str, str] | None = None):
@@ -48,8 +60,12 @@ def messages_from_proto(messages) -> list[ChatMessage]:
             raise _invalid(f"messages.{i}.tool_calls", f"{len(m.tool_calls)} calls, more than {MAX_TOOLS}")
         value: dict = {"role": m.role, "content": m.content}
         if m.tool_calls:
-            value["tool_calls"] = [{"id": c.id or None, "type": "function",
-                                    "function": {"name": c.name, "arguments": c.arguments}} for c in m.tool_calls]
+            # (arguments decoded here, so that bad ones are named as the proto spells them; empty: "{}", as HTTP's
+            # default)
+            value["tool_calls"] = [{"id": c.id or None, "type": "function", "function": {
+                "name": c.name, "arguments": _json_object(c.arguments or "{}", f"messages.{i}.tool_calls.{j}.arguments",
+                                                          "the call's arguments")}}
+                                   for j, c in enumerate(m.tool_calls)]
         if m.tool_call_id:
             value["tool_call_id"] = m.tool_call_id
         if m.name:
@@ -69,13 +85,8 @@ def tools_from_proto(tools) -> list[dict] | None:
         if t.description:
             fn["description"] = t.description
         if t.parameters_json:
-            try:
-                params = json.loads(t.parameters_json)
-            except ValueError as e:
-                raise _invalid(f"tools.{i}.parameters_json", f"not JSON ({e})") from None
-            if not isinstance(params, dict):
-                raise _invalid(f"tools.{i}.parameters_json", "must be a JSON object (the parameters' JSON schema)")
-            fn["parameters"] = params
+            fn["parameters"] = _json_object(t.parameters_json, f"tools.{i}.parameters_json",
+                                            "the parameters' JSON schema")
         if t.strict:
             fn["strict"] = True
         tool = _validated(ChatTool, {"type": "function", "function": fn}, f"tools.{i}",
@@ -90,7 +101,10 @@ def tool_choice_from_proto(request: generate_pb2.ChatRequest) -> str | dict | No
         return None
     which = request.tool_choice.WhichOneof("choice")
     if which == "function":
-        return {"type": "function", "function": {"name": request.tool_choice.function}}
+        name = request.tool_choice.function
+        if request.tools and name not in (names := [t.name for t in request.tools]):
+            raise _invalid("tool_choice.function", f"{name!r}: not one of the tools ({', '.join(names)})")
+        return {"type": "function", "function": {"name": name}}
     mode = request.tool_choice.mode if which == "mode" else ""
     if mode not in _MODES:
         raise _invalid("tool_choice.mode", f"{mode!r}: one of {', '.join(_MODES)} (or set tool_choice.function)")
