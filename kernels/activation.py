@@ -4,8 +4,10 @@ silu_and_mul_quant_fp8 hands down_proj's fp8 GEMM its input directly (engine/fp8
 walks the row twice in BLOCK_I chunks, first for the amax of the products (rounded to x's dtype, as the plain kernel
 stores them), then recomputing them to write x_q [rows, I] float8_e4m3fn and scale [rows, 1] float32 with
 kernels/quant_fp8.py's arithmetic: bit for bit what silu_and_mul and per_token_quant_fp8 write in two launches. The
-row (2 * I 16-bit values, e.g. 57 KB for Llama-3-8B's I = 14336) is read twice, the second time mostly from L2, and
-its I fp8 bytes written once, where the unfused pair reads 2 * I, writes I 16-bit values and reads them twice more.
+row (2 * I 16-bit values, e.g. 57 KB for Llama-3-8B's I = 14336) is read twice, the second time mostly from L2 (the
+second pass walks the chunks backwards, so the most recently read come first), and its I fp8 bytes written once,
+where the unfused pair reads 2 * I, writes I 16-bit values and reads them twice more. The passes are serial within a
+row, so a launch of few rows (decode) takes wider chunks: fewer dependent load rounds per row.
 """
 from __future__ import annotations
 
@@ -19,7 +21,11 @@ from kernels._checks import FLOAT_DTYPES, FP8_MAX, check_out, check_tensor, inte
 from kernels.pdl import PDL_SUPPORTED
 from kernels.quant_fp8 import INV_FP8_MAX, MIN_SCALE, _row_scale, _to_fp8, fp8_outputs, per_token_quant_fp8_ref
 
-QUANT_BLOCK_I = 2048  # the fused quantizer's chunk: 8 warps x 32 lanes x 8 elements (16-byte loads of bf16)
+# The fused quantizer's chunk: 8 warps x 32 lanes x 8 elements (16-byte loads of bf16), or for launches of at most
+# FEW_ROWS rows 16 warps x 32 x 16 (I = 14336 in 2 rounds a pass instead of 7; the machine is idle but for them).
+QUANT_BLOCK_I = 2048
+QUANT_BLOCK_I_FEW_ROWS = 8192
+FEW_ROWS = 256
 
 
 def silu_and_mul_ref(x: torch.Tensor) -> torch.Tensor:
@@ -98,8 +104,9 @@ def _silu_and_mul_quant_fp8_kernel(
                           tl.load(x_row + I + cols, mask=mask, other=0.0)).to(tl.float32)
             amax = tl.maximum(amax, tl.abs(y))
         scale = _row_scale(tl.max(amax, axis=0), MIN_SCALE, INV_FP8_MAX)
-        for i0 in range(0, I, BLOCK_I):  # the same products again: their loads mostly hit L2
-            cols = i0 + tl.arange(0, BLOCK_I)
+        num_chunks = tl.cdiv(I, BLOCK_I)
+        for j in range(0, num_chunks):  # the same products again, last chunk first: their loads mostly hit L2
+            cols = (num_chunks - 1 - j) * BLOCK_I + tl.arange(0, BLOCK_I)
             mask = cols < I
             y = _silu_mul(tl.load(x_row + cols, mask=mask, other=0.0),
                           tl.load(x_row + I + cols, mask=mask, other=0.0)).to(tl.float32)
@@ -141,10 +148,13 @@ def silu_and_mul_triton(x: torch.Tensor, *, out: torch.Tensor | None = None) -> 
 
 def silu_and_mul_quant_fp8_triton(x: torch.Tensor, *, out: torch.Tensor | None = None,
                                   scale: torch.Tensor | None = None,
-                                  block_i: int = QUANT_BLOCK_I) -> tuple[torch.Tensor, torch.Tensor]:
+                                  block_i: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """silu_and_mul_triton's rows, quantized per token: x [..., 2 * I] -> (x_q [..., I] float8_e4m3fn,
-    scale [..., 1] float32). block_i (a power of two): the chunk each pass walks the row in (tests shrink it)."""
+    scale [..., 1] float32). block_i (a power of two; default by row count, above): the chunk each pass walks the
+    row in (tests shrink it)."""
     inter, x2 = _halves(x)
+    if block_i is None:
+        block_i = QUANT_BLOCK_I_FEW_ROWS if x2.shape[0] <= FEW_ROWS else QUANT_BLOCK_I
     if block_i < 16 or block_i & (block_i - 1):
         raise ValueError(f"block_i={block_i}: must be a power of two >= 16")
     out, scale = fp8_outputs((*x.shape[:-1], inter), x.device, out, scale)
@@ -158,5 +168,5 @@ def silu_and_mul_quant_fp8_triton(x: torch.Tensor, *, out: torch.Tensor | None =
     _silu_and_mul_quant_fp8_kernel[(x2.shape[0],)](
         out2, scale, x2, out2.stride(0), x2.stride(0), inter, BLOCK_I=block, SINGLE_PASS=single,
         MIN_SCALE=MIN_SCALE, FP8_MAX=FP8_MAX, INV_FP8_MAX=INV_FP8_MAX, ROUND_IN_FP32=interpreting(),
-        num_warps=4 if block <= 1024 else 8)
+        num_warps=4 if block <= 1024 else 8 if block <= 4096 else 16)
     return out, scale

@@ -58,12 +58,14 @@ def assert_same_fp8(q, scale, q_ref, scale_ref):
     assert torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8))
 
 
-# (shape, block_i): one chunk (the row in registers), and rows walked in chunks, the last one partial. On the GPU
-# Llama-3-8B's and Qwen2.5-7B's intermediate sizes at decode-like and prefill-like row counts.
-QUANT_CASES = ([((5, 2 * 96), QUANT_BLOCK_I), ((2, 3, 2 * 1100), 256), ((3, 2 * 100), 16), ((4, 2 * 128), 32)]
+# (shape, block_i): one chunk (the row in registers), and rows walked in chunks, the last one partial; None: the
+# launcher's choice by row count. On the GPU Llama-3-8B's and Qwen2.5-7B's intermediate sizes at decode-like and
+# prefill-like row counts, each chunk width.
+QUANT_CASES = ([((5, 2 * 96), None), ((2, 3, 2 * 1100), 256), ((3, 2 * 100), 16), ((4, 2 * 128), 32)]
                if not ON_CUDA else
-               [((17, 2 * 14336), QUANT_BLOCK_I), ((300, 2 * 14336), QUANT_BLOCK_I), ((256, 2 * 18944), QUANT_BLOCK_I),
-                ((64, 2 * 18944), 1024), ((3, 2 * 77), QUANT_BLOCK_I), ((9, 2 * 1536), QUANT_BLOCK_I)])
+               [((17, 2 * 14336), None), ((17, 2 * 14336), QUANT_BLOCK_I), ((300, 2 * 14336), None),
+                ((256, 2 * 18944), None), ((257, 2 * 18944), None), ((64, 2 * 18944), 1024), ((3, 2 * 77), None),
+                ((9, 2 * 1536), None)])
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
