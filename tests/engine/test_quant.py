@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import os
 import shutil
 from pathlib import Path
 
@@ -346,6 +347,38 @@ def test_fused_fp8_input_quant_forced_on_the_cpu_gives_the_same_logits(monkeypat
     got = step_logits(fused, tokens)
     assert seen.count("QuantizedActivation") == 3 * n_layers and seen.count("Tensor") == n_layers  # o_proj
     assert torch.equal(got, ref)
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="runs the Triton kernels: TRITON_INTERPRET=1")
+def test_fused_fp8_input_quant_with_the_interpreted_kernels(monkeypatch):
+    """The same model with every norm, activation and quantizer sent to its Triton launcher (interpreted on the CPU,
+    as CUDA would dispatch them): the fused kernels inside the model give the unfused kernels' logits bit for bit."""
+    import kernels
+    from kernels.activation import silu_and_mul_quant_fp8_triton, silu_and_mul_triton
+    from kernels.norm import (fused_add_rms_norm_quant_fp8_triton, fused_add_rms_norm_triton,
+                              rms_norm_quant_fp8_triton, rms_norm_triton)
+    from kernels.quant_fp8 import per_token_quant_fp8_triton
+
+    kw = dict(device="cpu", kv_cache_memory=0.02, max_model_len=256, quantization="fp8")
+    monkeypatch.setenv("TANDEM_FUSED_FP8_QUANT", "0")
+    base = LLM("random:tiny-qwen2", **kw)
+    monkeypatch.setenv("TANDEM_FUSED_FP8_QUANT", "1")
+    fused = LLM("random:tiny-qwen2", **kw)
+    for name, fn in (("rms_norm", rms_norm_triton), ("fused_add_rms_norm", fused_add_rms_norm_triton),
+                     ("silu_and_mul", silu_and_mul_triton), ("rms_norm_quant_fp8", rms_norm_quant_fp8_triton),
+                     ("fused_add_rms_norm_quant_fp8", fused_add_rms_norm_quant_fp8_triton),
+                     ("silu_and_mul_quant_fp8", silu_and_mul_quant_fp8_triton)):
+        monkeypatch.setattr(kernels, name, lambda *a, fn=fn, name=name: calls.append(name) or fn(*a))
+    monkeypatch.setattr(quant, "per_token_quant_fp8_ref", per_token_quant_fp8_triton)  # Fp8Linear's CPU quantizer
+    calls: list[str] = []
+    tokens = list(range(300, 341))
+    got = step_logits(fused, tokens)
+    n = len(fused.engine.runner.model.model.layers)
+    assert sorted(set(calls)) == ["fused_add_rms_norm", "fused_add_rms_norm_quant_fp8", "rms_norm_quant_fp8",
+                                  "silu_and_mul_quant_fp8"] and calls.count("silu_and_mul_quant_fp8") == n
+    calls.clear()
+    assert torch.equal(got, step_logits(base, tokens))
+    assert "rms_norm" in calls and "silu_and_mul" in calls and not any(c.endswith("quant_fp8") for c in calls)
 
 
 def test_fused_fp8_input_quant_leaves_static_input_scales_alone(monkeypatch):
