@@ -9,6 +9,9 @@ ceilings reached: 4.26 TB/s copy and 781 TFLOP/s bf16 (the issue's H200 numbers;
 matmul rates are printed too). Prefill rows pass the step's k/v as the engine does (the launch may read the chunk's
 own keys from them). --compile-only launches every timed configuration once, untimed (to fill Triton's cache from
 a process running beside the tests). Needs a CUDA device.
+The *_quant_fp8 rows (the norms and SiLU-and-mul writing fp8 and per-token scales, engine/fp8_fusion.py) show the
+unfused pair (the 16-bit kernel, then per_token_quant_fp8) in the ref column: the kernel-level A/B of
+TANDEM_FUSED_FP8_QUANT (for the model-level one, run bench/profile_decode.py --quantization fp8 with it 0 and 1).
 """
 from __future__ import annotations
 
@@ -22,9 +25,11 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from kernels.activation import silu_and_mul_ref, silu_and_mul_triton  # noqa: E402
+from kernels.activation import silu_and_mul_quant_fp8_triton, silu_and_mul_ref, silu_and_mul_triton  # noqa: E402
 from kernels.kv_write import write_kv_ref, write_kv_triton  # noqa: E402
 from kernels.norm import fused_add_rms_norm_ref, fused_add_rms_norm_triton, rms_norm_ref, rms_norm_triton  # noqa: E402
+from kernels.norm import fused_add_rms_norm_quant_fp8_triton, rms_norm_quant_fp8_triton  # noqa: E402
+from kernels.quant_fp8 import per_token_quant_fp8_triton  # noqa: E402
 from kernels.paged_attention import (LAST_LAUNCH, PREFILL_CANDIDATES, default_config, paged_attention_ref,  # noqa: E402
                                      paged_attention_triton)
 from kernels.rotary import rotary_embedding_ref, rotary_embedding_triton  # noqa: E402
@@ -370,6 +375,13 @@ def bench_pointwise(quick: bool):
                2 * n + HIDDEN * 2, 0)
         record("fused_add_rms_norm", f"tokens={tokens}", lambda: fused_add_rms_norm_triton(x, r, w, 1e-6),
                lambda: fused_add_rms_norm_ref(x, r, w, 1e-6), 4 * n + HIDDEN * 2, 0)
+        # ref column: the unfused pair. Bytes: x (and r, residual out) in 16 bits, x_q in fp8, a float32 scale per row.
+        record("rms_norm_quant_fp8", f"tokens={tokens}", lambda: rms_norm_quant_fp8_triton(x, w, 1e-6),
+               lambda: per_token_quant_fp8_triton(rms_norm_triton(x, w, 1e-6)), n + n // 2 + tokens * 4 + HIDDEN * 2,
+               0)
+        record("fused_add_rms_norm_q8", f"tokens={tokens}", lambda: fused_add_rms_norm_quant_fp8_triton(x, r, w, 1e-6),
+               lambda: per_token_quant_fp8_triton(fused_add_rms_norm_triton(x, r, w, 1e-6)[0]),
+               3 * n + n // 2 + tokens * 4 + HIDDEN * 2, 0)
         pos = torch.randint(0, 32768, (tokens,), device="cuda")
         qkv = torch.randn(tokens, (H + 2 * HKV) * D, dtype=bf16, device="cuda")
         q = qkv[:, :H * D].view(tokens, H, D)
@@ -380,6 +392,9 @@ def bench_pointwise(quick: bool):
         g = torch.randn(tokens, 2 * INTER, dtype=bf16, device="cuda")
         record("silu_and_mul", f"tokens={tokens}", lambda: silu_and_mul_triton(g), lambda: silu_and_mul_ref(g),
                3 * tokens * INTER * 2, 0)
+        record("silu_and_mul_quant_fp8", f"tokens={tokens}", lambda: silu_and_mul_quant_fp8_triton(g),
+               lambda: per_token_quant_fp8_triton(silu_and_mul_triton(g)), 2 * tokens * INTER * 2 + tokens * INTER
+               + tokens * 4, 0)
 
 
 def main() -> None:

@@ -513,7 +513,9 @@ def build_model(resolved: ResolvedModel, dtype: torch.dtype, device: torch.devic
        model plus one layer's 16-bit weights (per output channel scales: quantizing q/k/v before fusing them gives
        the fused linear's quantization exactly, bit for bit); a random model with a 4-bit `quantization` is rounded
        to that format's 4-bit layout the same way (engine/quant_w4.py random_w4_linears);
-    3. q/k/v and gate/up are fused (engine/model.py fuse_projections).
+    3. q/k/v and gate/up are fused (engine/model.py fuse_projections);
+    4. where fp8 linears quantize their inputs per token, the norms and the activation before them are swapped for
+       ones that write those inputs in fp8 (engine/fp8_fusion.py; TANDEM_FUSED_FP8_QUANT, default 1 on CUDA).
     With tp_size > 1 each layer is also split for rank tp_rank (engine/tp.py shard_layer) as soon as it is filled
     (after online quantization, so the ranks hold one process's fp8 weights and scales): a rank's peak is its shard
     plus one whole layer; embeddings, norm and lm_head stay whole on every rank.
@@ -522,6 +524,7 @@ def build_model(resolved: ResolvedModel, dtype: torch.dtype, device: torch.devic
     before: _random_init seeds each tensor from (seed, name) and draws it in the parameter's dtype on its device.
     The global RNG is seeded with `seed` (sampling without a per-request seed draws from it); nothing here draws
     from it any more, so its state afterwards is that of torch.manual_seed(seed)."""
+    from engine.fp8_fusion import fuse_fp8_input_quant
     from engine.model import LlamaForCausalLM, build_cos_sin_cache
     from engine.quant import Fp8Linear, check_online_fp8, check_quantization, fp8_checkpoint, prepare_fp8_checkpoint
     from engine.quant import quantize_linears
@@ -563,6 +566,7 @@ def build_model(resolved: ResolvedModel, dtype: torch.dtype, device: torch.devic
 
     load_weights(model, resolved, device=device, after_layer=after_layer if hooks else None)
     model.fuse_projections()
+    fuse_fp8_input_quant(model, device)
     left = [name for name, t in itertools.chain(model.named_parameters(), model.named_buffers()) if t.is_meta]
     assert not left, f"left on the meta device: {left[:4]}"
     if device.type == "cuda":

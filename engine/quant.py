@@ -19,6 +19,10 @@ CUDA), step 2 is the fp8-weight GEMV instead: x stays 16-bit, each fp8 weight is
 float32, y = (x @ W_q^T) * s_w + b. There the step reads the weights (half of bf16's bytes) and little else;
 _scaled_mm is poor at M=1, and the activation quantizer costs a launch per linear.
 
+Where the kernel that produces a linear's input can quantize it per token itself (the RMSNorm before qkv_proj and
+gate_up_proj, SiLU-and-mul before down_proj), engine/fp8_fusion.py has it hand the linear a QuantizedActivation
+(x_q, scale) in place of x: step 2's quantizer and the 16-bit round trip through memory are skipped.
+
 On the CPU (tests) the same quantized operands are multiplied in float32: (x_q @ W_q^T) * s_x * s_w + b, the math
 of the GPU's GEMM but for its accumulation order. The forward has no host syncs, so CUDA graphs capture it.
 Accuracy: docs/quantization.md.
@@ -34,6 +38,7 @@ compressed-tensors pack-quantized) are engine/quant_w4.py's.
 """
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass
 
@@ -83,6 +88,23 @@ def static_quant_fp8(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     return (x.float() / scale).clamp_(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
 
 
+@dataclass(frozen=True)
+class QuantizedActivation:
+    """A linear's input, quantized per token by the kernel that produced it (engine/fp8_fusion.py): what
+    Fp8Linear.forward would have made of the 16-bit activation it stands for, bit for bit."""
+    x_q: torch.Tensor
+    """[..., K] float8_e4m3fn, contiguous."""
+    scale: torch.Tensor
+    """[..., 1] float32, contiguous: x[m] ~ x_q[m] * scale[m]."""
+    dtype: torch.dtype
+    """The 16-bit activation's dtype: the GEMM writes its output in it."""
+
+    @property
+    def shape(self) -> torch.Size:
+        """The activation's shape (the model reads its row count)."""
+        return self.x_q.shape
+
+
 class Fp8Linear(nn.Module):
     """y = x W^T + b with W in float8_e4m3fn (a float32 scale per output channel), x quantized per token, or with the
     checkpoint's static input_scale where it has one (or, at the row counts CONFIGS_FP8 holds, x unquantized through
@@ -130,11 +152,29 @@ class Fp8Linear(nn.Module):
                    torch.cat([m.bias for m in linears]) if has_bias else None,
                    torch.stack([m.input_scale for m in linears]).amax().reshape(1) if static else None)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def _gemv_config(self, rows: int, x: torch.Tensor):
+        """kernels/gemv.py's config for `rows` rows of x's dtype and device, or None (the fp8 GEMM then)."""
+        if x.is_cuda and 0 < rows <= MAX_M and x.dtype != torch.float32:
+            return table_config(rows, self.out_features, self.in_features, fp8=True)
+        return None
+
+    def quantizes_input(self, x: torch.Tensor) -> bool:
+        """Whether forward quantizes an input with x's rows (leading dims), dtype and device per token on the fly
+        (no static input scale, more rows than the fp8 GEMV serves): then a QuantizedActivation may stand for it."""
+        return self.input_scale is None and self._gemv_config(math.prod(x.shape[:-1]), x) is None
+
+    def forward(self, x: torch.Tensor | QuantizedActivation) -> torch.Tensor:
+        if isinstance(x, QuantizedActivation):  # quantized by its producer: the GEMM alone
+            assert self.input_scale is None and x.x_q.shape[-1] == self.in_features, (x.x_q.shape, self)
+            x_q, x_scale = x.x_q.reshape(-1, self.in_features), x.scale.reshape(-1, 1)
+            if x_q.is_cuda:
+                y = scaled_mm_fp8(x_q, x_scale, self.weight, self.weight_scale, self.bias, x.dtype)
+            else:
+                y = fp8_linear_ref(x_q, x_scale, self.weight, self.weight_scale, self.bias, x.dtype)
+            return y.reshape(*x.shape[:-1], self.out_features)  # [..., N]
         x2 = x.reshape(-1, self.in_features)  # [M, K]
         M = x2.shape[0]
-        cfg = (table_config(M, self.out_features, self.in_features, fp8=True)
-               if x.is_cuda and 0 < M <= MAX_M and x.dtype != torch.float32 else None)
+        cfg = self._gemv_config(M, x)
         if cfg is not None:  # small M: read the fp8 weights once, x unquantized (no quantizer launch)
             y = gemv_triton(x2, self.weight, self.bias, weight_scale=self.weight_scale, config=cfg)
             return y.reshape(*x.shape[:-1], self.out_features)

@@ -12,11 +12,14 @@ from __future__ import annotations
 
 import torch
 
-from kernels.activation import silu_and_mul_ref, silu_and_mul_triton
+from kernels.activation import (silu_and_mul_quant_fp8_ref, silu_and_mul_quant_fp8_triton, silu_and_mul_ref,
+                                silu_and_mul_triton)
 from kernels.cpu_ops import (cpu_fast, fused_add_rms_norm_cpu, rms_norm_cpu, rotary_embedding_write_kv_cpu,
                              rotary_write_kv_cpu_ok, silu_and_mul_cpu)
 from kernels.kv_write import write_kv_ref, write_kv_triton
-from kernels.norm import fused_add_rms_norm_ref, fused_add_rms_norm_triton, rms_norm_ref, rms_norm_triton
+from kernels.norm import (fused_add_rms_norm_quant_fp8_ref, fused_add_rms_norm_quant_fp8_triton, fused_add_rms_norm_ref,
+                          fused_add_rms_norm_triton, rms_norm_quant_fp8_ref, rms_norm_quant_fp8_triton, rms_norm_ref,
+                          rms_norm_triton)
 from kernels.paged_attention import paged_attention_ref, paged_attention_torch, paged_attention_triton
 from kernels.paged_attention_cpu import (decode_attention_cpu_ok, native_attention_cpu_ok, paged_attention_cpu_native,
                                         paged_decode_attention_cpu)
@@ -64,6 +67,18 @@ def fused_add_rms_norm(x, residual, weight, eps):
     return (fused_add_rms_norm_cpu if fast else fused_add_rms_norm_ref)(x, residual, weight, eps)
 
 
+def rms_norm_quant_fp8(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """rms_norm, then per-token fp8 quantization of its rows: (x_q [..., N] float8_e4m3fn, scale [..., 1] float32),
+    one launch on CUDA."""
+    return (rms_norm_quant_fp8_triton if x.is_cuda else rms_norm_quant_fp8_ref)(x, weight, eps)
+
+
+def fused_add_rms_norm_quant_fp8(x, residual, weight, eps):
+    """fused_add_rms_norm, its normalized rows quantized per token: (x_q, scale [..., 1], residual)."""
+    return (fused_add_rms_norm_quant_fp8_triton if x.is_cuda else fused_add_rms_norm_quant_fp8_ref)(
+        x, residual, weight, eps)
+
+
 def rotary_embedding(positions, q, k, cos_sin_cache):
     return (rotary_embedding_triton if q.is_cuda else rotary_embedding_ref)(positions, q, k, cos_sin_cache)
 
@@ -85,6 +100,11 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     return (silu_and_mul_cpu if cpu_fast(x) else silu_and_mul_ref)(x)
 
 
+def silu_and_mul_quant_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """silu_and_mul, then per-token fp8 quantization of its rows: (x_q [..., I], scale [..., 1]), one launch on CUDA."""
+    return (silu_and_mul_quant_fp8_triton if x.is_cuda else silu_and_mul_quant_fp8_ref)(x)
+
+
 def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: torch.Tensor) -> None:
     """In place: logits[rows[i]] gets -inf where bitmask[i] (int32 words, bit set: allowed) forbids a token."""
     (apply_token_bitmask_triton if logits.is_cuda else apply_token_bitmask_ref)(logits, bitmask, rows)
@@ -92,7 +112,8 @@ def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: torch
 
 __all__ = [
     "paged_attention", "write_kv", "rms_norm", "fused_add_rms_norm", "rotary_embedding", "rotary_embedding_write_kv",
-    "silu_and_mul", "apply_token_bitmask",
+    "silu_and_mul", "apply_token_bitmask", "rms_norm_quant_fp8", "fused_add_rms_norm_quant_fp8",
+    "silu_and_mul_quant_fp8",
     "paged_attention_ref", "write_kv_ref", "rms_norm_ref", "fused_add_rms_norm_ref", "rotary_embedding_ref",
     "silu_and_mul_ref", "apply_token_bitmask_ref",
 ]

@@ -81,7 +81,7 @@ def _round_to_e4m3_grid(x):
     magic = ((exponent - 3 + 23 + 127) << 23) | 0x400000  # 1.5 * 2**(exponent - 3 + 23)
     magic_f = magic.to(tl.float32, bitcast=True)
     r = (tl.abs(x) + magic_f) - magic_f
-    return tl.where(x < 0, -r, r)  # keeps the sign of values that round to zero
+    return tl.where(bits < 0, -r, r)  # keeps the sign of values that round to zero, and of -0
 
 
 @triton.jit

@@ -9,6 +9,11 @@ with scale_a = scale [M, 1].
 One program quantizes one row. A row up to SINGLE_PASS_MAX elements (the hidden size's inputs: qkv, o, gate_up) is
 loaded once and kept in registers; a longer one (down_proj's intermediate input) is read twice, the second time
 mostly from L2: once for its amax, once to scale and store.
+
+The producers of these inputs can write x_q and scale themselves, with the arithmetic of `_row_scale` and `_to_fp8`
+below, so the 16-bit row never goes to memory: kernels/norm.py's rms_norm_quant_fp8 / fused_add_rms_norm_quant_fp8
+and kernels/activation.py's silu_and_mul_quant_fp8, wired in by engine/fp8_fusion.py (TANDEM_FUSED_FP8_QUANT=0
+turns them off, for an A/B with bench/profile_decode.py or bench/kernels.py).
 """
 from __future__ import annotations
 
@@ -16,7 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels._checks import FLOAT_DTYPES, FP8_DTYPE, FP8_MAX, check_tensor, interpreting
+from kernels._checks import FLOAT_DTYPES, FP8_DTYPE, FP8_MAX, check_out, check_tensor, interpreting
 from kernels.kv_write import _round_to_e4m3_grid
 
 # A row of all zeros gets this scale instead of 0 (x / 0 would be NaN); vLLM's minimum for dynamic fp8 scales.
@@ -31,6 +36,22 @@ def per_token_quant_fp8_ref(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor
     xf = x.to(torch.float32, copy=True)
     scale = (xf.abs().amax(dim=-1, keepdim=True) * INV_FP8_MAX).clamp(min=MIN_SCALE)
     return xf.div_(scale).clamp_(-FP8_MAX, FP8_MAX).to(FP8_DTYPE), scale
+
+
+@triton.jit
+def _row_scale(amax, MIN_SCALE: tl.constexpr, INV_FP8_MAX: tl.constexpr):
+    """A row's float32 scale from its float32 amax (a product, see the module docstring)."""
+    return tl.maximum(amax * INV_FP8_MAX, MIN_SCALE)
+
+
+@triton.jit
+def _to_fp8(x, scale, FP8_MAX: tl.constexpr, ROUND_IN_FP32: tl.constexpr):
+    """float32 x / scale, saturated and rounded as the reference does (the caller converts to float8_e4m3fn with
+    fp_downcast_rounding="rtne")."""
+    q = tl.clamp(tl.div_rn(x, scale), -FP8_MAX, FP8_MAX)
+    if ROUND_IN_FP32:
+        q = _round_to_e4m3_grid(q)
+    return q
 
 
 @triton.jit
@@ -55,10 +76,8 @@ def _per_token_quant_fp8_kernel(
         cols = tl.arange(0, BLOCK_K)
         mask = cols < K
         x = tl.load(x_row + cols, mask=mask, other=0.0).to(tl.float32)
-        scale = tl.maximum(tl.max(tl.abs(x), axis=0) * INV_FP8_MAX, MIN_SCALE)
-        q = tl.clamp(tl.div_rn(x, scale), -FP8_MAX, FP8_MAX)
-        if ROUND_IN_FP32:
-            q = _round_to_e4m3_grid(q)
+        scale = _row_scale(tl.max(tl.abs(x), axis=0), MIN_SCALE, INV_FP8_MAX)
+        q = _to_fp8(x, scale, FP8_MAX, ROUND_IN_FP32)
         tl.store(out_row + cols, q.to(out_ptr.dtype.element_ty, fp_downcast_rounding="rtne"), mask=mask)
     else:
         amax = tl.zeros([BLOCK_K], dtype=tl.float32)
@@ -66,16 +85,29 @@ def _per_token_quant_fp8_kernel(
             cols = k0 + tl.arange(0, BLOCK_K)
             x = tl.load(x_row + cols, mask=cols < K, other=0.0).to(tl.float32)
             amax = tl.maximum(amax, tl.abs(x))
-        scale = tl.maximum(tl.max(amax, axis=0) * INV_FP8_MAX, MIN_SCALE)
+        scale = _row_scale(tl.max(amax, axis=0), MIN_SCALE, INV_FP8_MAX)
         for k0 in range(0, K, BLOCK_K):
             cols = k0 + tl.arange(0, BLOCK_K)
             mask = cols < K
             x = tl.load(x_row + cols, mask=mask, other=0.0).to(tl.float32)
-            q = tl.clamp(tl.div_rn(x, scale), -FP8_MAX, FP8_MAX)
-            if ROUND_IN_FP32:
-                q = _round_to_e4m3_grid(q)
+            q = _to_fp8(x, scale, FP8_MAX, ROUND_IN_FP32)
             tl.store(out_row + cols, q.to(out_ptr.dtype.element_ty, fp_downcast_rounding="rtne"), mask=mask)
     tl.store(scale_ptr + row, scale)
+
+
+def fp8_outputs(shape: tuple[int, ...], device: torch.device, out: torch.Tensor | None,
+                scale: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The buffers a producer that quantizes its rows writes (allocated unless the caller gives them, then checked):
+    x_q of `shape` in float8_e4m3fn, rows that flatten; scale [..., 1] float32 contiguous, one per row."""
+    if out is None:
+        out = torch.empty(shape, dtype=FP8_DTYPE, device=device)
+    check_out("out", out, shape, FP8_DTYPE, device)
+    if scale is None:
+        scale = torch.empty((*shape[:-1], 1), dtype=torch.float32, device=device)
+    check_out("scale", scale, (*shape[:-1], 1), torch.float32, device)
+    if not scale.is_contiguous():
+        raise ValueError(f"scale: strides {scale.stride()}, expected contiguous [..., 1]")
+    return out, scale
 
 
 def per_token_quant_fp8_triton(x: torch.Tensor, *, out: torch.Tensor | None = None,

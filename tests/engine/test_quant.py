@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import os
 import shutil
 from pathlib import Path
 
@@ -295,6 +296,141 @@ def test_cuda_llm_fp8_runs_with_graphs_and_agrees(tmp_path, use_gemv, monkeypatc
     assert bool(calls) == use_gemv and all(m <= 16 for m in calls)
     with pytest.raises(ValueError, match="quantization='fp8' with dtype=float32"):
         LLM(model_dir, dtype="float32", quantization="fp8", max_model_len=512, kv_cache_memory=1.0)
+
+
+# --- the norms and the activation write the fp8 linears' inputs (engine/fp8_fusion.py) ----------------------------
+
+def fused_modules(llm: LLM) -> list[str]:
+    from engine.fp8_fusion import Fp8InputMLP, Fp8InputRMSNorm
+
+    return [name for name, m in llm.engine.runner.model.named_modules()
+            if isinstance(m, (Fp8InputRMSNorm, Fp8InputMLP))]
+
+
+def test_fused_fp8_input_quant_is_off_on_the_cpu_by_default(monkeypatch):
+    monkeypatch.delenv("TANDEM_FUSED_FP8_QUANT", raising=False)
+    llm = LLM("random:tiny-qwen2", device="cpu", kv_cache_memory=0.01, max_model_len=256, quantization="fp8")
+    assert fused_modules(llm) == []
+    monkeypatch.setenv("TANDEM_FUSED_FP8_QUANT", "yes")
+    with pytest.raises(ValueError, match=r"TANDEM_FUSED_FP8_QUANT='yes': must be 0 or 1"):
+        LLM("random:tiny-qwen2", device="cpu", kv_cache_memory=0.01, max_model_len=256, quantization="fp8")
+
+
+def test_fused_fp8_input_quant_forced_on_the_cpu_gives_the_same_logits(monkeypatch):
+    """TANDEM_FUSED_FP8_QUANT=1 on the CPU: every layer's two norms and its MLP are swapped (the parameters keep their
+    names and tensors), the Fp8Linears get QuantizedActivations, and the logits at every position equal the unfused
+    model's bit for bit (the CPU runs the references: rms_norm_ref / silu_and_mul_ref, then per_token_quant_fp8_ref,
+    the same arithmetic as the CPU kernels then Fp8Linear's quantizer). The kernels themselves are tested against
+    the unfused pair under the interpreter in tests/kernels (the model dispatches to Triton on CUDA only)."""
+    kw = dict(device="cpu", kv_cache_memory=0.02, max_model_len=256, quantization="fp8")
+    monkeypatch.setenv("TANDEM_FUSED_FP8_QUANT", "0")
+    base = LLM("random:tiny-qwen2", **kw)
+    monkeypatch.setenv("TANDEM_FUSED_FP8_QUANT", "1")
+    fused = LLM("random:tiny-qwen2", **kw)
+    n_layers = len(fused.engine.runner.model.model.layers)
+    assert len(fused_modules(fused)) == 3 * n_layers and fused_modules(base) == []
+    a_params = dict(base.engine.runner.model.named_parameters())
+    b_params = dict(fused.engine.runner.model.named_parameters())
+    assert a_params.keys() == b_params.keys() and all(torch.equal(a_params[k], b_params[k]) for k in a_params)
+    seen = []
+    orig = Fp8Linear.forward
+
+    def spy(self, x):
+        seen.append(type(x).__name__)
+        return orig(self, x)
+
+    monkeypatch.setattr(Fp8Linear, "forward", spy)
+    tokens = list(range(300, 341))
+    ref = step_logits(base, tokens)
+    assert set(seen) == {"Tensor"}
+    seen.clear()
+    got = step_logits(fused, tokens)
+    assert seen.count("QuantizedActivation") == 3 * n_layers and seen.count("Tensor") == n_layers  # o_proj
+    assert torch.equal(got, ref)
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="runs the Triton kernels: TRITON_INTERPRET=1")
+def test_fused_fp8_input_quant_with_the_interpreted_kernels(monkeypatch):
+    """The same model with every norm, activation and quantizer sent to its Triton launcher (interpreted on the CPU,
+    as CUDA would dispatch them): the fused kernels inside the model give the unfused kernels' logits bit for bit."""
+    import kernels
+    from kernels.activation import silu_and_mul_quant_fp8_triton, silu_and_mul_triton
+    from kernels.norm import (fused_add_rms_norm_quant_fp8_triton, fused_add_rms_norm_triton,
+                              rms_norm_quant_fp8_triton, rms_norm_triton)
+    from kernels.quant_fp8 import per_token_quant_fp8_triton
+
+    kw = dict(device="cpu", kv_cache_memory=0.02, max_model_len=256, quantization="fp8")
+    monkeypatch.setenv("TANDEM_FUSED_FP8_QUANT", "0")
+    base = LLM("random:tiny-qwen2", **kw)
+    monkeypatch.setenv("TANDEM_FUSED_FP8_QUANT", "1")
+    fused = LLM("random:tiny-qwen2", **kw)
+    for name, fn in (("rms_norm", rms_norm_triton), ("fused_add_rms_norm", fused_add_rms_norm_triton),
+                     ("silu_and_mul", silu_and_mul_triton), ("rms_norm_quant_fp8", rms_norm_quant_fp8_triton),
+                     ("fused_add_rms_norm_quant_fp8", fused_add_rms_norm_quant_fp8_triton),
+                     ("silu_and_mul_quant_fp8", silu_and_mul_quant_fp8_triton)):
+        monkeypatch.setattr(kernels, name, lambda *a, fn=fn, name=name: calls.append(name) or fn(*a))
+    monkeypatch.setattr(quant, "per_token_quant_fp8_ref", per_token_quant_fp8_triton)  # Fp8Linear's CPU quantizer
+    calls: list[str] = []
+    tokens = list(range(300, 341))
+    got = step_logits(fused, tokens)
+    n = len(fused.engine.runner.model.model.layers)
+    assert sorted(set(calls)) == ["fused_add_rms_norm", "fused_add_rms_norm_quant_fp8", "rms_norm_quant_fp8",
+                                  "silu_and_mul_quant_fp8"] and calls.count("silu_and_mul_quant_fp8") == n
+    calls.clear()
+    assert torch.equal(got, step_logits(base, tokens))
+    assert "rms_norm" in calls and "silu_and_mul" in calls and not any(c.endswith("quant_fp8") for c in calls)
+
+
+def test_fused_fp8_input_quant_leaves_static_input_scales_alone(monkeypatch):
+    """A linear with a static input_scale keeps its own quantizer: its norm (or activation) is not swapped."""
+    from engine.fp8_fusion import Fp8InputMLP, Fp8InputRMSNorm, fuse_fp8_input_quant
+
+    monkeypatch.setenv("TANDEM_FUSED_FP8_QUANT", "0")
+    llm = LLM("random:tiny-qwen2", device="cpu", kv_cache_memory=0.01, max_model_len=256, quantization="fp8")
+    model = llm.engine.runner.model
+    layer = model.model.layers[0]
+    layer.self_attn.qkv_proj.input_scale = nn.Parameter(torch.ones(1), requires_grad=False)
+    layer.mlp.down_proj.input_scale = nn.Parameter(torch.ones(1), requires_grad=False)
+    monkeypatch.setenv("TANDEM_FUSED_FP8_QUANT", "1")
+    assert fuse_fp8_input_quant(model, torch.device("cpu")) == 3 * len(model.model.layers) - 2
+    assert type(layer.input_layernorm).__name__ == "RMSNorm" and type(layer.mlp).__name__ == "MLP"
+    assert isinstance(layer.post_attention_layernorm, Fp8InputRMSNorm)
+    assert isinstance(model.model.layers[1].mlp, Fp8InputMLP)
+    assert fuse_fp8_input_quant(model, torch.device("cpu")) == 0  # already swapped: nothing more
+
+
+@cuda_only
+@pytest.mark.gpu
+@pytest.mark.parametrize("use_gemv", [False, True])
+def test_cuda_fused_fp8_input_quant_is_bit_identical(tmp_path, use_gemv, monkeypatch):
+    """On CUDA (the default there) the fused norm / activation kernels write what the unfused pair writes, so the
+    fp8 model's logits at every position and its greedy tokens (prefill and decode replayed as CUDA graphs) equal
+    those with TANDEM_FUSED_FP8_QUANT=0 exactly. use_gemv: decode at <= 16 rows takes the fp8 GEMV on 16-bit x, so
+    the norms fall back to the plain kernel there, inside the same graphs."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    from test_cuda_parity import build_random_dir
+
+    if use_gemv:  # tiny-qwen2's four linears at 1..16 rows (as test_cuda_llm_fp8_runs_with_graphs_and_agrees)
+        fma_split, dot = gemv.GemvConfig(8, 32, 2, 4, 2, "fma"), gemv.GemvConfig(16, 64, 1, 4, 3, "dot")
+        monkeypatch.setattr(gemv, "CONFIGS_FP8", {
+            (128, 64): ((4, gemv.GemvConfig(8, 64, 1, 4, 1, "fma_late")), (16, dot)),
+            (64, 64): ((16, dot),), (256, 64): ((2, fma_split), (16, dot)), (64, 128): ((16, fma_split),)})
+    model_dir = str(build_random_dir(tmp_path, "tiny-qwen2", seed=1, std=0.1))
+    kw = dict(dtype="bfloat16", max_model_len=512, kv_cache_memory=1.0, quantization="fp8")
+    monkeypatch.setenv("TANDEM_FUSED_FP8_QUANT", "0")
+    base = LLM(model_dir, **kw)
+    monkeypatch.delenv("TANDEM_FUSED_FP8_QUANT")
+    fused = LLM(model_dir, **kw)
+    assert fused_modules(base) == [] and len(fused_modules(fused)) == 3 * len(fused.engine.runner.model.model.layers)
+    assert fused.engine.runner.graphs is not None
+    prompts = [list(range(300, 300 + n)) for n in (5, 37, 130)] + [list(range(400, 420))] * 20  # decode at 23 rows
+    ref, got = greedy(base, prompts, 16), greedy(fused, prompts, 16)
+    assert got == ref
+    for p, cont in zip(prompts[:3], ref):
+        assert torch.equal(step_logits(fused, p + cont), step_logits(base, p + cont))
 
 
 # --- checkpoints stored in fp8 -------------------------------------------------------------------------------------

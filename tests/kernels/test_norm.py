@@ -4,7 +4,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.norm import fused_add_rms_norm_ref, fused_add_rms_norm_triton, rms_norm_ref, rms_norm_triton
+from kernels.norm import (fused_add_rms_norm_quant_fp8_ref, fused_add_rms_norm_quant_fp8_triton, fused_add_rms_norm_ref,
+                          fused_add_rms_norm_triton, rms_norm_quant_fp8_ref, rms_norm_quant_fp8_triton, rms_norm_ref,
+                          rms_norm_triton)
+from kernels.quant_fp8 import MIN_SCALE, per_token_quant_fp8_ref
 
 ON_CUDA = torch.cuda.is_available()
 DEVICE = "cuda" if ON_CUDA else "cpu"
@@ -90,3 +93,92 @@ def test_rows_past_int32_offsets():
     w = torch.randn(3584, dtype=torch.bfloat16, device="cuda")
     out = rms_norm_triton(x, w, 1e-6)
     torch.testing.assert_close(out[-5:], rms_norm_ref(x[-5:], w, 1e-6), atol=2e-2, rtol=2e-2)
+
+
+# --- the fp8 variants: rms_norm / fused_add_rms_norm, then per-token fp8 quantization, in one launch ---------------
+
+def quant_rows(y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    q, scale = per_token_quant_fp8_ref(y.reshape(-1, y.shape[-1]))
+    return q.reshape(y.shape), scale.reshape(*y.shape[:-1], 1)
+
+
+def assert_same_fp8(q, scale, q_ref, scale_ref):
+    """Equal fp8 bytes and scales."""
+    assert q.dtype == torch.float8_e4m3fn and q.shape == q_ref.shape and scale.shape == scale_ref.shape
+    assert torch.equal(scale, scale_ref)
+    assert torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8))
+
+
+def assert_close_to_reference(q, scale, y_ref, dtype):
+    """The dequantized rows against the plain-torch composition: within half an e4m3 ulp of each row's amax, plus
+    the 16-bit row's own tolerance (the kernel's float32 reduction order and its rounding of the row to x's dtype
+    may differ from torch's by an ulp, so bytes are compared with the unfused kernel's instead)."""
+    amax = y_ref.float().abs().amax(-1)
+    err = (q.float() * scale - y_ref.float()).abs().amax(-1)
+    assert (err <= (2.0**-4 + ATOL[dtype]) * amax + 1e-30).all(), (err / amax).max()
+
+
+QUANT_SHAPES = [(7, 64), (3, 5, 96), (4, 100)] if not ON_CUDA else [(300, 3584), (2, 9, 4096), (33, 5120), (5, 77)]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("shape", QUANT_SHAPES)
+def test_rms_norm_quant_fp8(dtype, shape):
+    # Bit for bit the unfused pair (rms_norm_triton, then per_token_quant_fp8); rows of very different magnitudes.
+    x, w = rand(*shape, dtype=dtype), rand(shape[-1], dtype=dtype)
+    q, scale = rms_norm_quant_fp8_triton(x, w, 1e-6)
+    assert_same_fp8(q, scale, *quant_rows(rms_norm_triton(x, w, 1e-6)))
+    assert_close_to_reference(q, scale, rms_norm_ref(x, w, 1e-6), dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("residual_dtype", ["x", torch.float32])
+@pytest.mark.parametrize("shape", QUANT_SHAPES)
+def test_fused_add_rms_norm_quant_fp8(dtype, residual_dtype, shape):
+    x, w = rand(*shape, dtype=dtype), rand(shape[-1], dtype=dtype)
+    r = rand(*shape, dtype=dtype if residual_dtype == "x" else residual_dtype)
+    y, res_ref = fused_add_rms_norm_triton(x, r, w, 1e-6)
+    q, scale, res = fused_add_rms_norm_quant_fp8_triton(x, r, w, 1e-6, residual_out=nan_like(r))
+    assert res.dtype == r.dtype and torch.equal(res, res_ref)
+    assert_same_fp8(q, scale, *quant_rows(y))
+    assert_close_to_reference(q, scale, fused_add_rms_norm_ref(x, r, w, 1e-6)[0], dtype)
+
+
+def test_quant_fp8_zero_rows_and_caller_buffers():
+    # A row that normalizes to zeros has amax 0: scale MIN_SCALE and zeros, as per_token_quant_fp8_ref has it (the
+    # whole composition of references agrees exactly there). In place: residual_out=residual.
+    x, w = rand(4, 100, dtype=torch.bfloat16), rand(100, dtype=torch.bfloat16)
+    x[1] = 0
+    r = torch.zeros(4, 100, dtype=torch.float32, device=DEVICE)
+    out = torch.empty(4, 100, dtype=torch.float8_e4m3fn, device=DEVICE)
+    scale = torch.empty(4, 1, device=DEVICE)
+    q, s, res = fused_add_rms_norm_quant_fp8_triton(x, r, w, 1e-6, out=out, scale=scale, residual_out=r)
+    assert q is out and s is scale and res is r
+    assert s[1, 0].item() == torch.tensor(MIN_SCALE).item() and (q[1].float() == 0).all()
+    q_ref, s_ref, _ = fused_add_rms_norm_quant_fp8_ref(x, torch.zeros_like(r), w, 1e-6)
+    assert_same_fp8(q[1:2], s[1:2], q_ref[1:2], s_ref[1:2])
+    q, s = rms_norm_quant_fp8_triton(x, w, 1e-6)
+    q_ref, s_ref = rms_norm_quant_fp8_ref(x, w, 1e-6)
+    assert_same_fp8(q[1:2], s[1:2], q_ref[1:2], s_ref[1:2])
+
+
+def test_quant_fp8_bad_arguments_name_the_argument():
+    x, w = rand(4, 64, dtype=torch.bfloat16), rand(64, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="weight: dtype torch.float32, the fp8 variant needs x's dtype"):
+        rms_norm_quant_fp8_triton(x, w.float(), 1e-6)
+    with pytest.raises(ValueError, match="out: dtype"):
+        rms_norm_quant_fp8_triton(x, w, 1e-6, out=torch.empty_like(x))
+    with pytest.raises(ValueError, match=r"scale: shape \(4,\)"):
+        rms_norm_quant_fp8_triton(x, w, 1e-6, scale=torch.empty(4, device=DEVICE))
+
+
+@cuda_only
+def test_quant_fp8_rows_past_int32_offsets():
+    x = torch.randn(600_000, 3584, dtype=torch.bfloat16, device="cuda")
+    assert x.numel() > 2**31
+    w = torch.randn(3584, dtype=torch.bfloat16, device="cuda")
+    r = torch.randn(600_000, 3584, dtype=torch.float32, device="cuda")
+    q, s, res = fused_add_rms_norm_quant_fp8_triton(x, r, w, 1e-6)
+    y, res_ref = fused_add_rms_norm_triton(x[-5:], r[-5:], w, 1e-6)
+    assert torch.equal(res[-5:], res_ref)
+    assert_same_fp8(q[-5:], s[-5:], *quant_rows(y))
