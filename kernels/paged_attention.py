@@ -843,15 +843,15 @@ def default_config(
         # An int8 cache always: its rows (head_dim + 4 bytes) are only word-aligned, so its byte loads could not be
         # vectorized and the byte walk spilled (bench/RESULTS.md, "INT8 KV cache").
         fp8x4 = 2 if kv_int8 or (kv_fp8 and num_seqs * num_kv_heads * num_segments >= 4 * num_sms) else 0
-        # Short contexts at full occupancy: 32-key tiles and 2 warps. A 128-key tile walks up to 127 masked keys
-        # past a ~200-token context, and smaller programs keep more of them resident per SM (H200 sweep at
-        # TensorRT-LLM's 128/128 workload, bench/RESULTS.md). The decode CUDA graphs are captured for this length
+        # Short contexts at full occupancy: 32-key tiles, 2 warps, 2 stages. A 128-key tile walks up to 127 masked
+        # keys past a ~200-token context, and smaller programs keep more of them resident per SM (H200 and H100
+        # sweeps at TensorRT-LLM's 128/128 workload, bench/RESULTS.md). The decode CUDA graphs are captured for this length
         # too (engine/cuda_graphs.py), so a step of short sequences gets this launch under a graph as well.
-        num_warps = 4
+        num_warps, num_stages = 4, 2 if kv_fp8 else 3
         if num_segments == 1 and max_seq_len <= SHORT_DECODE_CONTEXT and not kv_int8:
-            tile_n, num_warps = 32, 2
+            tile_n, num_warps, num_stages = 32, 2, 2
         cfg = dict(block_m=min_m, tile_n=tile_n, num_segments=num_segments, num_warps=num_warps,
-                   num_stages=2 if kv_fp8 else 3, fp8_via_fp16=1, new_kv=0, maxnreg=0, fp8x4=fp8x4, int8_align=0)
+                   num_stages=num_stages, fp8_via_fp16=1, new_kv=0, maxnreg=0, fp8x4=fp8x4, int8_align=0)
         if kv_int8:
             cfg.update(INT8_DECODE_SPLIT if num_segments > 1 else INT8_DECODE)
         return cfg
