@@ -877,9 +877,10 @@ def _prefill_config(block_m: int, head_dim: int, q_bytes: int = 2, kv_fp8: bool 
     # shared memory each) overlap one's softmax with the other's matmuls, for a few spilled registers (measured:
     # bench/RESULTS.md). Not measured with an fp8 cache (its compile spills too: bench/RESULTS.md).
     capped = block_m == 128 and q_bytes == 2 and not kv_fp8 and head_dim <= 128
-    # From the H200 sweep at Llama-3-8B shapes (bench/RESULTS.md): an fp8 cache at 128 rows ran faster on 4 warps
-    # than on 8, and 64-row tiles (what short prompts in many sequences choose) faster walking 32-key tiles.
-    tile_n = 32 if head_dim > 128 or block_m == 64 else 64
+    # An fp8 cache at 128 rows runs faster on 4 warps than on 8 (H200 and H100 sweeps at Llama-3-8B shapes,
+    # bench/RESULTS.md). 64-row tiles of 128-token prompts were faster walking 32-key tiles too, but 64 rows is also
+    # what a step of 2048-token chunks beside ~125 decodes chooses, where 32-key tiles were not measured to help.
+    tile_n = 32 if head_dim > 128 else 64
     warps = 4 if kv_fp8 and block_m == 128 else {256: 16, 128: 8}.get(block_m, 4)
     return dict(block_m=block_m, tile_n=tile_n, num_segments=1,
                 num_warps=warps, num_stages=2 if block_m >= 64 else 3, fp8_via_fp16=1,

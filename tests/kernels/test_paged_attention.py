@@ -280,12 +280,12 @@ def test_default_config_short_decodes_and_small_prefill_tiles():
     assert default_config(980, 980, 8, 4, 128, 1, 512, 132, kv_int8=True)["tile_n"] == 128
     assert default_config(4, 4, 8, 4, 128, 1, 512, 132)["num_segments"] > 1
     assert default_config(4, 4, 8, 4, 128, 1, 512, 132)["tile_n"] == 64
-    # prefill: an fp8 cache's 128-row tiles on 4 warps; 64-row tiles walk 32 keys at a time
+    # prefill: an fp8 cache's 128-row tiles on 4 warps; 64-row tiles keep 64-key tiles
     fp8_chunk = default_config(8192, 4, 8, 4, 128, 2048, 2048, 132, q_bytes=4, kv_fp8=True)
     assert (fp8_chunk["block_m"], fp8_chunk["num_warps"]) == (128, 4)
     assert default_config(8192, 4, 8, 4, 128, 2048, 2048, 132, q_bytes=4)["num_warps"] == 8
     small = default_config(64 * 128, 64, 8, 4, 128, 128, 128, 132)
-    assert (small["block_m"], small["tile_n"]) == (64, 32)
+    assert (small["block_m"], small["tile_n"]) == (64, 64)
 
 
 def test_decode_graph_lengths_add_the_short_bound_where_the_launch_differs():
