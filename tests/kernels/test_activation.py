@@ -6,7 +6,8 @@ import torch
 
 from kernels.activation import (QUANT_BLOCK_I, silu_and_mul_quant_fp8_ref, silu_and_mul_quant_fp8_triton,
                                 silu_and_mul_ref, silu_and_mul_triton)
-from kernels.quant_fp8 import MIN_SCALE, per_token_quant_fp8_ref
+from kernels.quant_fp8 import MIN_SCALE
+from tests.kernels.test_norm import assert_same_fp8, quant_rows
 
 ON_CUDA = torch.cuda.is_available()
 DEVICE = "cuda" if ON_CUDA else "cpu"
@@ -45,18 +46,6 @@ def test_rows_past_int32_offsets():
 
 
 # --- silu_and_mul, then per-token fp8 quantization, in one launch ------------------------------------------------
-
-def quant_rows(y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    q, scale = per_token_quant_fp8_ref(y.reshape(-1, y.shape[-1]))
-    return q.reshape(y.shape), scale.reshape(*y.shape[:-1], 1)
-
-
-def assert_same_fp8(q, scale, q_ref, scale_ref):
-    """Equal fp8 bytes and scales."""
-    assert q.dtype == torch.float8_e4m3fn and q.shape == q_ref.shape and scale.shape == scale_ref.shape
-    assert torch.equal(scale, scale_ref)
-    assert torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8))
-
 
 # (shape, block_i): one chunk (the row in registers), and rows walked in chunks, the last one partial; None: the
 # launcher's choice by row count. On the GPU Llama-3-8B's and Qwen2.5-7B's intermediate sizes at decode-like and
