@@ -5,7 +5,8 @@
 # (KV transfer paths), ttft (idle disaggregated stack, through bench/gpu_serve.sh), build (the engine's model build
 # on CUDA: build_model's tests, fp8 checkpoints, and the build's peak GPU memory against the final model's size),
 # w4 (4-bit AWQ weights against bf16), swap (a preempting workload, swap vs recompute), hosttier (8k-prefix TTFT
-# from the host KV tier), trtprofile (issue 19: profiles of TensorRT-LLM's workloads' decode and prompt steps)
+# from the host KV tier), trtprofile (issue 19: profiles of TensorRT-LLM's workloads' decode and prompt steps), trt
+# (issue 19: bench/trtllm.py's four workloads, per KV dtype)
 # Env: NP/OL/IL (throughput prompts, output and input length), BACKENDS ("tandem hf"), MNS (max_num_seqs list,
 # e.g. "256 512"), MBT (max_num_batched_tokens), VARIANTS (engine flag sets for latency and perf, separated by
 # ";", e.g. VARIANTS=";--kv-cache-dtype fp8;--quantization fp8 --kv-cache-dtype fp8": "" is the bf16 default).
@@ -100,6 +101,13 @@ print(f'build: model {size / 2**30:.2f} GiB, peak allocated {torch.cuda.max_memo
         timeout ${PROFILE_TIMEOUT:-300} python3 bench/profile_decode.py --model random:llama-3-8b --quantization fp8 \
           --kv-cache-dtype $kv --batch 4 --input-len 2048 --steps 5 --prefill-tokens 8192 \
           --json "$OUT/trt-prefill-$kv.json" 2>&1 | tee "$OUT/trt-prefill-$kv.log" | grep -A12 "prefill step"
+      done ;;
+    trt)  # issue 19: TensorRT-LLM's four workloads at the published prompt counts (~5 min per KV dtype on the H200);
+      # SCALE=0.25 for a quick A/B, TRT_WORKLOADS to pick some
+      for kv in ${KV:-fp8 auto}; do
+        timeout ${TRT_TIMEOUT:-420} python3 bench/trtllm.py --kv-cache-dtype $kv --scale ${SCALE:-1} \
+          ${TRT_WORKLOADS:+--workloads $TRT_WORKLOADS} --out-dir "$OUT" 2>&1 | tee "$OUT/trt-$kv.log" \
+          | grep -E "built in|decode |prefill/mixed|^ *[0-9]+/[0-9]+ "
       done ;;
   esac
   echo "== stage $stage: $((SECONDS - t0)) s"
