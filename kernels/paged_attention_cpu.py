@@ -3,8 +3,8 @@
 The CPU engine's decode steps spend their attention time moving K/V, not in the dot products. Two paths:
 - `paged_attention_cpu_native`, where kernels/csrc/paged_decode_attention.c compiles (kernels/cpu_native.py) and
   the step is float32 or bfloat16 with unit scales: each one-query row (a decode, or a one-token prompt chunk)
-  attends straight from the paged cache, one (sequence, KV head) at a time with all the group's query heads
-  together, reading each K/V row once and no slot past seq_len. In a mixed step only the prompt chunks go to
+  attends straight from the paged cache, one sequence at a time with all its query heads together, reading each
+  K/V row once, each block's K and V as forward streams, and no slot past seq_len. In a mixed step only the prompt chunks go to
   paged_attention_torch, as a smaller batch: its padded [num_seqs, max_query_len] query grid then holds no decode
   rows. A decode row gets the same bits in any batch, so sync and async scheduling agree to the last bit.
 - `paged_decode_attention_cpu` (no C kernel, or float16) for decode-only steps: 1. `index_select` copies each
@@ -29,8 +29,10 @@ from kernels.cpu_native import load_library
 from kernels.paged_attention import paged_attention_torch
 
 NATIVE_DTYPES = {torch.float32: 0, torch.bfloat16: 1}  # the C kernel's dtype codes
-# The C kernel keeps a work item's queries and accumulators ([group, head_dim] floats each) on its thread's stack.
+# The C kernel keeps a work item's queries and accumulators ([heads, head_dim] floats each, at least one KV head's
+# group) and, for bfloat16, a tile's widened rows ([32, head_dim]) on its thread's stack: its MAX_ELEMS, MAX_HEAD_DIM.
 MAX_GROUP_ELEMS = 8192
+MAX_HEAD_DIM = 256
 
 
 def decode_attention_cpu_ok(q: torch.Tensor, k_cache: torch.Tensor, max_query_len: int, num_seqs: int,
@@ -106,6 +108,7 @@ def native_attention_cpu_ok(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
         return False
     num_heads, num_kv_heads, head_dim = q.shape[1], k_cache.shape[2], q.shape[2]
     return (num_heads % num_kv_heads == 0 and num_heads // num_kv_heads * head_dim <= MAX_GROUP_ELEMS
+            and head_dim <= MAX_HEAD_DIM
             and q.stride(2) == 1 and k_cache.stride(3) == 1 and v_cache.stride(3) == 1
             and _native_kernel() is not None)
 

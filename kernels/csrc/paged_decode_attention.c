@@ -8,23 +8,53 @@
  *   block_tables  [num_seqs, max_blocks] int32, seq_lens [num_seqs] int32, query_start_loc [num_seqs + 1] int32
  * Query head h reads KV head h / (num_heads / num_kv_heads).
  *
- * One work item is (sequence, KV head): the group's query heads are scored together, so each K and V row is read
- * once from memory for all of them, straight from its block (no gathered copy). Keys are walked TILE at a time,
- * whatever the block size, with an online softmax in float32; only slots below seq_len are ever read, so the stale
- * tail of a block and the table's padding may hold anything (NaN too). Work items run in parallel under OpenMP;
- * each is computed serially in a fixed order, so a row's result does not depend on the thread count or on the
- * other sequences of the batch.
+ * One work item is a sequence and a run of its KV heads (all of them unless their query heads' state, [heads,
+ * head_dim] floats, would pass MAX_ELEMS): a slot's rows of those heads are adjacent in the engine's cache, so an
+ * item walks each block's K and V as two forward streams, each row read once from memory for all the query heads
+ * that share it (no gathered copy). At ~150-token contexts the cache no longer sits in the CPU's caches when a
+ * layer's attention starts (the layer's weights went through them since): what the step pays for is the memory
+ * reads, and one (sequence, KV head) at a time read a third of every slot's bytes per pass (bench/RESULTS.md, "CPU:
+ * decode attention walks each KV row once").
  *
- * dtype 0: float32 throughout. dtype 1: bfloat16 q, cache and out, widened to float32 on load and rounded to
- * nearest even on store. Loops are plain C for gcc -O3 -march=native to vectorize (AVX-512 or AVX2); the dot
- * products keep LANES partial sums so that their vectorization needs no reassociation (no -ffast-math).
+ * Keys are walked TILE at a time, whatever the block size: scores for the tile, an online softmax step in float32,
+ * then the tile's V rows; only slots below seq_len are ever read, so the stale tail of a block and the table's
+ * padding may hold anything (NaN too). Work items run in parallel under OpenMP; each is computed serially in a
+ * fixed order, so a row's result does not depend on the thread count or on the other sequences of the batch.
+ *
+ * dtype 0: float32 throughout. dtype 1: bfloat16 q, cache and out, widened to float32 on load (a tile's rows of one
+ * KV head at a time) and rounded to nearest even on store. The inner loops are GCC vector extensions, VEC floats
+ * wide (one AVX-512 register, two AVX2 ones: -march=native picks), specialized for head_dim 64 and 128 so that a
+ * query row and an accumulator row stay in registers; no -ffast-math, so the sums keep a fixed order.
+ * The caller (kernels/paged_attention_cpu.py) guarantees group * head_dim <= MAX_ELEMS and head_dim <= MAX_HEAD_DIM:
+ * an item's buffers live on its thread's stack.
  */
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
 
-#define LANES 16 /* partial sums per dot product: one AVX-512 register of floats, two AVX2 ones */
-#define TILE 32  /* keys per online-softmax step */
+#define TILE 32            /* keys per online-softmax step */
+#define VEC 16             /* floats per vector */
+#define MAX_ELEMS 8192     /* query-head floats ([heads, head_dim]) one item keeps: its KV heads are split to fit */
+#define MAX_HEAD_DIM 256   /* the bfloat16 widening buffers are [TILE, head_dim] */
+
+typedef float vf __attribute__((vector_size(VEC * sizeof(float))));
+typedef float vf8 __attribute__((vector_size(8 * sizeof(float))));
+typedef float vf4 __attribute__((vector_size(4 * sizeof(float))));
+
+static inline vf load_vf(const float *p) { /* unaligned */
+    vf x;
+    memcpy(&x, p, sizeof x);
+    return x;
+}
+
+static inline void store_vf(float *p, vf x) { memcpy(p, &x, sizeof x); }
+
+static inline float hsum(vf x) { /* a fixed pairwise order */
+    vf8 a = __builtin_shufflevector(x, x, 0, 1, 2, 3, 4, 5, 6, 7)
+            + __builtin_shufflevector(x, x, 8, 9, 10, 11, 12, 13, 14, 15);
+    vf4 b = __builtin_shufflevector(a, a, 0, 1, 2, 3) + __builtin_shufflevector(a, a, 4, 5, 6, 7);
+    return (b[0] + b[2]) + (b[1] + b[3]);
+}
 
 static inline float bf16_to_f32(uint16_t x) {
     uint32_t u = (uint32_t)x << 16;
@@ -40,95 +70,128 @@ static inline uint16_t f32_to_bf16(float f) { /* round to nearest even, as torch
     return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
 }
 
-/* A row of head_dim values as float32: the row itself (float32) or its widened copy in buf (bfloat16). */
-static inline const float *load_row(const char *base, int64_t elem_off, int dtype, int head_dim, float *buf) {
-    if (dtype == 0) return (const float *)base + elem_off;
-    const uint16_t *src = (const uint16_t *)base + elem_off;
-    for (int d = 0; d < head_dim; d++) buf[d] = bf16_to_f32(src[d]);
-    return buf;
+/* The n rows base + off[j] + head_off (j < n) as float32: pointers into the cache (float32), or into buf, where
+ * they are widened (bfloat16). */
+static inline void tile_rows(const char *base, const int64_t *off, int64_t head_off, int n, int dtype, int D,
+                             float *buf, const float **rows) {
+    for (int j = 0; j < n; j++) {
+        if (dtype == 0) {
+            rows[j] = (const float *)base + off[j] + head_off;
+        } else {
+            const uint16_t *src = (const uint16_t *)base + off[j] + head_off;
+            for (int d = 0; d < D; d++) buf[j * D + d] = bf16_to_f32(src[d]);
+            rows[j] = buf + j * D;
+        }
+    }
 }
 
-static inline float dot(const float *restrict a, const float *restrict b, int n) {
-    float part[LANES] = {0};
-    int d = 0;
-    for (; d + LANES <= n; d += LANES)
-        for (int t = 0; t < LANES; t++) part[t] += a[d + t] * b[d + t];
-    for (int w = LANES / 2; w > 0; w /= 2)
-        for (int t = 0; t < w; t++) part[t] += part[t + w];
-    float s = part[0];
-    for (; d < n; d++) s += a[d] * b[d];
-    return s;
-}
-
-static int attend_one(
+/* Attends query row `row` of query heads [kv0 * G, kv1 * G) to seq_len keys. D is a literal in the specialized
+ * copies (attend_64, attend_128), where the C = D / VEC vectors of a row are registers. Returns 1 for a block id
+ * outside the cache. */
+static inline __attribute__((always_inline)) int attend(
     char *out, int64_t out_s, int64_t out_h,
     const char *q, int64_t q_s, int64_t q_h,
     const char *kc, int64_t kc_b, int64_t kc_s, int64_t kc_h,
     const char *vc, int64_t vc_b, int64_t vc_s, int64_t vc_h,
-    const int32_t *bt_row, int64_t num_blocks, int64_t row, int kv_head, int seq_len,
-    int group, int head_dim, int block_size, float scale, int dtype) {
-    const int D = head_dim, G = group;
-    float qf[G * D], acc[G * D], s[G * TILE], m[G], l[G], kbuf[D], vbuf[D];
-    int32_t blk[TILE], off[TILE];
-    const int h0 = kv_head * G;
+    const int32_t *bt_row, int64_t num_blocks, int64_t row, int seq_len,
+    int kv0, int kv1, int G, const int D, int block_size, float scale, int dtype) {
+    const int NH = (kv1 - kv0) * G, C = D / VEC, h0 = kv0 * G;
+    float qf[NH * D], acc[NH * D], s[NH * TILE], m[NH], l[NH], alpha[NH];
+    float kbuf[dtype ? TILE * D : 1];
+    int64_t koff[TILE], voff[TILE];
+    const float *rows[TILE];
 
-    for (int g = 0; g < G; g++) {
-        const float *qr = load_row(q, row * q_s + (int64_t)(h0 + g) * q_h, dtype, D, kbuf);
-        memcpy(qf + g * D, qr, sizeof(float) * D);
-        m[g] = -INFINITY;
-        l[g] = 0.0f;
+    for (int h = 0; h < NH; h++) { /* qf = q * scale, so that the dots are the scores */
+        const int64_t o = row * q_s + (int64_t)(h0 + h) * q_h;
+        for (int d = 0; d < D; d++)
+            qf[h * D + d] = (dtype == 0 ? ((const float *)q)[o + d] : bf16_to_f32(((const uint16_t *)q)[o + d]))
+                            * scale;
+        m[h] = -INFINITY;
+        l[h] = 0.0f;
     }
     memset(acc, 0, sizeof acc);
 
     for (int t0 = 0; t0 < seq_len; t0 += TILE) {
         const int n = seq_len - t0 < TILE ? seq_len - t0 : TILE;
-        for (int j = 0; j < n; j++) { /* scores [G, n] */
+        for (int j = 0; j < n; j++) {
             const int key = t0 + j;
             const int32_t b = bt_row[key / block_size];
             if (b < 0 || b >= num_blocks) return 1;
-            blk[j] = b;
-            off[j] = key % block_size;
-            const float *kr = load_row(kc, b * kc_b + off[j] * kc_s + kv_head * kc_h, dtype, D, kbuf);
-            for (int g = 0; g < G; g++) s[g * TILE + j] = dot(qf + g * D, kr, D) * scale;
+            koff[j] = b * kc_b + (int64_t)(key % block_size) * kc_s;
+            voff[j] = b * vc_b + (int64_t)(key % block_size) * vc_s;
         }
-        for (int g = 0; g < G; g++) { /* online softmax: s becomes the tile's weights, acc and l are rescaled */
-            float *sg = s + g * TILE;
-            float mt = m[g];
-            for (int j = 0; j < n; j++) mt = sg[j] > mt ? sg[j] : mt;
-            const float alpha = expf(m[g] - mt); /* 0 on the first tile (m = -inf), where acc and l are 0 */
+        for (int kh = kv0; kh < kv1; kh++) { /* s[h, :n] = qf[h] . K[:n, kh] */
+            tile_rows(kc, koff, (int64_t)kh * kc_h, n, dtype, D, kbuf, rows);
+            for (int h = (kh - kv0) * G; h < (kh - kv0 + 1) * G; h++) {
+                const float *qh = qf + h * D;
+                vf qv[C > 0 ? C : 1];
+                for (int c = 0; c < C; c++) qv[c] = load_vf(qh + VEC * c);
+                for (int j = 0; j < n; j++) {
+                    const float *kr = rows[j];
+                    vf a = {0};
+                    for (int c = 0; c < C; c++) a += qv[c] * load_vf(kr + VEC * c);
+                    float dot = hsum(a);
+                    for (int d = C * VEC; d < D; d++) dot += qh[d] * kr[d];
+                    s[h * TILE + j] = dot;
+                }
+            }
+        }
+        for (int h = 0; h < NH; h++) { /* online softmax: s becomes the tile's weights, l and acc are rescaled */
+            float *sh = s + h * TILE;
+            float mt = m[h];
+            for (int j = 0; j < n; j++) mt = sh[j] > mt ? sh[j] : mt;
+            alpha[h] = expf(m[h] - mt); /* 0 on the first tile (m = -inf), where acc and l are 0 */
             float sum = 0.0f;
             for (int j = 0; j < n; j++) {
-                sg[j] = expf(sg[j] - mt);
-                sum += sg[j];
+                sh[j] = expf(sh[j] - mt);
+                sum += sh[j];
             }
-            l[g] = l[g] * alpha + sum;
-            m[g] = mt;
-            float *ag = acc + g * D;
-            for (int d = 0; d < D; d++) ag[d] *= alpha;
+            l[h] = l[h] * alpha[h] + sum;
+            m[h] = mt;
         }
-        for (int j = 0; j < n; j++) { /* acc [G, D] += weights [G, n] @ V [n, D] */
-            const float *vr = load_row(vc, blk[j] * vc_b + off[j] * vc_s + kv_head * vc_h, dtype, D, vbuf);
-            for (int g = 0; g < G; g++) {
-                const float p = s[g * TILE + j];
-                float *restrict ag = acc + g * D;
-                for (int d = 0; d < D; d++) ag[d] += p * vr[d];
+        for (int kh = kv0; kh < kv1; kh++) { /* acc[h] = alpha * acc[h] + s[h, :n] @ V[:n, kh] */
+            tile_rows(vc, voff, (int64_t)kh * vc_h, n, dtype, D, kbuf, rows);
+            for (int h = (kh - kv0) * G; h < (kh - kv0 + 1) * G; h++) {
+                float *ah = acc + h * D;
+                const float *sh = s + h * TILE;
+                vf a[C > 0 ? C : 1];
+                for (int c = 0; c < C; c++) a[c] = load_vf(ah + VEC * c) * alpha[h];
+                for (int d = C * VEC; d < D; d++) ah[d] *= alpha[h];
+                for (int j = 0; j < n; j++) {
+                    const float *vr = rows[j];
+                    const float p = sh[j];
+                    for (int c = 0; c < C; c++) a[c] += p * load_vf(vr + VEC * c);
+                    for (int d = C * VEC; d < D; d++) ah[d] += p * vr[d];
+                }
+                for (int c = 0; c < C; c++) store_vf(ah + VEC * c, a[c]);
             }
         }
     }
 
-    for (int g = 0; g < G; g++) {
-        const float inv = l[g] > 0.0f ? 1.0f / l[g] : 0.0f; /* seq_len 0: zeros, as the reference */
-        const int64_t o = row * out_s + (int64_t)(h0 + g) * out_h;
+    for (int h = 0; h < NH; h++) {
+        const float inv = l[h] > 0.0f ? 1.0f / l[h] : 0.0f; /* seq_len 0: zeros, as the reference */
+        const int64_t o = row * out_s + (int64_t)(h0 + h) * out_h;
         if (dtype == 0) {
             float *dst = (float *)out + o;
-            for (int d = 0; d < D; d++) dst[d] = acc[g * D + d] * inv;
+            for (int d = 0; d < D; d++) dst[d] = acc[h * D + d] * inv;
         } else {
             uint16_t *dst = (uint16_t *)out + o;
-            for (int d = 0; d < D; d++) dst[d] = f32_to_bf16(acc[g * D + d] * inv);
+            for (int d = 0; d < D; d++) dst[d] = f32_to_bf16(acc[h * D + d] * inv);
         }
     }
     return 0;
 }
+
+#define ATTEND_PARAMS char *out, int64_t out_s, int64_t out_h, const char *q, int64_t q_s, int64_t q_h, \
+    const char *kc, int64_t kc_b, int64_t kc_s, int64_t kc_h, const char *vc, int64_t vc_b, int64_t vc_s, \
+    int64_t vc_h, const int32_t *bt_row, int64_t num_blocks, int64_t row, int seq_len, int kv0, int kv1, int G, \
+    int head_dim, int block_size, float scale, int dtype
+#define ATTEND_ARGS(D) out, out_s, out_h, q, q_s, q_h, kc, kc_b, kc_s, kc_h, vc, vc_b, vc_s, vc_h, bt_row, \
+    num_blocks, row, seq_len, kv0, kv1, G, D, block_size, scale, dtype
+
+static int attend_64(ATTEND_PARAMS) { (void)head_dim; return attend(ATTEND_ARGS(64)); }
+static int attend_128(ATTEND_PARAMS) { (void)head_dim; return attend(ATTEND_ARGS(128)); }
+static int attend_any(ATTEND_PARAMS) { return attend(ATTEND_ARGS(head_dim)); }
 
 /* Returns 0, or 1 + the index of the first sequence whose seq_len or block table is out of range (its rows are
  * then not written). Strides are in elements. */
@@ -142,20 +205,25 @@ int paged_decode_attention(
     int num_seqs, int num_heads, int num_kv_heads, int head_dim, int block_size,
     float scale, int dtype, int num_threads) {
     const int group = num_heads / num_kv_heads;
-    const int64_t items = (int64_t)num_seqs * num_kv_heads;
+    int per_item = MAX_ELEMS / (group * head_dim); /* KV heads an item takes; >= 1 (the caller's guarantee) */
+    if (per_item > num_kv_heads) per_item = num_kv_heads;
+    const int chunks = (num_kv_heads + per_item - 1) / per_item;
+    int (*fn)(ATTEND_PARAMS) = head_dim == 64 ? attend_64 : head_dim == 128 ? attend_128 : attend_any;
+    const int64_t items = (int64_t)num_seqs * chunks;
     int bad = num_seqs; /* the smallest failing sequence */
 #pragma omp parallel for schedule(dynamic, 1) num_threads(num_threads) if (num_threads > 1 && items > 1)
     for (int64_t it = 0; it < items; it++) {
-        const int i = (int)(it / num_kv_heads), h = (int)(it % num_kv_heads);
+        const int i = (int)(it / chunks), kv0 = (int)(it % chunks) * per_item;
+        const int kv1 = kv0 + per_item < num_kv_heads ? kv0 + per_item : num_kv_heads;
         const int64_t row = query_start_loc[i];
         if (query_start_loc[i + 1] - row != 1) continue;
         const int seq_len = seq_lens[i];
         int err = seq_len < 0 || (int64_t)seq_len > max_blocks * block_size;
         if (!err)
-            err = attend_one((char *)out, out_s, out_h, (const char *)q, q_s, q_h,
-                             (const char *)k_cache, kc_b, kc_s, kc_h, (const char *)v_cache, vc_b, vc_s, vc_h,
-                             block_tables + i * bt_s, num_blocks, row, h, seq_len,
-                             group, head_dim, block_size, scale, dtype);
+            err = fn((char *)out, out_s, out_h, (const char *)q, q_s, q_h,
+                     (const char *)k_cache, kc_b, kc_s, kc_h, (const char *)v_cache, vc_b, vc_s, vc_h,
+                     block_tables + i * bt_s, num_blocks, row, seq_len, kv0, kv1, group,
+                     head_dim, block_size, scale, dtype);
         if (err) {
 #pragma omp critical
             if (i < bad) bad = i;
