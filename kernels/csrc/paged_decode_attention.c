@@ -32,7 +32,7 @@
 #include <stdint.h>
 #include <string.h>
 
-#define TILE 32            /* keys per online-softmax step */
+#define TILE 32            /* keys per online-softmax step, a multiple of VEC */
 #define VEC 16             /* floats per vector */
 #define MAX_ELEMS 8192     /* query-head floats ([heads, head_dim]) one item keeps: its KV heads are split to fit */
 #define MAX_HEAD_DIM 256   /* the bfloat16 widening buffers are [TILE, head_dim] */
@@ -40,6 +40,7 @@
 typedef float vf __attribute__((vector_size(VEC * sizeof(float))));
 typedef float vf8 __attribute__((vector_size(8 * sizeof(float))));
 typedef float vf4 __attribute__((vector_size(4 * sizeof(float))));
+typedef int32_t vi __attribute__((vector_size(VEC * sizeof(int32_t))));
 
 static inline vf load_vf(const float *p) { /* unaligned */
     vf x;
@@ -54,6 +55,27 @@ static inline float hsum(vf x) { /* a fixed pairwise order */
             + __builtin_shufflevector(x, x, 8, 9, 10, 11, 12, 13, 14, 15);
     vf4 b = __builtin_shufflevector(a, a, 0, 1, 2, 3) + __builtin_shufflevector(a, a, 4, 5, 6, 7);
     return (b[0] + b[2]) + (b[1] + b[3]);
+}
+
+/* exp of VEC floats <= 0 (the softmax's s - max), within 1 ulp of glibc's expf (a sweep of [-90, 0]): 2^n *
+ * exp(r), |r| <= ln 2 / 2, exp(r) by Cephes' degree-6 polynomial; below -87.3 (near float32's smallest normal) and
+ * at -inf, 0. A scalar expf call per score was ~40% of the kernel's time on warm caches. */
+static inline vf exp_vf(vf x) {
+    const vf lo = x - x - 87.3f; /* a broadcast, in the vector's own type */
+    const vi keep = x >= lo;     /* -1 where x is in range */
+    x = (vf)((vi)x & keep) + (vf)((vi)lo & ~keep); /* out of range (and -inf): a finite value, masked below */
+    const float magic = 12582912.0f; /* 1.5 * 2^23: adding it rounds to an integer, kept in the low mantissa bits */
+    const vf t = x * 1.44269504088896341f + magic;
+    const vf n = t - magic;
+    const vf r = x - n * 0.693359375f - n * -2.12194440e-4f;
+    vf p = r * 1.9875691500e-4f + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    p = p * r * r + r + 1.0f;
+    const vi pow2n = ((vi)t - (vi)(x - x + magic) + 127) << 23; /* 2^n, n in [-126, 0] */
+    return (vf)((vi)(p * (vf)pow2n) & keep);
 }
 
 static inline float bf16_to_f32(uint16_t x) {
@@ -141,12 +163,14 @@ static inline __attribute__((always_inline)) int attend(
             float mt = m[h];
             for (int j = 0; j < n; j++) mt = sh[j] > mt ? sh[j] : mt;
             alpha[h] = expf(m[h] - mt); /* 0 on the first tile (m = -inf), where acc and l are 0 */
-            float sum = 0.0f;
-            for (int j = 0; j < n; j++) {
-                sh[j] = expf(sh[j] - mt);
-                sum += sh[j];
+            for (int j = n; j < TILE; j++) sh[j] = -INFINITY; /* a short tile's weights: 0 */
+            vf sum = {0};
+            for (int j = 0; j < TILE; j += VEC) {
+                const vf e = exp_vf(load_vf(sh + j) - mt);
+                store_vf(sh + j, e);
+                sum += e;
             }
-            l[h] = l[h] * alpha[h] + sum;
+            l[h] = l[h] * alpha[h] + hsum(sum);
             m[h] = mt;
         }
         for (int kh = kv0; kh < kv1; kh++) { /* acc[h] = alpha * acc[h] + s[h, :n] @ V[:n, kh] */
