@@ -17,7 +17,8 @@
  * decode attention walks each KV row once").
  *
  * Keys are walked TILE at a time, whatever the block size: scores for the tile, an online softmax step in float32,
- * then the tile's V rows; only slots below seq_len are ever read, so the stale tail of a block and the table's
+ * then the tile's V rows, while the next tile's rows are prefetched (the hardware's own prefetcher does not follow
+ * a table's jumps from block to block); only slots below seq_len are ever read, so the stale tail of a block and the table's
  * padding may hold anything (NaN too). Work items run in parallel under OpenMP; each is computed serially in a
  * fixed order, so a row's result does not depend on the thread count or on the other sequences of the batch.
  *
@@ -107,6 +108,30 @@ static inline void tile_rows(const char *base, const int64_t *off, int64_t head_
     }
 }
 
+/* Asks for the rows of KV heads [kv0, kv1) of keys [t0, t1), K and V, every cache line, into L2 (prefetcht2: a
+ * tile's 48 KB at SmolLM2's shapes would thrash L1). Stops at a block id outside the cache, so that no address is
+ * formed from it (attend reports it). */
+static inline void prefetch_keys(const char *kc, int64_t kc_b, int64_t kc_s, int64_t kc_h,
+                                 const char *vc, int64_t vc_b, int64_t vc_s, int64_t vc_h,
+                                 const int32_t *bt_row, int64_t num_blocks, int t0, int t1, int block_size,
+                                 int kv0, int kv1, int D, int esz) {
+    const int adjacent = kc_h == D && vc_h == D; /* a slot's rows of these heads are one run of bytes */
+    const int run = (adjacent ? kv1 - kv0 : 1) * D * esz, runs = adjacent ? 1 : kv1 - kv0;
+    for (int key = t0; key < t1; key++) {
+        const int32_t b = bt_row[key / block_size];
+        if (b < 0 || b >= num_blocks) return;
+        const int64_t o = key % block_size;
+        for (int r = 0; r < runs; r++) {
+            const char *kp = kc + (b * kc_b + o * kc_s + (int64_t)(kv0 + r) * kc_h) * esz;
+            const char *vp = vc + (b * vc_b + o * vc_s + (int64_t)(kv0 + r) * vc_h) * esz;
+            for (int x = 0; x < run; x += 64) {
+                __builtin_prefetch(kp + x, 0, 1);
+                __builtin_prefetch(vp + x, 0, 1);
+            }
+        }
+    }
+}
+
 /* Attends query row `row` of query heads [kv0 * G, kv1 * G) to seq_len keys. D is a literal in the specialized
  * copies (attend_64, attend_128), where the C = D / VEC vectors of a row are registers. Returns 1 for a block id
  * outside the cache. */
@@ -133,8 +158,14 @@ static inline __attribute__((always_inline)) int attend(
     }
     memset(acc, 0, sizeof acc);
 
+    const int esz = dtype == 0 ? 4 : 2;
+    prefetch_keys(kc, kc_b, kc_s, kc_h, vc, vc_b, vc_s, vc_h, bt_row, num_blocks, 0, seq_len < TILE ? seq_len : TILE,
+                  block_size, kv0, kv1, D, esz);
     for (int t0 = 0; t0 < seq_len; t0 += TILE) {
         const int n = seq_len - t0 < TILE ? seq_len - t0 : TILE;
+        if (t0 + TILE < seq_len) /* the next tile, while this one computes */
+            prefetch_keys(kc, kc_b, kc_s, kc_h, vc, vc_b, vc_s, vc_h, bt_row, num_blocks, t0 + TILE,
+                          t0 + 2 * TILE < seq_len ? t0 + 2 * TILE : seq_len, block_size, kv0, kv1, D, esz);
         for (int j = 0; j < n; j++) {
             const int key = t0 + j;
             const int32_t b = bt_row[key / block_size];
