@@ -58,6 +58,29 @@ static inline float hsum(vf x) { /* a fixed pairwise order */
     return (b[0] + b[2]) + (b[1] + b[3]);
 }
 
+_Static_assert(VEC == 16 && TILE % VEC == 0, "hsum_each's shuffles are written for 16 lanes");
+
+/* The sums of VEC vectors, one a lane: out[j] = the lanes of x[j] summed (pairwise, in a fixed order). A shuffle
+ * tree: each level halves the vectors and the lanes each key still spans, ~3 VEC instructions where VEC separate
+ * reductions would take ~7 VEC. */
+static inline vf hsum_each(const vf x[VEC]) {
+    vf t[8], u[4], w[2];
+    for (int k = 0; k < 8; k++) /* t[k]: 8 lanes of key 2k, then 8 of key 2k + 1 */
+        t[k] = __builtin_shufflevector(x[2 * k], x[2 * k + 1], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23)
+               + __builtin_shufflevector(x[2 * k], x[2 * k + 1], 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28,
+                                         29, 30, 31);
+    for (int k = 0; k < 4; k++) /* u[k]: 4 lanes each of keys 4k .. 4k + 3 */
+        u[k] = __builtin_shufflevector(t[2 * k], t[2 * k + 1], 0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27)
+               + __builtin_shufflevector(t[2 * k], t[2 * k + 1], 4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29,
+                                         30, 31);
+    for (int k = 0; k < 2; k++) /* w[k]: 2 lanes each of keys 8k .. 8k + 7 */
+        w[k] = __builtin_shufflevector(u[2 * k], u[2 * k + 1], 0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29)
+               + __builtin_shufflevector(u[2 * k], u[2 * k + 1], 2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27,
+                                         30, 31);
+    return __builtin_shufflevector(w[0], w[1], 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30)
+           + __builtin_shufflevector(w[0], w[1], 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
+}
+
 /* exp of VEC floats <= 0 (the softmax's s - max), within 1 ulp of glibc's expf (a sweep of [-90, 0]): 2^n *
  * exp(r), |r| <= ln 2 / 2, exp(r) by Cephes' degree-6 polynomial; below -87.3 (near float32's smallest normal) and
  * at -inf, 0. A scalar expf call per score was ~40% of the kernel's time on warm caches. */
@@ -94,7 +117,7 @@ static inline uint16_t f32_to_bf16(float f) { /* round to nearest even, as torch
 }
 
 /* The n rows base + off[j] + head_off (j < n) as float32: pointers into the cache (float32), or into buf, where
- * they are widened (bfloat16). */
+ * they are widened (bfloat16); rows[n:TILE] repeat row 0. */
 static inline void tile_rows(const char *base, const int64_t *off, int64_t head_off, int n, int dtype, int D,
                              float *buf, const float **rows) {
     for (int j = 0; j < n; j++) {
@@ -106,6 +129,7 @@ static inline void tile_rows(const char *base, const int64_t *off, int64_t head_
             rows[j] = buf + j * D;
         }
     }
+    for (int j = n; j < TILE; j++) rows[j] = rows[0]; /* a short tile's rest: read, then masked */
 }
 
 /* Asks for the rows of KV heads [kv0, kv1) of keys [t0, t1), K and V, every cache line, into L2 (prefetcht2: a
@@ -179,13 +203,15 @@ static inline __attribute__((always_inline)) int attend(
                 const float *qh = qf + h * D;
                 vf qv[C > 0 ? C : 1];
                 for (int c = 0; c < C; c++) qv[c] = load_vf(qh + VEC * c);
-                for (int j = 0; j < n; j++) {
-                    const float *kr = rows[j];
-                    vf a = {0};
-                    for (int c = 0; c < C; c++) a += qv[c] * load_vf(kr + VEC * c);
-                    float dot = hsum(a);
-                    for (int d = C * VEC; d < D; d++) dot += qh[d] * kr[d];
-                    s[h * TILE + j] = dot;
+                for (int j0 = 0; j0 < n; j0 += VEC) { /* VEC keys' dots, reduced together */
+                    vf a[VEC];
+                    for (int j = 0; j < VEC; j++) {
+                        a[j] = (vf){0};
+                        for (int c = 0; c < C; c++) a[j] += qv[c] * load_vf(rows[j0 + j] + VEC * c);
+                    }
+                    store_vf(s + h * TILE + j0, hsum_each(a));
+                    for (int j = 0; j < VEC && C * VEC < D; j++) /* head_dim off the vector width */
+                        for (int d = C * VEC; d < D; d++) s[h * TILE + j0 + j] += qh[d] * rows[j0 + j][d];
                 }
             }
         }
