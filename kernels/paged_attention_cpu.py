@@ -1,12 +1,12 @@
 """Paged attention on the CPU: decodes read the cache in place (a C kernel), or through gathered copies (torch).
 
-The CPU engine's decode steps spend their attention time moving K/V, not in the dot products. Two paths:
+The CPU engine's decode steps spend their attention time reading K/V from memory, not in the dot products. Two paths:
 - `paged_attention_cpu_native`, where kernels/csrc/paged_decode_attention.c compiles (kernels/cpu_native.py) and
   the step is float32 or bfloat16 with unit scales: each one-query row (a decode, or a one-token prompt chunk)
   attends straight from the paged cache, one sequence at a time with all its query heads together, reading each
-  K/V row once, each block's K and V as forward streams, and no slot past seq_len. In a mixed step only the prompt chunks go to
-  paged_attention_torch, as a smaller batch: its padded [num_seqs, max_query_len] query grid then holds no decode
-  rows. A decode row gets the same bits in any batch, so sync and async scheduling agree to the last bit.
+  K/V row once and no slot past seq_len. In a mixed step only the prompt chunks go to paged_attention_torch, as a
+  smaller batch: its padded [num_seqs, max_query_len] query grid then holds no decode rows. A decode row gets the
+  same bits in any batch, so sync and async scheduling agree to the last bit.
 - `paged_decode_attention_cpu` (no C kernel, or float16) for decode-only steps: 1. `index_select` copies each
   sequence's blocks, whole and in table order, into [num_seqs, blocks * block_size, num_kv_heads, head_dim]; 2. the
   rows past each sequence's length may hold anything, NaN too, and a masked weight of 0 times NaN is NaN: those

@@ -9,16 +9,14 @@
  * Query head h reads KV head h / (num_heads / num_kv_heads).
  *
  * One work item is a sequence and a run of its KV heads (all of them unless their query heads' state, [heads,
- * head_dim] floats, would pass MAX_ELEMS): a slot's rows of those heads are adjacent in the engine's cache, so an
- * item walks each block's K and V as two forward streams, each row read once from memory for all the query heads
- * that share it (no gathered copy). At ~150-token contexts the cache no longer sits in the CPU's caches when a
- * layer's attention starts (the layer's weights went through them since): what the step pays for is the memory
- * reads, and one (sequence, KV head) at a time read a third of every slot's bytes per pass (bench/RESULTS.md, "CPU:
- * decode attention walks each KV row once").
+ * head_dim] floats, would pass MAX_ELEMS). A slot's rows of those heads are adjacent in the engine's cache, so an
+ * item reads each block's K and V as two forward runs, each row once from memory for all the query heads that share
+ * it (no gathered copy). By the time a layer's attention runs, its weights have pushed the cache out of the CPU's
+ * caches: the kernel's time is its memory reads (bench/RESULTS.md, "CPU: decode attention walks each KV row once").
  *
  * Keys are walked TILE at a time, whatever the block size: scores for the tile, an online softmax step in float32,
- * then the tile's V rows, while the next tile's rows are prefetched (the hardware's own prefetcher does not follow
- * a table's jumps from block to block); only slots below seq_len are ever read, so the stale tail of a block and the table's
+ * then the tile's V rows, while the next tile's rows are prefetched (the hardware's prefetcher does not follow the
+ * table from block to block). Only slots below seq_len are ever read, so the stale tail of a block and the table's
  * padding may hold anything (NaN too). Work items run in parallel under OpenMP; each is computed serially in a
  * fixed order, so a row's result does not depend on the thread count or on the other sequences of the batch.
  *
@@ -36,7 +34,7 @@
 #define TILE 32            /* keys per online-softmax step, a multiple of VEC */
 #define VEC 16             /* floats per vector */
 #define MAX_ELEMS 8192     /* query-head floats ([heads, head_dim]) one item keeps: its KV heads are split to fit */
-#define MAX_HEAD_DIM 256   /* the bfloat16 widening buffers are [TILE, head_dim] */
+#define MAX_HEAD_DIM 256   /* bfloat16 rows are widened into a [TILE, head_dim] buffer */
 
 typedef float vf __attribute__((vector_size(VEC * sizeof(float))));
 typedef float vf8 __attribute__((vector_size(8 * sizeof(float))));
