@@ -29,8 +29,9 @@ from kernels.cpu_native import load_library
 from kernels.paged_attention import paged_attention_torch
 
 NATIVE_DTYPES = {torch.float32: 0, torch.bfloat16: 1}  # the C kernel's dtype codes
-# The C kernel keeps a work item's queries and accumulators ([heads, head_dim] floats each, at least one KV head's
-# group) and, for bfloat16, a tile's widened rows ([32, head_dim]) on its thread's stack: its MAX_ELEMS, MAX_HEAD_DIM.
+# The C kernel keeps a work item's queries, accumulators and scores ([heads, max(head_dim, 32)] floats each, at least
+# one KV head's group) and, for bfloat16, a tile's widened rows ([32, head_dim]) on its thread's stack: its MAX_ELEMS,
+# MAX_HEAD_DIM and TILE.
 MAX_GROUP_ELEMS = 8192
 MAX_HEAD_DIM = 256
 
@@ -107,7 +108,7 @@ def native_attention_cpu_ok(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     if q.dim() != 3 or k_cache.dim() != 4 or v_cache.shape != k_cache.shape or q.shape[2] != k_cache.shape[3]:
         return False
     num_heads, num_kv_heads, head_dim = q.shape[1], k_cache.shape[2], q.shape[2]
-    return (num_heads % num_kv_heads == 0 and num_heads // num_kv_heads * head_dim <= MAX_GROUP_ELEMS
+    return (num_heads % num_kv_heads == 0 and num_heads // num_kv_heads * max(head_dim, 32) <= MAX_GROUP_ELEMS
             and head_dim <= MAX_HEAD_DIM
             and q.stride(2) == 1 and k_cache.stride(3) == 1 and v_cache.stride(3) == 1
             and _native_kernel() is not None)

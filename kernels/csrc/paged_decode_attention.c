@@ -9,10 +9,11 @@
  * Query head h reads KV head h / (num_heads / num_kv_heads).
  *
  * One work item is a sequence and a run of its KV heads (all of them unless their query heads' state, [heads,
- * head_dim] floats, would pass MAX_ELEMS). A slot's rows of those heads are adjacent in the engine's cache, so an
- * item reads each block's K and V as two forward runs, each row once from memory for all the query heads that share
- * it (no gathered copy). By the time a layer's attention runs, its weights have pushed the cache out of the CPU's
- * caches: the kernel's time is its memory reads (bench/RESULTS.md, "CPU: decode attention walks each KV row once").
+ * max(head_dim, TILE)] floats, would pass MAX_ELEMS). A slot's rows of those heads are adjacent in the engine's
+ * cache, so an item reads each block's K and V as two forward runs, each row once from memory for all the query
+ * heads that share it (no gathered copy). By the time a layer's attention runs, its weights have pushed the cache
+ * out of the CPU's caches: the kernel's time is its memory reads (bench/RESULTS.md, "CPU: decode attention walks
+ * each KV row once").
  *
  * Keys are walked TILE at a time, whatever the block size: scores for the tile, an online softmax step in float32,
  * then the tile's V rows, while the next tile's rows are prefetched (the hardware's prefetcher does not follow the
@@ -24,8 +25,8 @@
  * KV head at a time) and rounded to nearest even on store. The inner loops are GCC vector extensions, VEC floats
  * wide (one AVX-512 register, two AVX2 ones: -march=native picks), specialized for head_dim 64 and 128 so that a
  * query row and an accumulator row stay in registers; no -ffast-math, so the sums keep a fixed order.
- * The caller (kernels/paged_attention_cpu.py) guarantees group * head_dim <= MAX_ELEMS and head_dim <= MAX_HEAD_DIM:
- * an item's buffers live on its thread's stack.
+ * The caller (kernels/paged_attention_cpu.py) guarantees group * max(head_dim, TILE) <= MAX_ELEMS and head_dim <=
+ * MAX_HEAD_DIM: an item's buffers live on its thread's stack.
  */
 #include <math.h>
 #include <stdint.h>
@@ -33,7 +34,7 @@
 
 #define TILE 32            /* keys per online-softmax step, a multiple of VEC */
 #define VEC 16             /* floats per vector */
-#define MAX_ELEMS 8192     /* query-head floats ([heads, head_dim]) one item keeps: its KV heads are split to fit */
+#define MAX_ELEMS 8192     /* floats of one item's per-head arrays (q, acc: head_dim a head; scores: TILE) */
 #define MAX_HEAD_DIM 256   /* bfloat16 rows are widened into a [TILE, head_dim] buffer */
 
 typedef float vf __attribute__((vector_size(VEC * sizeof(float))));
@@ -284,7 +285,8 @@ int paged_decode_attention(
     int num_seqs, int num_heads, int num_kv_heads, int head_dim, int block_size,
     float scale, int dtype, int num_threads) {
     const int group = num_heads / num_kv_heads;
-    int per_item = MAX_ELEMS / (group * head_dim); /* KV heads an item takes; >= 1 (the caller's guarantee) */
+    const int width = head_dim > TILE ? head_dim : TILE;
+    int per_item = MAX_ELEMS / (group * width); /* KV heads an item takes; >= 1 (the caller's guarantee) */
     if (per_item > num_kv_heads) per_item = num_kv_heads;
     const int chunks = (num_kv_heads + per_item - 1) / per_item;
     int (*fn)(ATTEND_PARAMS) = head_dim == 64 ? attend_64 : head_dim == 128 ? attend_128 : attend_any;

@@ -91,6 +91,16 @@ def test_native_declines_heads_past_its_stack_budget():
     assert not native_attention_cpu_ok(q, cache, cache, 1.0, 1.0, None)  # head_dim > MAX_HEAD_DIM
     q, cache = torch.zeros(2, 64, 256), torch.zeros(3, 16, 1, 256)
     assert not native_attention_cpu_ok(q, cache, cache, 1.0, 1.0, None)  # one KV head's group > MAX_GROUP_ELEMS
+    q, cache = torch.zeros(2, 512, 8), torch.zeros(3, 16, 1, 8)
+    assert not native_attention_cpu_ok(q, cache, cache, 1.0, 1.0, None)  # the group's scores: 512 x 32 floats
+
+
+@needs_native
+def test_native_small_head_dim_many_heads():
+    """head_dim 8 under 32 keys a tile: the scores set the item's size (96 x 32 floats fit, all in one item)."""
+    args = make_batch([(1, 33), (1, 70)], 96, 4, 8, 16, torch.float32, seed=12, device="cpu")
+    assert native_attention_cpu_ok(args["q"], args["k_cache"], args["v_cache"], 1.0, 1.0, None)
+    torch.testing.assert_close(native(args), paged_attention_ref(**args), **NATIVE_TOL[torch.float32])
 
 
 @needs_native
