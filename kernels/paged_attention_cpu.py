@@ -1,12 +1,12 @@
 """Paged attention on the CPU: decodes read the cache in place (a C kernel), or through gathered copies (torch).
 
-The CPU engine's decode steps spend their attention time moving K/V, not in the dot products. Two paths:
+The CPU engine's decode steps spend their attention time reading K/V from memory, not in the dot products. Two paths:
 - `paged_attention_cpu_native`, where kernels/csrc/paged_decode_attention.c compiles (kernels/cpu_native.py) and
   the step is float32 or bfloat16 with unit scales: each one-query row (a decode, or a one-token prompt chunk)
-  attends straight from the paged cache, one (sequence, KV head) at a time with all the group's query heads
-  together, reading each K/V row once and no slot past seq_len. In a mixed step only the prompt chunks go to
-  paged_attention_torch, as a smaller batch: its padded [num_seqs, max_query_len] query grid then holds no decode
-  rows. A decode row gets the same bits in any batch, so sync and async scheduling agree to the last bit.
+  attends straight from the paged cache, one sequence at a time with all its query heads together, reading each
+  K/V row once and no slot past seq_len. In a mixed step only the prompt chunks go to paged_attention_torch, as a
+  smaller batch: its padded [num_seqs, max_query_len] query grid then holds no decode rows. A decode row gets the
+  same bits in any batch, so sync and async scheduling agree to the last bit.
 - `paged_decode_attention_cpu` (no C kernel, or float16) for decode-only steps: 1. `index_select` copies each
   sequence's blocks, whole and in table order, into [num_seqs, blocks * block_size, num_kv_heads, head_dim]; 2. the
   rows past each sequence's length may hold anything, NaN too, and a masked weight of 0 times NaN is NaN: those
@@ -29,8 +29,11 @@ from kernels.cpu_native import load_library
 from kernels.paged_attention import paged_attention_torch
 
 NATIVE_DTYPES = {torch.float32: 0, torch.bfloat16: 1}  # the C kernel's dtype codes
-# The C kernel keeps a work item's queries and accumulators ([group, head_dim] floats each) on its thread's stack.
+# The C kernel keeps a work item's queries, accumulators and scores ([heads, max(head_dim, 32)] floats each, at least
+# one KV head's group) and, for bfloat16, a tile's widened rows ([32, head_dim]) on its thread's stack: its MAX_ELEMS,
+# MAX_HEAD_DIM and TILE.
 MAX_GROUP_ELEMS = 8192
+MAX_HEAD_DIM = 256
 
 
 def decode_attention_cpu_ok(q: torch.Tensor, k_cache: torch.Tensor, max_query_len: int, num_seqs: int,
@@ -105,7 +108,8 @@ def native_attention_cpu_ok(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     if q.dim() != 3 or k_cache.dim() != 4 or v_cache.shape != k_cache.shape or q.shape[2] != k_cache.shape[3]:
         return False
     num_heads, num_kv_heads, head_dim = q.shape[1], k_cache.shape[2], q.shape[2]
-    return (num_heads % num_kv_heads == 0 and num_heads // num_kv_heads * head_dim <= MAX_GROUP_ELEMS
+    return (num_heads % num_kv_heads == 0 and num_heads // num_kv_heads * max(head_dim, 32) <= MAX_GROUP_ELEMS
+            and head_dim <= MAX_HEAD_DIM
             and q.stride(2) == 1 and k_cache.stride(3) == 1 and v_cache.stride(3) == 1
             and _native_kernel() is not None)
 

@@ -67,8 +67,39 @@ def test_native_matches_reference(seq_lens, heads, head_dim, block_size, dtype):
 
 
 @needs_native
-def test_native_head_dim_off_the_vector_width():
-    args = make_batch([(1, 37), (1, 5)], 6, 2, 72, 16, torch.float32, seed=3, device="cpu")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("head_dim", [8, 32, 72, 80, 96, 256])  # off the 16-float vector, or not 64 / 128
+def test_native_head_dim_off_the_vector_width(head_dim, dtype):
+    args = make_batch([(1, 37), (1, 5), (1, 70)], 6, 2, head_dim, 16, dtype, seed=3, device="cpu")
+    torch.testing.assert_close(native(args), paged_attention_ref(**args), **NATIVE_TOL[dtype])
+
+
+@needs_native
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_native_splits_kv_heads_past_the_item_budget(dtype):
+    """40 query heads of 256 over 8 KV heads hold 10240 floats, past the kernel's MAX_ELEMS (8192): a sequence's
+    KV heads go in two items (6 and 2), whose rows must still be the reference's."""
+    assert 40 * 256 > pac.MAX_GROUP_ELEMS >= 5 * 256
+    args = make_batch([(1, 45), (1, 1), (1, 100)], 40, 8, 256, 16, dtype, seed=11, device="cpu")
+    assert native_attention_cpu_ok(args["q"], args["k_cache"], args["v_cache"], 1.0, 1.0, None)
+    torch.testing.assert_close(native(args), paged_attention_ref(**args), **NATIVE_TOL[dtype])
+
+
+def test_native_declines_heads_past_its_stack_budget():
+    q = torch.zeros(2, 4, 512)
+    cache = torch.zeros(3, 16, 2, 512)
+    assert not native_attention_cpu_ok(q, cache, cache, 1.0, 1.0, None)  # head_dim > MAX_HEAD_DIM
+    q, cache = torch.zeros(2, 64, 256), torch.zeros(3, 16, 1, 256)
+    assert not native_attention_cpu_ok(q, cache, cache, 1.0, 1.0, None)  # one KV head's group > MAX_GROUP_ELEMS
+    q, cache = torch.zeros(2, 512, 8), torch.zeros(3, 16, 1, 8)
+    assert not native_attention_cpu_ok(q, cache, cache, 1.0, 1.0, None)  # the group's scores: 512 x 32 floats
+
+
+@needs_native
+def test_native_small_head_dim_many_heads():
+    """head_dim 8 under 32 keys a tile: the scores set the item's size (96 x 32 floats fit, all in one item)."""
+    args = make_batch([(1, 33), (1, 70)], 96, 4, 8, 16, torch.float32, seed=12, device="cpu")
+    assert native_attention_cpu_ok(args["q"], args["k_cache"], args["v_cache"], 1.0, 1.0, None)
     torch.testing.assert_close(native(args), paged_attention_ref(**args), **NATIVE_TOL[torch.float32])
 
 
