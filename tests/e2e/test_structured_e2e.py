@@ -103,6 +103,23 @@ def test_guided_json_and_guided_grammar_hold_for_seeded_samples(disaggregated):
     assert {t.split("-")[0] for t in texts} == {"yes", "no"}
 
 
+def test_json_object_gives_json_objects(disaggregated):
+    # response_format json_object: any JSON object, which random weights reach only through the grammar. A choice
+    # that stops is one whole object; one cut by max_tokens is still the start of one.
+    completion = client(disaggregated).chat.completions.create(
+        model="random:tiny", messages=[{"role": "user", "content": "Any JSON object."}], n=20, seed=11,
+        temperature=1.0, max_tokens=64, response_format={"type": "json_object"},
+        extra_body={"structured_outputs": {"disable_any_whitespace": True}})
+    stopped = [ch for ch in completion.choices if ch.finish_reason == "stop"]
+    assert stopped, [ch.message.content for ch in completion.choices]
+    for ch in completion.choices:
+        text = ch.message.content
+        assert text.startswith("{"), text
+        if ch.finish_reason == "stop":
+            assert isinstance(json.loads(text), dict), text
+        else:
+            assert ch.finish_reason == "length", ch
+
 def test_bad_constraints_are_400_naming_the_field(disaggregated):
     c = client(disaggregated)
     bad_schema = {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "foo"}, "strict": True}}
