@@ -4,7 +4,8 @@
 # started alone and driven by vLLM's own client with the workload, then stopped; ROUNDS rounds, each with
 # its own --seed (fresh prompts: no prefix-cache hits from an earlier run), `uptime` beside every number.
 #
-#   bash bench/cpu_vllm.sh [ROUNDS]      (VLLM_VENV: vLLM's venv, default ../vllm-venv: bench/vllm_cpu_setup.sh)
+#   bash bench/cpu_vllm.sh [ROUNDS]      (VLLM_VENV: vLLM's venv, default ../vllm-venv: bench/vllm_cpu_setup.sh;
+#                                         FIRST_ROUND=3: more rounds into the same OUT, seeds 300, 400, ...)
 #
 # Optional: nothing else in Tandem needs vLLM. bench/serve.py runs the same workload against any of the three
 # (--dataset-name random --input-len 128 --output-len 32 --num-prompts 16 --request-rate inf); vLLM's client is
@@ -22,7 +23,7 @@ export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
 source bench/cpu_client.sh
 
 for round in $(seq 1 "$ROUNDS"); do
-  seed=$((round * 100))
+  seed=$(((round + ${FIRST_ROUND:-1} - 1) * 100))
   VLLM_TARGET_DEVICE=cpu VLLM_CPU_KVCACHE_SPACE=2 "$VENV/bin/vllm" serve "$MODEL_DIR" --dtype float32 \
     --served-model-name smollm2 --port 8100 > "$OUT/vllm-serve.log" 2>&1 &
   pid=$!; wait_ready http://127.0.0.1:8100/v1/models "$OUT/vllm-serve.log"; client vllm 8100 $seed; stop $pid
