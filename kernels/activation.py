@@ -35,9 +35,7 @@ def silu_and_mul_ref(x: torch.Tensor) -> torch.Tensor:
 
 def silu_and_mul_quant_fp8_ref(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """silu_and_mul_ref, then per_token_quant_fp8_ref of its rows: (x_q [..., I] float8_e4m3fn, scale [..., 1])."""
-    y = silu_and_mul_ref(x)
-    q, scale = per_token_quant_fp8_ref(y.reshape(-1, y.shape[-1]))
-    return q.reshape(y.shape), scale.reshape(*y.shape[:-1], 1)
+    return per_token_quant_fp8_ref(silu_and_mul_ref(x))
 
 
 @triton.jit

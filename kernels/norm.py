@@ -21,7 +21,7 @@ import triton.language as tl
 from kernels import pdl
 from kernels._checks import FLOAT_DTYPES, FP8_MAX, check_out, check_same_device, check_tensor, interpreting
 from kernels.pdl import PDL_SUPPORTED
-from kernels.quant_fp8 import (INV_FP8_MAX, MIN_SCALE, _row_scale, _to_fp8, fp8_outputs, per_token_quant_fp8_ref)
+from kernels.quant_fp8 import INV_FP8_MAX, MIN_SCALE, _row_scale, _to_fp8, fp8_outputs, per_token_quant_fp8_ref
 
 
 def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float, act_dtype: torch.dtype | None = None
@@ -42,22 +42,16 @@ def fused_add_rms_norm_ref(
     return rms_norm_ref(residual, weight, eps, x.dtype), residual
 
 
-def _quant_rows_ref(y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """per_token_quant_fp8_ref over the rows of y [..., N]: (x_q [..., N], scale [..., 1])."""
-    q, scale = per_token_quant_fp8_ref(y.reshape(-1, y.shape[-1]))
-    return q.reshape(y.shape), scale.reshape(*y.shape[:-1], 1)
-
-
 def rms_norm_quant_fp8_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
     """rms_norm_ref, then per_token_quant_fp8_ref of its rows: (x_q [..., N] float8_e4m3fn, scale [..., 1])."""
-    return _quant_rows_ref(rms_norm_ref(x, weight, eps))
+    return per_token_quant_fp8_ref(rms_norm_ref(x, weight, eps))
 
 
 def fused_add_rms_norm_quant_fp8_ref(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
                                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """fused_add_rms_norm_ref, then per_token_quant_fp8_ref of the normalized rows: (x_q, scale, residual)."""
     y, residual = fused_add_rms_norm_ref(x, residual, weight, eps)
-    return (*_quant_rows_ref(y), residual)
+    return (*per_token_quant_fp8_ref(y), residual)
 
 
 @triton.jit

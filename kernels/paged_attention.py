@@ -845,8 +845,8 @@ def default_config(
         fp8x4 = 2 if kv_int8 or (kv_fp8 and num_seqs * num_kv_heads * num_segments >= 4 * num_sms) else 0
         # Short contexts at full occupancy: 32-key tiles, 2 warps, 2 stages. A 128-key tile walks up to 127 masked
         # keys past a ~200-token context, and smaller programs keep more of them resident per SM (H200 and H100
-        # sweeps at TensorRT-LLM's 128/128 workload, bench/RESULTS.md). The decode CUDA graphs are captured for this length
-        # too (engine/cuda_graphs.py), so a step of short sequences gets this launch under a graph as well.
+        # sweeps at TensorRT-LLM's 128/128 workload, bench/RESULTS.md). The decode CUDA graphs are captured for
+        # this length too (engine/cuda_graphs.py), so a step of short sequences gets this launch under a graph.
         num_warps, num_stages = 4, 2 if kv_fp8 else 3
         if num_segments == 1 and max_seq_len <= SHORT_DECODE_CONTEXT and not kv_int8:
             tile_n, num_warps, num_stages = 32, 2, 2

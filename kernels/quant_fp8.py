@@ -31,8 +31,9 @@ SINGLE_PASS_MAX = 8192
 
 
 def per_token_quant_fp8_ref(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [M, K] float -> (x_q [M, K] float8_e4m3fn, scale [M, 1] float32). Also the weights' rule (a scale per
-    output row, engine/quant.py): one float32 copy of x, scaled in place (never x itself)."""
+    """x [..., K] float -> (x_q [..., K] float8_e4m3fn, scale [..., 1] float32), a scale per row. Also the
+    weights' rule (a scale per output row, engine/quant.py): one float32 copy of x, scaled in place (never x
+    itself)."""
     xf = x.to(torch.float32, copy=True)
     scale = (xf.abs().amax(dim=-1, keepdim=True) * INV_FP8_MAX).clamp(min=MIN_SCALE)
     return xf.div_(scale).clamp_(-FP8_MAX, FP8_MAX).to(FP8_DTYPE), scale

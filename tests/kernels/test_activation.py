@@ -6,8 +6,8 @@ import torch
 
 from kernels.activation import (QUANT_BLOCK_I, silu_and_mul_quant_fp8_ref, silu_and_mul_quant_fp8_triton,
                                 silu_and_mul_ref, silu_and_mul_triton)
-from kernels.quant_fp8 import MIN_SCALE
-from tests.kernels.test_norm import assert_same_fp8, quant_rows
+from kernels.quant_fp8 import MIN_SCALE, per_token_quant_fp8_ref
+from tests.kernels.test_norm import assert_same_fp8
 
 ON_CUDA = torch.cuda.is_available()
 DEVICE = "cuda" if ON_CUDA else "cpu"
@@ -63,7 +63,7 @@ def test_silu_and_mul_quant_fp8(dtype, shape, block_i):
     # Bit for bit the unfused pair (silu_and_mul_triton, then per_token_quant_fp8); rows of different magnitudes.
     x = (torch.randn(*shape) * 4 * torch.logspace(-2, 0.5, shape[-2])[:, None]).to(dtype).to(DEVICE)  # fp16: no inf
     q, scale = silu_and_mul_quant_fp8_triton(x, block_i=block_i)
-    assert_same_fp8(q, scale, *quant_rows(silu_and_mul_triton(x)))
+    assert_same_fp8(q, scale, *per_token_quant_fp8_ref(silu_and_mul_triton(x)))
     # Against the plain-torch composition: within half an e4m3 ulp of each row's amax plus the 16-bit products' own
     # tolerance (the kernel's exp and its rounding to x's dtype may differ from torch's by an ulp).
     y_ref = silu_and_mul_ref(x).float()
@@ -81,7 +81,7 @@ def test_silu_and_mul_quant_fp8_zero_rows_strided_rows_and_caller_buffers():
     scale = torch.empty(4, 1, device=DEVICE)
     q, s = silu_and_mul_quant_fp8_triton(x, out=out, scale=scale, block_i=32)
     assert q is out and s is scale
-    assert_same_fp8(q, s, *quant_rows(silu_and_mul_triton(x)))
+    assert_same_fp8(q, s, *per_token_quant_fp8_ref(silu_and_mul_triton(x)))
     assert s[2, 0].item() == torch.tensor(MIN_SCALE).item() and (q[2].float() == 0).all()
     q_ref, s_ref = silu_and_mul_quant_fp8_ref(x)
     assert_same_fp8(q[2:3], s[2:3], q_ref[2:3], s_ref[2:3])
@@ -101,4 +101,4 @@ def test_silu_and_mul_quant_fp8_rows_past_int32_offsets():
     x = torch.randn(80_000, 2 * 14336, dtype=torch.bfloat16, device="cuda")
     assert x.numel() > 2**31
     q, s = silu_and_mul_quant_fp8_triton(x)
-    assert_same_fp8(q[-3:], s[-3:], *quant_rows(silu_and_mul_triton(x[-3:])))
+    assert_same_fp8(q[-3:], s[-3:], *per_token_quant_fp8_ref(silu_and_mul_triton(x[-3:])))

@@ -97,11 +97,6 @@ def test_rows_past_int32_offsets():
 
 # --- the fp8 variants: rms_norm / fused_add_rms_norm, then per-token fp8 quantization, in one launch ---------------
 
-def quant_rows(y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    q, scale = per_token_quant_fp8_ref(y.reshape(-1, y.shape[-1]))
-    return q.reshape(y.shape), scale.reshape(*y.shape[:-1], 1)
-
-
 def assert_same_fp8(q, scale, q_ref, scale_ref):
     """Equal fp8 bytes and scales."""
     assert q.dtype == torch.float8_e4m3fn and q.shape == q_ref.shape and scale.shape == scale_ref.shape
@@ -130,7 +125,7 @@ def test_rms_norm_quant_fp8(dtype, shape):
     # Bit for bit the unfused pair (rms_norm_triton, then per_token_quant_fp8); rows of very different magnitudes.
     x, w = rand(*shape, dtype=dtype), rand(shape[-1], dtype=dtype)
     q, scale = rms_norm_quant_fp8_triton(x, w, 1e-6)
-    assert_same_fp8(q, scale, *quant_rows(rms_norm_triton(x, w, 1e-6)))
+    assert_same_fp8(q, scale, *per_token_quant_fp8_ref(rms_norm_triton(x, w, 1e-6)))
     assert_close_to_reference(q, scale, rms_norm_ref(x, w, 1e-6), dtype)
 
 
@@ -143,7 +138,7 @@ def test_fused_add_rms_norm_quant_fp8(dtype, residual_dtype, shape):
     y, res_ref = fused_add_rms_norm_triton(x, r, w, 1e-6)
     q, scale, res = fused_add_rms_norm_quant_fp8_triton(x, r, w, 1e-6, residual_out=nan_like(r))
     assert res.dtype == r.dtype and torch.equal(res, res_ref)
-    assert_same_fp8(q, scale, *quant_rows(y))
+    assert_same_fp8(q, scale, *per_token_quant_fp8_ref(y))
     assert_close_to_reference(q, scale, fused_add_rms_norm_ref(x, r, w, 1e-6)[0], dtype)
 
 
@@ -184,4 +179,4 @@ def test_quant_fp8_rows_past_int32_offsets():
     q, s, res = fused_add_rms_norm_quant_fp8_triton(x, r, w, 1e-6)
     y, res_ref = fused_add_rms_norm_triton(x[-5:], r[-5:], w, 1e-6)
     assert torch.equal(res[-5:], res_ref)
-    assert_same_fp8(q[-5:], s[-5:], *quant_rows(y))
+    assert_same_fp8(q[-5:], s[-5:], *per_token_quant_fp8_ref(y))
