@@ -10,6 +10,8 @@ import threading
 import time
 from pathlib import Path
 
+import httpx
+
 from ports import free_port_block
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -32,6 +34,7 @@ class Stack:
         self.grpc = f"127.0.0.1:{base + 1}"
         self.worker_ports = {f"{role}-{i}": base + 2 + k for k, (role, i) in enumerate(
             [("prefill", i) for i in range(prefill)] + [("decode", i) for i in range(decode)])}
+        self.expected = {} if colocated else {"prefill": prefill, "decode": decode}
         self.metrics_ports = [base + 2 + prefill + decode + k for k in range(max(1, prefill + decode))]
         self.argv = [sys.executable, "-m", "cli", "up", "--http-port", str(base), "--grpc-port",
                      str(base + 1), "--worker-port", str(base + 2), "--metrics-port", str(self.metrics_ports[0]),
@@ -53,12 +56,24 @@ class Stack:
                 self.ready.set()
 
     def wait_ready(self, timeout: float = READY_TIMEOUT_S) -> "Stack":
+        """Until `tandem up` says ready and the router has every worker in rotation. (The router is ready with one
+        prefill and one decode instance healthy; a test that polls, kills or counts on a particular worker must not
+        race the others' start.)"""
         deadline = time.monotonic() + timeout
         while not self.ready.wait(0.5):
-            if self.proc.poll() is not None or time.monotonic() > deadline:
-                self.stop()
-                raise RuntimeError("tandem up did not get ready:\n" + "".join(self.lines[-60:]))
+            self._check_alive(deadline, "tandem up did not get ready")
+        while self.expected and self.in_rotation() != self.expected:
+            self._check_alive(deadline, f"the router's instances {self.in_rotation()} are not {self.expected}")
+            time.sleep(0.2)
         return self
+
+    def _check_alive(self, deadline: float, why: str) -> None:
+        if self.proc.poll() is not None or time.monotonic() > deadline:
+            self.stop()
+            raise RuntimeError(f"{why}:\n" + "".join(self.lines[-60:]))
+
+    def in_rotation(self) -> dict[str, int]:
+        return in_rotation(self.http)
 
     def child_pids(self) -> dict[str, int]:
         return {m.group(1): int(m.group(2)) for line in self.lines
@@ -72,6 +87,15 @@ class Stack:
         except subprocess.TimeoutExpired:
             self.proc.kill()
             return self.proc.wait()
+
+
+def in_rotation(http: str) -> dict[str, int]:
+    """The healthy instances by role that the router at `http` routes to (tandem:router_instances)."""
+    # (the router's own /metrics: open with --api-key; a throwaway CA's certificate with TLS)
+    text = httpx.get(f"{http}/metrics", timeout=10, verify=False).text
+    return {m.group(1): int(float(m.group(2))) for m in re.finditer(
+        r'^tandem:router_instances\{[^}]*instance_role="(\w+)"[^}]*state="healthy"[^}]*\} (\S+)$', text, re.M)
+        if float(m.group(2)) > 0}
 
 
 def alive(pid: int) -> bool:

@@ -20,6 +20,7 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from protos.tandem.v1 import common_pb2, decode_pb2, decode_pb2_grpc, generate_pb2, generate_pb2_grpc, kv_transfer_pb2
 from protos.tandem.v1 import prefill_pb2_grpc
 from ports import free_ports
+from stack import in_rotation
 from serving import reflection
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -62,6 +63,7 @@ class GrpcStack:
                          "--prefill", self.prefill_addr, "--decode", ",".join(self.decode_addrs), "--model", model,
                          "--max-model-len", "1024"])
         self.address = f"127.0.0.1:{self.grpc_port}"
+        self.expected = {"prefill": 1, "decode": len(self.decode_addrs)}  # in the router's rotation when ready
 
     def wait_ready(self) -> "GrpcStack":
         async def probe() -> bool:
@@ -75,8 +77,9 @@ class GrpcStack:
                     # (how soon depends on its channels' reconnect backoff, not on a fixed wait).
                     status = await health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service=""),
                                                                        timeout=2)
-                    return bool(r.models) and status.status == health_pb2.HealthCheckResponse.SERVING
-                except grpc.aio.AioRpcError:
+                    return (bool(r.models) and status.status == health_pb2.HealthCheckResponse.SERVING
+                            and await asyncio.to_thread(in_rotation, self.http) == self.expected)
+                except (grpc.aio.AioRpcError, httpx.HTTPError):
                     return False
 
         deadline = time.monotonic() + READY_TIMEOUT_S
