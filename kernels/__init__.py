@@ -39,7 +39,7 @@ def paged_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc
                                       v_scale_cache=v_scale_cache)
     if native_attention_cpu_ok(q, k_cache, v_cache, k_scale, v_scale, k_scale_cache):
         return paged_attention_cpu_native(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc,
-                                          max_query_len, max_seq_len, scale)
+                                          max_query_len, max_seq_len, scale, k=k, v=v)
     if decode_attention_cpu_ok(q, k_cache, max_query_len, seq_lens.shape[0], k_scale, v_scale, k_scale_cache):
         return paged_decode_attention_cpu(q, k_cache, v_cache, block_tables, seq_lens, max_seq_len, scale)
     return paged_attention_torch(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, max_query_len,

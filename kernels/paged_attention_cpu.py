@@ -161,15 +161,25 @@ def paged_attention_cpu_native(
     max_query_len: int,
     max_seq_len: int,
     scale: float,
+    k: torch.Tensor | None = None,  # [num_tokens, num_kv_heads, head_dim]: this step's keys, as written to the cache
+    v: torch.Tensor | None = None,
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
-    """paged_attention_torch's contract: one-query rows by the C kernel, prompt chunks by paged_attention_torch
-    over those sequences alone."""
+    """paged_attention_torch's contract: one-query rows by the C kernel; prompt chunks that start at position 0
+    attend over the step's own k/v (when given); the other chunks by paged_attention_torch over those sequences
+    alone."""
     out = torch.empty(q.shape, dtype=q.dtype)
     paged_decode_attention_native(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, out)
     if max_query_len == 1 and q.shape[0] == seq_lens.shape[0]:  # every sequence has one query: all done
         return out
     q_lens = query_start_loc[1:] - query_start_loc[:-1]  # [S]
     chunked = q_lens != 1  # [S]: the sequences the kernel left
+    if k is not None and v is not None:
+        whole = chunked & (q_lens == seq_lens) & (q_lens > 0)  # [S]: chunks of every token of their sequence
+        if bool(whole.any()):
+            _causal_over_own_kv(q, k, v, query_start_loc, q_lens, whole, scale, out)
+            chunked &= ~whole
+            if not bool(chunked.any()):
+                return out
     chunks = chunked.nonzero().view(-1)
     rows = chunked.repeat_interleave(q_lens)  # [T]: their query rows
     chunk_qsl = torch.zeros(chunks.shape[0] + 1, dtype=torch.int32)
@@ -177,3 +187,36 @@ def paged_attention_cpu_native(
     out[rows] = paged_attention_torch(q[rows], k_cache, v_cache, block_tables[chunks], seq_lens[chunks], chunk_qsl,
                                       max_query_len, max_seq_len, scale)
     return out
+
+
+def _causal_over_own_kv(
+    q: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+    k: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+    v: torch.Tensor,
+    query_start_loc: torch.Tensor,  # [num_seqs + 1] int32
+    q_lens: torch.Tensor,  # [num_seqs]
+    whole: torch.Tensor,  # [num_seqs] bool: the sequences whose chunk starts at position 0
+    scale: float,
+    out: torch.Tensor,  # [num_tokens, num_heads, head_dim]: their rows are written
+) -> None:
+    """Prompt chunks that start at position 0 see only their own keys, which this step computed: causal SDPA over
+    the step's k/v, with no copy out of the paged cache, no stale rows to clear and no padded query grid (what a
+    fresh prompt's prefill step spent besides SDPA's own work; bench/RESULTS.md, "CPU: colocated prompt steps").
+    Chunks of one length go to SDPA together as a batch."""
+    num_tokens = q.shape[0]
+    lens = q_lens[whole]
+    starts = query_start_loc[:-1][whole].long()
+    for n in lens.unique().tolist():
+        first = starts[lens == n]  # [B]: the first row of each chunk of n tokens
+        if first.shape[0] * n == num_tokens:  # (every row of the step, in order: views, no copies)
+            qb, kb, vb = (t.view(-1, n, *t.shape[1:]) for t in (q, k, v))
+        else:
+            rows = (first[:, None] + torch.arange(n)[None, :]).view(-1)  # [B * n]
+            qb, kb, vb = (t.index_select(0, rows).view(-1, n, *t.shape[1:]) for t in (q, k, v))
+        o = F.scaled_dot_product_attention(qb.transpose(1, 2), kb.transpose(1, 2), vb.transpose(1, 2),
+                                           is_causal=True, scale=scale, enable_gqa=True)  # [B, H, n, D]
+        o = o.transpose(1, 2)  # [B, n, H, D]
+        if first.shape[0] * n == num_tokens:
+            out.copy_(o.reshape(out.shape))
+        else:
+            out.index_copy_(0, rows, o.reshape(-1, *out.shape[1:]))

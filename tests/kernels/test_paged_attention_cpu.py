@@ -17,7 +17,7 @@ from kernels import paged_attention_cpu as pac
 from kernels.paged_attention import paged_attention_ref, paged_attention_torch
 from kernels.paged_attention_cpu import (decode_attention_cpu_ok, native_attention_cpu_ok,
                                          paged_decode_attention_cpu, paged_decode_attention_native)
-from tests.kernels.test_paged_attention import TOL, make_batch
+from tests.kernels.test_paged_attention import TOL, make_batch, step_kv
 
 SEQ_LENS = [[1], [16], [17, 1, 33], [150, 129, 160, 3, 64, 16, 31, 140]]
 # float32: the kernel and the reference sum the same float32 products in different orders. bfloat16: both round a
@@ -147,6 +147,30 @@ def test_mixed_step_decode_rows_match_decode_steps(dtype):
                  query_start_loc=torch.arange(len(decodes) + 1, dtype=torch.int32),
                  max_seq_len=int(args["seq_lens"][decodes].max()))
     assert torch.equal(kernels.paged_attention(**alone), out[rows])
+
+
+@needs_native
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("specs", [
+    [(128, 128)] * 4,  # a burst of fresh prompts of one length: SDPA over views of the step's rows
+    [(1, 40), (33, 33), (5, 20), (17, 17), (1, 3), (33, 33), (7, 7), (0, 12), (1, 1), (2, 2)],  # mixed, by length
+])
+def test_chunks_from_position_0_attend_over_the_steps_own_kv(specs, dtype):
+    """Chunks that start at position 0 read the step's k/v, not the cache (their cached slots are NaN here, so a
+    read from there would show); the other rows are the paths' as before, a decode's bits unchanged."""
+    args = make_batch(specs, 9, 3, 64, 16, dtype, seed=9, device="cpu")
+    k, v, ref = step_kv(args, poison=False)
+    block_size, fresh = args["k_cache"].shape[1], [i for i, (ql, sl) in enumerate(specs) if ql == sl > 1]
+    for i in fresh:
+        ids = args["block_tables"][i, :-(-specs[i][1] // block_size)].long()
+        args["k_cache"][ids] = float("nan")
+        args["v_cache"][ids] = float("nan")
+    out = kernels.paged_attention(**args, k=k, v=v)
+    assert not out.isnan().any()
+    torch.testing.assert_close(out, ref, atol=TOL[dtype], rtol=TOL[dtype])
+    qsl = args["query_start_loc"].tolist()
+    others = [t for i in range(len(specs)) if i not in fresh for t in range(qsl[i], qsl[i + 1])]
+    assert torch.equal(kernels.paged_attention(**args)[others], out[others])
 
 
 @needs_native
