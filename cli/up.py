@@ -101,7 +101,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"first worker Prometheus port, same order (default: {DEFAULT_METRICS_PORT})")
     p.add_argument("--cpu-placement", choices=CPU_PLACEMENTS, default=CPU_PLACEMENTS[0],
                    help="on the CPU: auto gives each engine its own share of this host's cores (--cpu-threads and "
-                        "--cpu-cores per worker; with --colocated, all cores but one, left to the HTTP server); "
+                        "--cpu-cores per worker; with --colocated, all cores but one, left to the HTTP server, or "
+                        "all of a host of two); "
                         "none leaves every process torch's default of one thread per core. --cpu-threads or "
                         "--cpu-cores given here apply to every engine instead (default: auto)")
     p.add_argument("--ready-timeout", type=float, default=900.0,
@@ -211,17 +212,25 @@ def gpu_placement(ns: argparse.Namespace, num_gpus: int) -> list[str] | None:
     return [f"cuda:{k}" for k in firsts]
 
 
+# A colocated engine leaves its HTTP server a core of its own from this many cores up. The server needs a small
+# share of one (event-loop work per streamed token) and the engine's threads share a core with it when none is left,
+# but on two cores leaving one halves the engine's compute: there the engine takes both (bench/RESULTS.md, "CPU: a
+# colocated engine on both cores").
+COLOCATED_RESERVE_FROM = 3
+
+
 def cpu_placement(ns: argparse.Namespace, cores: list[int]) -> list[tuple[int, str]] | None:
     """(--cpu-threads, --cpu-cores) of each engine, in start order, when --cpu-placement auto spreads them over
     `cores` (engine/cpu_placement.py says why): the workers get equal shares and the router none (it computes
     nothing); a colocated router's engine gets all but one core, which its HTTP server keeps, as vLLM's CPU build
-    leaves one to its API server. None: every engine keeps what its flags say (on CUDA, with --cpu-placement none,
-    or with --cpu-threads / --cpu-cores given)."""
+    leaves one to its API server, except on a host of one or two cores, where it gets them all (COLOCATED_RESERVE_FROM).
+    None: every engine keeps what its flags say (on CUDA, with --cpu-placement none, or with --cpu-threads /
+    --cpu-cores given)."""
     if (_on_cuda(ns) or ns.cpu_placement == "none" or ns.cpu_threads is not None or ns.cpu_cores is not None
             or not cores):
         return None
     if ns.colocated:
-        return split_cores(cores, 1, reserve=1)
+        return split_cores(cores, 1, reserve=int(len(cores) >= COLOCATED_RESERVE_FROM))
     return split_cores(cores, _count(ns.prefill) + _count(ns.decode))
 
 

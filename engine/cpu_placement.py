@@ -6,7 +6,8 @@ On the CPU every engine process takes torch's default, one OpenMP thread per cor
 prefill and a decode worker, or a colocated router's engine beside its HTTP server) then run more compute threads
 than there are cores, and an OpenMP team whose threads are descheduled waits at every barrier: on 2 cores, 2
 threads per engine made a decode step several times slower than 1 (bench/RESULTS.md, "CPU: Tandem beside vLLM").
-vLLM's CPU build does the same: one compute thread pinned per core it owns, a core left to its server.
+vLLM's CPU build does the same: one compute thread pinned per core it owns, a core left to its server (`tandem up
+--colocated` leaves its HTTP server that core only on hosts of three cores or more: cli/up.py).
 
 Pinning applies to the thread that steps the engine (the first `LLMEngine.step` pins the calling thread; OpenMP
 threads it starts later inherit the mask), not the whole process: a worker's gRPC and event-loop threads, and a

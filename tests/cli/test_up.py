@@ -277,8 +277,10 @@ def test_cpu_placement_splits_the_cores_between_engines():
 
     assert flags() == {"prefill-0": ["--cpu-threads", "1", "--cpu-cores", "0"],
                        "decode-0": ["--cpu-threads", "1", "--cpu-cores", "1"], "router": []}
-    # colocated: one core is left to the router's HTTP server
-    assert flags("--colocated") == {"router": ["--cpu-threads", "1", "--cpu-cores", "1"]}
+    # colocated: one core is left to the router's HTTP server, but of two the engine takes both
+    assert flags("--colocated") == {"router": ["--cpu-threads", "2", "--cpu-cores", "0-1"]}
+    assert flags("--colocated", cores=[0]) == {"router": ["--cpu-threads", "1", "--cpu-cores", "0"]}
+    assert flags("--colocated", cores=range(3)) == {"router": ["--cpu-threads", "2", "--cpu-cores", "1-2"]}
     assert flags("--colocated", cores=range(8)) == {"router": ["--cpu-threads", "7", "--cpu-cores", "1-7"]}
     assert flags("--prefill", "2", "--decode", "2", cores=range(8))["decode-1"] == ["--cpu-threads", "2",
                                                                                    "--cpu-cores", "6-7"]
