@@ -47,7 +47,8 @@ class Stack:
                                      env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})})
         self.lines: list[str] = []
         self.ready = threading.Event()
-        threading.Thread(target=self._read, daemon=True).start()
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
 
     def _read(self) -> None:
         for line in self.proc.stdout:
@@ -80,13 +81,19 @@ class Stack:
                 if (m := re.search(r"tandem up: started (\S+) \(pid (\d+)\)", line))}
 
     def stop(self, sig: int = signal.SIGINT, timeout: float = 60) -> int:
+        """Stops `tandem up`; returns its exit status once `lines` holds all it wrote. (Its exit and the reader
+        thread's last line race: its last words, "tandem up: stopped", are written just before it exits.)"""
         if self.proc.poll() is None:
             self.proc.send_signal(sig)
         try:
-            return self.proc.wait(timeout)
+            code = self.proc.wait(timeout)
         except subprocess.TimeoutExpired:
             self.proc.kill()
-            return self.proc.wait()
+            code = self.proc.wait()
+        # (EOF once every writer closed the pipe: `tandem up` stops its children before it exits; one left behind
+        # by a killed `tandem up` would keep the pipe open, hence the bound)
+        self._reader.join(30)
+        return code
 
 
 def in_rotation(http: str) -> dict[str, int]:

@@ -452,9 +452,16 @@ def test_a_dead_decodes_streams_move_to_the_other_and_it_leaves_rotation(stack):
         results = await asyncio.gather(*streams)
         after = await asyncio.gather(*(generate(stack.address, f"after {i}", temperature=0.0, max_tokens=5)
                                        for i in range(3)))
-        p = await load(stack.prefill_addr, "prefill")
-        d0 = await load(stack.decode_addrs[0], "decode")
-        return results, after, p, d0
+        # (the prefill frees a request's blocks once decode acknowledged its KV, apart from the tokens reaching the
+        # client: wait_idle's poll, over the instances left)
+        deadline = time.monotonic() + 20
+        while True:
+            p = await load(stack.prefill_addr, "prefill")
+            d0 = await load(stack.decode_addrs[0], "decode")
+            if (p.num_used_blocks == 0 and d0.num_used_blocks == 0 and d0.num_tracked_requests == 0) \
+                    or time.monotonic() > deadline:
+                return results, after, p, d0
+            await asyncio.sleep(0.2)
 
     started, counted = asyncio.Semaphore(0), [False, False]
     results, after, p, d0 = asyncio.run(run())

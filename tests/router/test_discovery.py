@@ -24,9 +24,9 @@ def _gauge(role: str, state: str) -> float | None:
                                                                  "instance_role": role, "state": state})
 
 
-def _pool(dns, entries, **kw) -> InstancePool:
-    return InstancePool("decode", entries, resolver=dns, metrics=Metrics("disc", "router"), poll_timeout_s=0.5,
-                        **kw)
+def _pool(dns, entries, poll_timeout_s: float = 0.5, **kw) -> InstancePool:
+    return InstancePool("decode", entries, resolver=dns, metrics=Metrics("disc", "router"),
+                        poll_timeout_s=poll_timeout_s, **kw)
 
 
 def test_addresses_join_and_leave_the_rotation():
@@ -111,7 +111,9 @@ def test_unreachable_instances_are_logged_once_until_they_change(caplog):
     caplog.set_level(logging.INFO, "tandem.router.instances")
 
     async def go():
-        pool = _pool(FakeDns(), ["127.0.0.1:9", "127.0.0.1:10"])
+        # (a refused connect is UNAVAILABLE at once; a poll timeout a busy machine could outlast would make it
+        # DEADLINE_EXCEEDED instead, and the lines below name the code)
+        pool = _pool(FakeDns(), ["127.0.0.1:9", "127.0.0.1:10"], poll_timeout_s=5.0)
         for _ in range(3):
             await pool.poll_once()
         up = (_gauge("decode", "healthy"), _gauge("decode", "unhealthy"))
