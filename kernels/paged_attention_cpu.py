@@ -15,6 +15,12 @@ The CPU engine's decode steps spend their attention time reading K/V from memory
   agree with its decode-only ones.
 Both equal paged_attention_ref's result (tests/kernels/test_paged_attention_cpu.py); the timings are in
 bench/RESULTS.md ("CPU: decode attention read in place"). fp8/int8 caches take paged_attention_torch.
+
+A prompt chunk that starts at position 0 attends over the step's own k/v (causal SDPA over exactly its keys); a
+chunk after a prefix-cache hit, or a later chunk of a long prompt, goes through paged_attention_torch, whose bits
+depend in the last place on the step's padding (its longest chunk and context). So a prompt computed whole and
+the same prompt computed after a prefix hit may differ in the last bits of their logits, as in vLLM; a decode's
+bits never depend on its step.
 """
 from __future__ import annotations
 
