@@ -5,8 +5,8 @@ worker keeps a block; a restarted worker takes traffic at the router's first hea
 
 Three stacks (random:tiny on the CPU, one intra-op thread per process):
 - 1 prefill + 2 decode: 16 live streams (8 SSE, 8 gRPC; greedy and seeded; 320 tokens) and the decode worker with
-  the most of them killed; its restart rejoining; constrained streams (a JSON schema, a regex) moved off a killed decode with their grammar;
-  then a load of 200 streams and decode-1 killed (bench/migration.py's measurement);
+  the most of them killed; its restart rejoining; constrained streams (a JSON schema, a regex) moved off a killed
+  decode with their grammar; then a load of 200 streams and decode-1 killed (bench/migration.py's measurement);
 - 2 prefill + 1 decode, workers not restarted: a prefill killed while long prompts are in flight; then the only
   decode killed for good: the streams end with an error that names --migration-timeout;
 - 1 prefill + 1 decode: the decode killed and restarted by `tandem up`: the streams pause, then complete.
